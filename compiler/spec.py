@@ -1,0 +1,381 @@
+"""spec: the model spec as frozen dataclasses — architecture, quantisation recipe, checkpoint names,
+runtime profile — loaded strictly from YAML or derived from an HF `config.json`.
+
+Owns every derived size (parameters, bytes per forward, state and KV bytes). Never touches weights.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+from .schema import SpecError, build, require
+
+LayerKind = Literal["linear_attention", "full_attention"]
+WeightFormat = Literal["q4g64", "q5g64", "q6g64", "w8g32", "bf16", "fp32"]
+FLOAT_FORMATS = ("bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    partial_rotary_factor: float
+    output_gate: bool = True
+
+    def __post_init__(self):
+        for name in ("num_heads", "num_kv_heads", "head_dim"):
+            require(getattr(self, name) > 0, name, "expected a positive integer")
+        require(self.num_heads % self.num_kv_heads == 0, "num_heads",
+                f"expected a multiple of num_kv_heads ({self.num_kv_heads}), got {self.num_heads}")
+        require(0 < self.partial_rotary_factor <= 1, "partial_rotary_factor", "expected a number in (0, 1]")
+        require(self.rotary_dim % 2 == 0 and self.rotary_dim * 1.0 == self.head_dim * self.partial_rotary_factor,
+                "partial_rotary_factor", f"head_dim × factor must be an even integer, got {self.head_dim} × "
+                f"{self.partial_rotary_factor}")
+        require(self.rope_theta > 1, "rope_theta", "expected a number > 1")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(round(self.head_dim * self.partial_rotary_factor))
+
+    @property
+    def group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+@dataclass(frozen=True)
+class LinearAttentionSpec:
+    """Gated DeltaNet: value head h uses query/key head h // (num_value_heads // num_key_heads)."""
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    def __post_init__(self):
+        for name in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim", "conv_kernel"):
+            require(getattr(self, name) > 0, name, "expected a positive integer")
+        require(self.num_value_heads % self.num_key_heads == 0, "num_value_heads",
+                f"expected a multiple of num_key_heads ({self.num_key_heads}), got {self.num_value_heads}")
+        require(self.conv_kernel >= 2, "conv_kernel", "expected an integer ≥ 2")
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def group(self) -> int:
+        return self.num_value_heads // self.num_key_heads
+
+
+@dataclass(frozen=True)
+class LayersSpec:
+    """Either `pattern` (repeated to `count`) or an explicit `types` list of exactly `count` entries."""
+    count: int
+    pattern: tuple[LayerKind, ...] | None = None
+    types: tuple[LayerKind, ...] | None = None
+
+    def __post_init__(self):
+        require(self.count > 0, "count", "expected a positive integer")
+        require((self.pattern is None) != (self.types is None), "pattern",
+                "give exactly one of `pattern` (repeated) or `types` (one entry per layer)")
+        if self.pattern is not None:
+            require(len(self.pattern) > 0 and self.count % len(self.pattern) == 0, "pattern",
+                    f"pattern length {len(self.pattern)} must divide the layer count {self.count}")
+        else:
+            require(len(self.types) == self.count, "types",
+                    f"expected {self.count} entries (one per layer), got {len(self.types)}")
+
+    @property
+    def kinds(self) -> tuple[LayerKind, ...]:
+        if self.types is not None:
+            return self.types
+        return self.pattern * (self.count // len(self.pattern))
+
+
+@dataclass(frozen=True)
+class MTPSpec:
+    num_layers: int = 1
+
+    def __post_init__(self):
+        require(self.num_layers in (0, 1), "num_layers", f"expected 0 or 1, got {self.num_layers}")
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    layers: LayersSpec
+    attention: AttentionSpec
+    linear_attention: LinearAttentionSpec
+    mtp: MTPSpec = field(default_factory=MTPSpec)
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "max_position_embeddings"):
+            require(getattr(self, name) > 0, name, "expected a positive integer")
+        require(0 < self.rms_norm_eps < 1, "rms_norm_eps", "expected a small positive number")
+
+
+@dataclass(frozen=True)
+class QuantRecipe:
+    """Weight format per tensor role (MODEL.md §8). Matrices may use any format; vectors stay float."""
+    embed: WeightFormat = "w8g32"
+    lm_head: WeightFormat = "w8g32"
+    attn_q: WeightFormat = "q4g64"
+    attn_k: WeightFormat = "q4g64"
+    attn_v: WeightFormat = "q5g64"
+    attn_o: WeightFormat = "q5g64"
+    gdn_qkv: WeightFormat = "q4g64"
+    gdn_z: WeightFormat = "q5g64"
+    gdn_ab: WeightFormat = "bf16"
+    gdn_out: WeightFormat = "q5g64"
+    mlp_gate_up: WeightFormat = "q4g64"
+    mlp_down: WeightFormat = "q5g64"
+    mtp: WeightFormat = "w8g32"
+    norm: WeightFormat = "bf16"
+    conv: WeightFormat = "bf16"
+    gdn_decay: WeightFormat = "fp32"
+
+    def __post_init__(self):
+        for name in ("norm", "conv", "gdn_decay"):
+            require(getattr(self, name) in FLOAT_FORMATS, name, "expected bf16 or fp32 (vectors stay float)")
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    prefixes: tuple[str, ...] = ("model.language_model.", "model.")
+    ignore_prefixes: tuple[str, ...] = ("model.visual.",)
+
+
+@dataclass(frozen=True)
+class RuntimeProfile:
+    target: str = "rtx3090"
+    cohorts: tuple[int, ...] = (1, 2, 4, 8)
+    draft_tokens: int = 3
+    max_context: int = 32768
+    kv_dtype: Literal["int8", "bf16"] = "int8"
+    page_size: int = 64
+    prefill_chunk: int = 1024
+    vram_budget_gib: float = 24.0
+
+    def __post_init__(self):
+        require(len(self.cohorts) > 0 and all(0 < c <= 32 for c in self.cohorts), "cohorts",
+                "expected a list of cohort sizes in 1..32")
+        require(0 <= self.draft_tokens <= 8, "draft_tokens", "expected an integer in 0..8")
+        require(self.page_size > 0 and self.page_size % 64 == 0, "page_size", "expected a multiple of 64")
+        require(self.max_context > 0, "max_context", "expected a positive integer")
+        require(self.prefill_chunk > 0, "prefill_chunk", "expected a positive integer")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    model: ArchSpec
+    quantization: QuantRecipe = field(default_factory=QuantRecipe)
+    checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
+    runtime: RuntimeProfile = field(default_factory=RuntimeProfile)
+
+    @property
+    def arch(self) -> ArchSpec:
+        return self.model
+
+    def __post_init__(self):
+        a = self.model
+        require(self.runtime.max_context <= a.max_position_embeddings, "runtime.max_context",
+                f"must not exceed model.max_position_embeddings ({a.max_position_embeddings})")
+
+
+def load_spec(path: str | Path) -> ModelSpec:
+    """Load and validate a YAML spec; every problem is a SpecError naming the key path."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError("", f"spec file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise SpecError("", f"{path} is not valid YAML: {err}") from None
+    return spec_from_dict(data)
+
+
+def spec_from_dict(data: dict) -> ModelSpec:
+    return build(ModelSpec, data)
+
+
+def spec_from_hf_config(config: dict | str | Path, name: str | None = None) -> ModelSpec:
+    """Derive a spec from an HF Qwen3.5-family config (nested `text_config` or flat text-only)."""
+    if not isinstance(config, dict):
+        config = json.loads(Path(config).read_text())
+    text = dict(config.get("text_config") or config)
+    where = "text_config" if "text_config" in config else ""
+
+    def get(key, *fallbacks, default=None):
+        for src in (text, config):
+            for k in (key, *fallbacks):
+                if k in src:
+                    return src[k]
+        if default is None:
+            raise SpecError(f"{where}.{key}".strip("."), "missing key in config.json")
+        return default
+
+    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+    theta = rope.get("rope_theta", text.get("rope_theta"))
+    if theta is None:
+        raise SpecError(f"{where}.rope_parameters.rope_theta".strip("."), "missing key in config.json")
+    n_layers = get("num_hidden_layers")
+    layer_types = text.get("layer_types")
+    if layer_types is None:
+        interval = text.get("full_attention_interval", 4)
+        layer_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n_layers)]
+    data = {
+        "name": name or str(text.get("model_type", "qwen3_5")),
+        "model": {
+            "vocab_size": get("vocab_size"),
+            "hidden_size": get("hidden_size"),
+            "intermediate_size": get("intermediate_size"),
+            "rms_norm_eps": get("rms_norm_eps", default=1e-6),
+            "tie_word_embeddings": bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            "max_position_embeddings": get("max_position_embeddings", default=262144),
+            "layers": {"count": n_layers, "types": list(layer_types)},
+            "attention": {
+                "num_heads": get("num_attention_heads"),
+                "num_kv_heads": get("num_key_value_heads"),
+                "head_dim": get("head_dim"),
+                "rope_theta": float(theta),
+                "partial_rotary_factor": float(rope.get("partial_rotary_factor",
+                                                        text.get("partial_rotary_factor", 0.25))),
+                "output_gate": bool(text.get("attn_output_gate", True)),
+            },
+            "linear_attention": {
+                "num_key_heads": get("linear_num_key_heads"),
+                "num_value_heads": get("linear_num_value_heads"),
+                "key_head_dim": get("linear_key_head_dim"),
+                "value_head_dim": get("linear_value_head_dim"),
+                "conv_kernel": get("linear_conv_kernel_dim", default=4),
+            },
+            "mtp": {"num_layers": int(text.get("mtp_num_hidden_layers", 1))},
+        },
+    }
+    ctx = min(32768, data["model"]["max_position_embeddings"])
+    data["runtime"] = {"max_context": ctx}
+    return spec_from_dict(data)
+
+
+# ---------------------------------------------------------------- derived sizes
+
+FORMAT_BITS = {"q4g64": 4 + 16 / 64, "q5g64": 5 + 16 / 64, "q6g64": 6 + 16 / 64, "w8g32": 8 + 16 / 32,
+               "bf16": 16, "fp32": 32}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str          # canonical checkpoint name without the model prefix, e.g. "layers.0.mlp.up_proj.weight"
+    shape: tuple[int, ...]
+    role: str          # a QuantRecipe field
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def _attention_tensors(a: ArchSpec, p: str) -> list[TensorInfo]:
+    at, h = a.attention, a.hidden_size
+    q_rows = at.num_heads * at.head_dim * (2 if at.output_gate else 1)
+    kv_rows = at.num_kv_heads * at.head_dim
+    return [TensorInfo(f"{p}self_attn.q_proj.weight", (q_rows, h), "attn_q"),
+            TensorInfo(f"{p}self_attn.k_proj.weight", (kv_rows, h), "attn_k"),
+            TensorInfo(f"{p}self_attn.v_proj.weight", (kv_rows, h), "attn_v"),
+            TensorInfo(f"{p}self_attn.o_proj.weight", (h, at.num_heads * at.head_dim), "attn_o"),
+            TensorInfo(f"{p}self_attn.q_norm.weight", (at.head_dim,), "norm"),
+            TensorInfo(f"{p}self_attn.k_norm.weight", (at.head_dim,), "norm")]
+
+
+def _gdn_tensors(a: ArchSpec, p: str) -> list[TensorInfo]:
+    g, h = a.linear_attention, a.hidden_size
+    return [TensorInfo(f"{p}linear_attn.in_proj_qkv.weight", (g.conv_dim, h), "gdn_qkv"),
+            TensorInfo(f"{p}linear_attn.in_proj_z.weight", (g.value_dim, h), "gdn_z"),
+            TensorInfo(f"{p}linear_attn.in_proj_a.weight", (g.num_value_heads, h), "gdn_ab"),
+            TensorInfo(f"{p}linear_attn.in_proj_b.weight", (g.num_value_heads, h), "gdn_ab"),
+            TensorInfo(f"{p}linear_attn.conv1d.weight", (g.conv_dim, 1, g.conv_kernel), "conv"),
+            TensorInfo(f"{p}linear_attn.A_log", (g.num_value_heads,), "gdn_decay"),
+            TensorInfo(f"{p}linear_attn.dt_bias", (g.num_value_heads,), "gdn_decay"),
+            TensorInfo(f"{p}linear_attn.norm.weight", (g.value_head_dim,), "norm"),
+            TensorInfo(f"{p}linear_attn.out_proj.weight", (h, g.value_dim), "gdn_out")]
+
+
+def _decoder_tensors(a: ArchSpec, p: str, kind: str) -> list[TensorInfo]:
+    h, f = a.hidden_size, a.intermediate_size
+    mixer = _attention_tensors(a, p) if kind == "full_attention" else _gdn_tensors(a, p)
+    return [TensorInfo(f"{p}input_layernorm.weight", (h,), "norm"), *mixer,
+            TensorInfo(f"{p}post_attention_layernorm.weight", (h,), "norm"),
+            TensorInfo(f"{p}mlp.gate_proj.weight", (f, h), "mlp_gate_up"),
+            TensorInfo(f"{p}mlp.up_proj.weight", (f, h), "mlp_gate_up"),
+            TensorInfo(f"{p}mlp.down_proj.weight", (h, f), "mlp_down")]
+
+
+def tensor_table(spec: ModelSpec) -> list[TensorInfo]:
+    """Every checkpoint tensor the spec needs, in canonical names, with shape and quantisation role."""
+    a = spec.model
+    out = [TensorInfo("embed_tokens.weight", (a.vocab_size, a.hidden_size), "embed")]
+    for i, kind in enumerate(a.layers.kinds):
+        out += _decoder_tensors(a, f"layers.{i}.", kind)
+    out.append(TensorInfo("norm.weight", (a.hidden_size,), "norm"))
+    if not a.tie_word_embeddings:
+        out.append(TensorInfo("lm_head.weight", (a.vocab_size, a.hidden_size), "lm_head"))
+    if a.mtp.num_layers:
+        h = a.hidden_size
+        out += [TensorInfo("mtp.pre_fc_norm_embedding.weight", (h,), "norm"),
+                TensorInfo("mtp.pre_fc_norm_hidden.weight", (h,), "norm"),
+                TensorInfo("mtp.fc.weight", (h, 2 * h), "mtp"),
+                TensorInfo("mtp.norm.weight", (h,), "norm")]
+        for t in _decoder_tensors(a, "mtp.layers.0.", "full_attention"):
+            is_matrix = len(t.shape) == 2
+            out.append(TensorInfo(t.name, t.shape, "mtp" if is_matrix else t.role))
+    return out
+
+
+def format_of(spec: ModelSpec, info: TensorInfo) -> str:
+    return getattr(spec.quantization, info.role)
+
+
+def summary(spec: ModelSpec) -> dict:
+    """Sizes that drive the design (MODEL.md §7), computed from the spec."""
+    a, g, at = spec.model, spec.model.linear_attention, spec.model.attention
+    table = tensor_table(spec)
+    params = sum(t.numel for t in table)
+    main = [t for t in table if not t.name.startswith("mtp.") and t.role != "embed"]
+    if a.tie_word_embeddings:  # the tied head is streamed through the embedding's format
+        main.append(TensorInfo("lm_head(tied)", (a.vocab_size, a.hidden_size), "embed"))
+    fwd_bytes = sum(t.numel * FORMAT_BITS[format_of(spec, t)] / 8 for t in main)
+    mtp_bytes = sum(t.numel * FORMAT_BITS[format_of(spec, t)] / 8 for t in table if t.name.startswith("mtp."))
+    n_gdn = sum(k == "linear_attention" for k in a.layers.kinds)
+    n_attn = a.layers.count - n_gdn
+    kv_values = 2 * at.num_kv_heads * at.head_dim
+    return {
+        "name": spec.name,
+        "parameters": params,
+        "layers": {"linear_attention": n_gdn, "full_attention": n_attn, "mtp": a.mtp.num_layers},
+        "bytes_per_forward": int(fwd_bytes),
+        "mtp_bytes_per_draft": int(mtp_bytes),
+        "gdn_state_bytes_per_sequence": n_gdn * g.num_value_heads * g.key_head_dim * g.value_head_dim * 4,
+        "conv_history_bytes_per_sequence": n_gdn * g.conv_dim * (g.conv_kernel - 1) * 2,
+        "kv_bytes_per_token_bf16": (n_attn + a.mtp.num_layers) * kv_values * 2,
+        "kv_bytes_per_token_int8": (n_attn + a.mtp.num_layers) * (kv_values + kv_values // 64 * 2),
+    }

@@ -1,0 +1,1 @@
+"""ninfer_gen: the runtime — weights, reference backend, engine, CLI."""
