@@ -1,0 +1,109 @@
+"""ops: the operations the model program is written against, and its two interpreters — eager
+(torch references, differentiable: used for training and as a direct oracle) and tracing (records a Graph).
+
+The model program never knows which one runs it.
+"""
+from __future__ import annotations
+
+from .ir import AVal, Eqn, Lit, Var
+from .prims import PRIMS
+
+
+class Ops:
+    """Front end of every primitive; subclasses implement `bind`."""
+
+    act_dtype = "f32"
+
+    def bind(self, prim: str, *inputs, **params) -> list:
+        raise NotImplementedError
+
+    def _one(self, prim, *inputs, **params):
+        return self.bind(prim, *inputs, **params)[0]
+
+    def embed(self, ids, table):
+        return self._one("embed", ids, table, dtype=self.act_dtype)
+
+    def linear(self, x, w):
+        return self._one("linear", x, w)
+
+    def rmsnorm(self, x, w, eps, zero_centred=True):
+        return self._one("rmsnorm", x, w, eps=eps, offset=1.0 if zero_centred else 0.0)
+
+    def gated_rmsnorm(self, x, z, w, eps):
+        return self._one("gated_rmsnorm", x, z, w, eps=eps)
+
+    def add(self, a, b):
+        return self._one("add", a, b)
+
+    def mul(self, a, b):
+        return self._one("mul", a, b)
+
+    def silu(self, x):
+        return self._one("silu", x)
+
+    def sigmoid(self, x):
+        return self._one("sigmoid", x)
+
+    def reshape(self, x, *shape):
+        return self._one("reshape", x, shape=tuple(shape))
+
+    def slice(self, x, axis, start, stop):
+        return self._one("slice", x, axis=axis, start=start, stop=stop)
+
+    def concat(self, xs, axis):
+        return self._one("concat", *xs, axis=axis)
+
+    def positions(self, pos, tokens):
+        return self._one("positions", pos, tokens=tokens)
+
+    def rope(self, x, pos, rotary_dim, theta):
+        return self._one("rope", x, pos, rotary_dim=rotary_dim, theta=theta)
+
+    def gdn_conv(self, c, w, history, slots):
+        return self._one("gdn_conv", c, w, history, slots)
+
+    def gdn_gates(self, a, b, a_log, dt_bias):
+        return tuple(self.bind("gdn_gates", a, b, a_log, dt_bias))
+
+    def gdn_recurrence(self, q, k, v, g, beta, state, slots):
+        return self._one("gdn_recurrence", q, k, v, g, beta, state, slots)
+
+    def causal_attention(self, q, k, v, scale):
+        return self._one("causal_attention", q, k, v, scale=scale)
+
+    def kv_append(self, k, v, block_table, pos, cache, page_size):
+        self.bind("kv_append", k, v, block_table, pos, *cache, page_size=page_size)
+
+    def paged_attention(self, q, block_table, pos, cache, page_size, scale):
+        return self._one("paged_attention", q, block_table, pos, *cache, page_size=page_size, scale=scale)
+
+
+class EagerOps(Ops):
+    """Runs each primitive's torch reference immediately."""
+
+    def __init__(self, act_dtype: str = "f32"):
+        self.act_dtype = act_dtype
+
+    def bind(self, prim, *inputs, **params):
+        out = PRIMS[prim].reference(*inputs, **params)
+        if out is None:
+            return []
+        return list(out) if isinstance(out, tuple) else [out]
+
+
+class TraceOps(Ops):
+    """Records equations; values are `Var`s, shapes come from the primitives' shape rules."""
+
+    def __init__(self, act_dtype: str = "f32"):
+        self.act_dtype = act_dtype
+        self.eqns: list[Eqn] = []
+
+    def bind(self, prim, *inputs, **params):
+        avals = [x.aval if isinstance(x, Var) else x for x in inputs]
+        outs = [Var(a) for a in PRIMS[prim].shape_rule(*avals, **params)]
+        ins = [x if (x is None or isinstance(x, Var)) else Lit(x) for x in inputs]
+        self.eqns.append(Eqn(prim, ins, dict(params), outs))
+        return outs
+
+    def new_var(self, shape, dtype, hint="") -> Var:
+        return Var(AVal(tuple(shape), dtype), hint)

@@ -1,0 +1,240 @@
+"""reference_ops: the torch reference of every primitive — the numerical oracle and the math the
+small-model training differentiates through. Plain torch, CPU or GPU, fp32 or bf16 activations.
+
+Effectful ops write state tensors in place through slot ids / block tables; passing `None` state
+means a fresh sequence with nothing written (the training path). Rows with slot or position < 0 are
+padding and are skipped.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "i32": torch.int32,
+                "i8": torch.int8}
+GDN_CHUNK = 64
+KV_GROUP = 64
+
+
+def embed(ids, table, *, dtype):
+    return table[ids.long()].to(TORCH_DTYPES[dtype])
+
+
+def linear(x, w):
+    return x @ w.to(x.dtype).t()
+
+
+def rmsnorm(x, w, *, eps, offset):
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * (offset + w.float())).to(x.dtype)
+
+
+def gated_rmsnorm(x, z, w, *, eps):
+    """GDN output norm: plain RMS scale, weight multiplies directly, then × SiLU(z)."""
+    xf = x.float()
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (w.to(x.dtype) * y * F.silu(z.float())).to(x.dtype)
+
+
+def add(a, b):
+    return a + b
+
+
+def mul(a, b):
+    return a * b
+
+
+def silu(x):
+    return F.silu(x)
+
+
+def sigmoid(x):
+    return torch.sigmoid(x)
+
+
+def reshape(x, *, shape):
+    return x.reshape(shape)
+
+
+def slice_(x, *, axis, start, stop):
+    return x.narrow(axis, start, stop - start)
+
+
+def concat(*xs, axis):
+    return torch.cat(xs, dim=axis)
+
+
+def positions(pos, *, tokens):
+    t = torch.arange(tokens, device=pos.device, dtype=torch.int32)
+    return (pos.reshape(-1, 1).int() + t).reshape(-1)
+
+
+def rope(x, pos, *, rotary_dim, theta):
+    """NeoX rotate-half RoPE on the first `rotary_dim` dims of each head; the rest pass through."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float, device=x.device) / rotary_dim))
+    freqs = pos.float()[:, None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    return torch.cat((rot * cos + rotated * sin, rest), dim=-1)
+
+
+def _valid(ids):
+    return None if ids is None else (ids >= 0).nonzero().flatten()
+
+
+def gdn_conv(c, w, history, slots):
+    """Depthwise causal conv over [history ++ c] then SiLU; history keeps the last K-1 pre-conv columns."""
+    B, T, C = c.shape
+    K = w.shape[-1]
+    if history is None:
+        hist = c.new_zeros(B, C, K - 1)
+    else:
+        hist = history[slots.long().clamp(min=0)].to(c.dtype)
+    full = torch.cat((hist, c.transpose(1, 2)), dim=-1)
+    out = F.silu(F.conv1d(full, w.to(c.dtype), groups=C)).transpose(1, 2)
+    if history is not None:
+        rows = _valid(slots)
+        history[slots[rows].long()] = full[rows, :, -(K - 1):].to(history.dtype)
+    return out.to(c.dtype)
+
+
+def gdn_gates(a, b, a_log, dt_bias):
+    beta = torch.sigmoid(b.float())
+    g = -torch.exp(a_log.float()) * F.softplus(a.float() + dt_bias.float())
+    return g, beta
+
+
+def _l2norm(x, eps=1e-6):
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def gdn_recurrence(q, k, v, g, beta, state, slots):
+    """Gated delta rule per value head h with q/k head h // (Hv/Hk); fp32; writes the final state."""
+    B, T, hk, dk = q.shape
+    hv = v.shape[2]
+    grp = hv // hk
+    qf = (_l2norm(q.float()) / dk ** 0.5).repeat_interleave(grp, dim=2).transpose(1, 2)
+    kf = _l2norm(k.float()).repeat_interleave(grp, dim=2).transpose(1, 2)
+    vf, gf, bf = v.float().transpose(1, 2), g.float().transpose(1, 2), beta.float().transpose(1, 2)
+    if state is None:
+        s0 = vf.new_zeros(B, hv, dk, v.shape[3])
+    else:
+        s0 = state[slots.long().clamp(min=0)]
+    step = _gdn_recurrent if T <= 8 else _gdn_chunked
+    out, s1 = step(qf, kf, vf, gf, bf, s0)
+    if state is not None:
+        rows = _valid(slots)
+        state[slots[rows].long()] = s1[rows]
+    return out.transpose(1, 2).to(v.dtype)
+
+
+def _gdn_recurrent(q, k, v, g, beta, s):
+    outs = []
+    for t in range(q.shape[2]):
+        s = s * g[:, :, t].exp()[..., None, None]
+        kt = k[:, :, t]
+        delta = (v[:, :, t] - (s * kt[..., None]).sum(-2)) * beta[:, :, t, None]
+        s = s + kt[..., None] * delta[..., None, :]
+        outs.append((s * q[:, :, t, :, None]).sum(-2))
+    return torch.stack(outs, dim=2), s
+
+
+def _gdn_chunked(q, k, v, g, beta, s, C=GDN_CHUNK):
+    """The same recurrence in chunks of C (WY/UT form): intra-chunk by a unit-triangular solve,
+    inter-chunk through the state. Differentiable."""
+    B, H, T, _ = k.shape
+    pad = (-T) % C
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    n = (T + pad) // C
+    q, k, v = (x.reshape(B, H, n, C, -1) for x in (q, k, v))
+    g, beta = g.reshape(B, H, n, C).cumsum(-1), beta.reshape(B, H, n, C)
+    kb, vb = k * beta[..., None], v * beta[..., None]
+    decay = (g[..., :, None] - g[..., None, :]).tril().exp().tril()
+    eye = torch.eye(C, device=q.device, dtype=q.dtype)
+    strict = torch.tril(torch.ones(C, C, dtype=torch.bool, device=q.device), -1)
+    lower = -(kb @ k.transpose(-1, -2) * decay) * strict
+    inv = torch.linalg.solve_triangular(eye - lower, eye.expand_as(lower), upper=False, unitriangular=True)
+    u, w = inv @ vb, inv @ (kb * g.exp()[..., None])
+    causal = torch.tril(torch.ones(C, C, dtype=torch.bool, device=q.device))
+    outs = []
+    for i in range(n):
+        qi, ki, gi = q[:, :, i], k[:, :, i], g[:, :, i]
+        v_new = u[:, :, i] - w[:, :, i] @ s
+        intra = (qi @ ki.transpose(-1, -2) * decay[:, :, i]) * causal
+        outs.append((qi * gi.exp()[..., None]) @ s + intra @ v_new)
+        tail = gi[..., -1, None]
+        s = s * tail.exp()[..., None] + (ki * (tail - gi).exp()[..., None]).transpose(-1, -2) @ v_new
+    return torch.cat(outs, dim=2)[:, :, :T], s
+
+
+def causal_attention(q, k, v, *, scale):
+    grp = q.shape[2] // k.shape[2]
+    qt = q.transpose(1, 2)
+    kt, vt = (x.repeat_interleave(grp, dim=2).transpose(1, 2) for x in (k, v))
+    out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
+    return out.transpose(1, 2)
+
+
+def quantize_kv(x):
+    """INT8-G64 (MODEL.md §9): fp16 scale = max|x|/127 per 64 values, round-half-even codes."""
+    grouped = x.float().reshape(*x.shape[:-1], -1, KV_GROUP)
+    scale = (grouped.abs().amax(-1) / 127).to(torch.float16)
+    inv = torch.where(scale > 0, 1.0 / scale.float(), torch.zeros_like(scale, dtype=torch.float32))
+    codes = torch.round(grouped * inv[..., None]).clamp(-127, 127).to(torch.int8)
+    return codes.reshape(x.shape), scale
+
+
+def dequantize_kv(codes, scale):
+    grouped = codes.float().reshape(*codes.shape[:-1], -1, KV_GROUP) * scale.float()[..., None]
+    return grouped.reshape(codes.shape)
+
+
+def _token_pages(block_table, pos, tokens, page_size):
+    p = pos.long()[:, None] + torch.arange(tokens, device=pos.device)
+    pages = block_table.long().gather(1, (p // page_size).clamp(min=0))
+    return pages, p % page_size
+
+
+def kv_append(k, v, block_table, pos, *cache, page_size):
+    """Write this chunk's K/V (after norm and RoPE) into the pages of each row; cache layout is
+    [pages, 2 (k|v), kv_heads, page_size, head_dim] (codes) plus [.., head_dim/64] fp16 scales."""
+    rows = _valid(pos)
+    pages, offs = _token_pages(block_table[rows], pos[rows], k.shape[1], page_size)
+    for which, x in enumerate((k[rows], v[rows])):
+        if len(cache) == 2:
+            codes, scale = quantize_kv(x)
+            cache[0][pages, which, :, offs] = codes
+            cache[1][pages, which, :, offs] = scale
+        else:
+            cache[0][pages, which, :, offs] = x.to(cache[0].dtype)
+
+
+def _read_kv(cache, pages, offs, which):
+    if len(cache) == 2:
+        return dequantize_kv(cache[0][pages, which, :, offs], cache[1][pages, which, :, offs])
+    return cache[0][pages, which, :, offs].float()
+
+
+def paged_attention(q, block_table, pos, *cache, page_size, scale):
+    """Causal attention of T new queries per row over the row's cached positions [0, pos+T)."""
+    B, T, hq, _ = q.shape
+    out = torch.zeros_like(q)
+    for b in _valid(pos).tolist():
+        length = int(pos[b]) + T
+        idx = torch.arange(length, device=q.device)
+        pages = block_table[b].long()[idx // page_size]
+        k, v = (_read_kv(cache, pages, idx % page_size, w).to(q.dtype) for w in (0, 1))
+        grp = hq // k.shape[1]
+        k, v = k.repeat_interleave(grp, dim=1), v.repeat_interleave(grp, dim=1)
+        scores = torch.einsum("thd,lhd->htl", q[b].float(), k.float()) * scale
+        qpos = int(pos[b]) + torch.arange(T, device=q.device)
+        scores = scores.masked_fill(idx[None, None, :] > qpos[None, :, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[b] = torch.einsum("htl,lhd->thd", probs, v.float()).to(q.dtype)
+    return out

@@ -1,0 +1,100 @@
+"""trace: traces the model program per entry point and static shape into a typechecked Graph.
+
+Entry points (DESIGN.md §2): `prefill` (one sequence, a T-token chunk at any position), `step`
+(B rows × T tokens: decode T=1, verify T=K+1) and `mtp` (B × T through the MTP head). Everything that
+changes per call — token ids, positions, block tables, slot ids — is a graph input, never a constant.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import model
+from .ir import Graph, typecheck
+from .ops import TraceOps
+from .spec import ModelSpec, tensor_table
+
+ENTRIES = ("prefill", "step", "mtp")
+_ACT_DTYPE_OF_FORMAT = {"bf16": "bf16", "fp32": "f32"}
+
+
+@dataclass(frozen=True)
+class StatePools:
+    """Sizes of the state the graph addresses: KV pages and GDN state slots."""
+    num_pages: int
+    num_slots: int
+    pages_per_seq: int
+    page_size: int = 64
+    kv_dtype: str = "int8"     # "int8" (codes + fp16 scales) or an activation dtype "bf16" / "f32"
+
+    def __post_init__(self):
+        assert self.kv_dtype in ("int8", "bf16", "f32"), self.kv_dtype
+
+
+def state_avals(spec: ModelSpec, pools: StatePools) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Name → (shape, dtype) of every state tensor: paged KV per attention layer (and the MTP layer),
+    fp32 recurrent state and conv history per GDN layer."""
+    a, at, g = spec.model, spec.model.attention, spec.model.linear_attention
+    out = {}
+    kv_shape = (pools.num_pages, 2, at.num_kv_heads, pools.page_size, at.head_dim)
+    attn_layers = [str(i) for i, k in enumerate(a.layers.kinds) if k == "full_attention"]
+    if a.mtp.num_layers:
+        attn_layers.append("mtp")
+    for name in attn_layers:
+        if pools.kv_dtype == "int8":
+            out[f"kv.{name}.codes"] = (kv_shape, "i8")
+            out[f"kv.{name}.scales"] = ((*kv_shape[:-1], at.head_dim // 64), "f16")
+        else:
+            out[f"kv.{name}.values"] = (kv_shape, pools.kv_dtype)
+    for i, kind in enumerate(a.layers.kinds):
+        if kind == "linear_attention":
+            out[f"gdn.{i}.state"] = ((pools.num_slots, g.num_value_heads, g.key_head_dim, g.value_head_dim), "f32")
+            out[f"gdn.{i}.conv"] = ((pools.num_slots, g.conv_dim, g.conv_kernel - 1), "f32")
+    return out
+
+
+def _weight_dtype(spec: ModelSpec, info) -> str:
+    fmt = getattr(spec.quantization, info.role)
+    return _ACT_DTYPE_OF_FORMAT.get(fmt, "bf16")  # quantised matrices present as bf16 to the IR
+
+
+def trace(spec: ModelSpec, entry: str, batch: int, tokens: int, pools: StatePools,
+          act_dtype: str = "f32") -> Graph:
+    """Trace one entry point at one static shape. Quantised weights appear as their dequantised
+    dtype; the weight format is a property of the binding, recorded in graph params."""
+    if entry not in ENTRIES:
+        raise ValueError(f"unknown entry point {entry!r} (expected one of {', '.join(ENTRIES)})")
+    if entry == "prefill" and batch != 1:
+        raise ValueError("prefill traces one sequence: batch must be 1")
+    ops = TraceOps(act_dtype)
+    table = {t.name: t for t in tensor_table(spec)}
+    weights, state = {}, {}
+    svals = state_avals(spec, pools)
+
+    def W(name):
+        if name not in weights:
+            info = table[name]
+            weights[name] = ops.new_var(info.shape, "f32" if act_dtype == "f32" else _weight_dtype(spec, info))
+        return weights[name]
+
+    def S(name):
+        if name not in state:
+            shape, dtype = svals[name]
+            state[name] = ops.new_var(shape, dtype)
+        return state[name]
+
+    inputs = {"tokens": ops.new_var((batch, tokens), "i32"), "pos": ops.new_var((batch,), "i32"),
+              "block_table": ops.new_var((batch, pools.pages_per_seq), "i32")}
+    b = model.Batch(batch, tokens, inputs["pos"], inputs["block_table"], None, S, pools.page_size,
+                    pools.kv_dtype == "int8")
+    if entry == "mtp":
+        inputs["hidden"] = ops.new_var((batch * tokens, spec.model.hidden_size), act_dtype)
+        logits, hidden = model.mtp_forward(ops, spec, W, inputs["hidden"], inputs["tokens"], b)
+    else:
+        inputs["slots"] = b.slots = ops.new_var((batch,), "i32")
+        logits, hidden = model.forward(ops, spec, W, inputs["tokens"], b)
+    params = {"entry": entry, "batch": batch, "tokens": tokens, "act": act_dtype, "kv": pools.kv_dtype,
+              "page_size": pools.page_size}
+    g = Graph(f"{spec.name}.{entry}", inputs, weights, dict(sorted(state.items())), ops.eqns,
+              {"logits": logits, "hidden": hidden}, params)
+    typecheck(g)
+    return g

@@ -1,0 +1,133 @@
+"""api: the public Python entry — `load()` and the `Model` it returns (forward_logits, generate,
+mtp_logits, text generation). Chooses weights (checkpoint, spec + random, or the shipped small model)
+and the backend; it computes nothing itself."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from compiler.schema import SpecError
+from compiler.spec import ModelSpec, load_spec
+
+from .random_weights import random_weights
+from .reference import ReferenceBackend
+from .sampling import Sampler, SamplingParams
+from .tokenizer import load_tokenizer
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = REPO / "models" / "qwen3.8-pycode-small"
+TINY_SPEC = REPO / "model_specs" / "qwen3.8-tiny.yaml"
+BACKENDS = ("reference",)
+
+
+class Model:
+    def __init__(self, spec: ModelSpec, backend: ReferenceBackend, folder: Path | None = None,
+                 source: str = ""):
+        self.spec, self.backend, self.source = spec, backend, source
+        self.tokenizer = load_tokenizer(folder, spec.model.vocab_size)
+        self.eos_ids = _eos_ids(folder)
+
+    def forward_logits(self, token_ids: list[int], chunk_size: int | None = None) -> np.ndarray:
+        """Logits [T, vocab] of a fresh sequence (chunked prefill)."""
+        seq = self.backend.new_sequence()
+        try:
+            logits, _ = self.backend.prefill(seq, list(token_ids), chunk_size)
+        finally:
+            self.backend.release(seq)
+        return logits.float().cpu().numpy()
+
+    def mtp_logits(self, token_ids: list[int], chunk_size: int | None = None) -> np.ndarray:
+        """MTP predictions [T, vocab]: row i predicts token i+2 from hidden y_i and the true token
+        i+1; the last row uses the main model's own argmax as the next token (as drafting does)."""
+        if not self.spec.model.mtp.num_layers:
+            raise ValueError(f"model {self.spec.name} has no MTP layer")
+        ids = list(token_ids)
+        seq = self.backend.new_sequence()
+        try:
+            logits, hidden = self.backend.prefill(seq, ids, chunk_size)
+            next_ids = ids[1:] + [int(torch.argmax(logits[-1]))]
+            mtp, _ = self.backend.mtp(seq, hidden, next_ids, 0, chunk_size)
+        finally:
+            self.backend.release(seq)
+        return mtp.float().cpu().numpy()
+
+    def stream(self, token_ids: list[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
+               stop_tokens: set[int] | None = None) -> Iterator[int]:
+        """Yields new tokens one by one: prefill, then one `step` (B=1, T=1) per token."""
+        sample = Sampler(sampling)
+        seq = self.backend.new_sequence()
+        try:
+            logits, _ = self.backend.prefill(seq, list(token_ids))
+            for _ in range(max_new_tokens):
+                token = sample(logits[-1])
+                yield token
+                if stop_tokens and token in stop_tokens:
+                    return
+                if seq.length + 1 > self.backend.max_context:
+                    return
+                logits, _ = self.backend.run("step", [seq], [[token]])
+        finally:
+            self.backend.release(seq)
+
+    def generate(self, token_ids: list[int], max_new_tokens: int, greedy: bool = True,
+                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 stop_tokens: set[int] | None = None) -> list[int]:
+        """The new tokens only. Stops early only at `stop_tokens` (none by default)."""
+        params = SamplingParams(0.0 if greedy else temperature, top_k, top_p, seed)
+        return list(self.stream(token_ids, max_new_tokens, params, stop_tokens))
+
+
+def _eos_ids(folder: Path | None) -> set[int]:
+    if folder is None:
+        return set()
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        path = folder / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return ids
+
+
+def _resolve(path_or_spec) -> tuple[ModelSpec, dict, Path | None, str]:
+    if path_or_spec is None:
+        if (DEFAULT_MODEL / "config.json").is_file():
+            path_or_spec = DEFAULT_MODEL
+        else:
+            spec = load_spec(TINY_SPEC)
+            return spec, random_weights(spec), None, f"{spec.name} (random weights, seed 0)"
+    if isinstance(path_or_spec, ModelSpec):
+        return path_or_spec, random_weights(path_or_spec), None, f"{path_or_spec.name} (random weights)"
+    path = Path(path_or_spec)
+    if path.is_dir():
+        from .checkpoint import load_checkpoint
+
+        spec, tensors = load_checkpoint(path)
+        return spec, tensors, path, str(path)
+    if path.suffix in (".yaml", ".yml"):
+        spec = load_spec(path)
+        return spec, random_weights(spec), None, f"{spec.name} (random weights, seed 0)"
+    raise SpecError("", f"{path}: expected an HF checkpoint directory or a model spec .yaml file")
+
+
+def load(path_or_spec=None, backend: str = "reference", dtype: str = "float32", quantize: bool = False,
+         device: str | None = None, kv_dtype: str | None = None, max_context: int | None = None) -> Model:
+    """Load a model. `path_or_spec`: an HF checkpoint directory, a spec .yaml (seeded random weights),
+    a ModelSpec, or None for the small model shipped in the repository. `quantize=True` runs the
+    spec's quantisation recipe at load and the reference uses the dequantised weights."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r} is not available (available: {', '.join(BACKENDS)}); "
+                         "the GPU backend does not exist yet")
+    spec, tensors, folder, source = _resolve(path_or_spec)
+    if quantize:
+        from .checkpoint import dequantized, quantize_weights
+
+        tensors = dequantized(quantize_weights(spec, tensors))
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    ref = ReferenceBackend(spec, tensors, device=device, dtype=dtype, kv_dtype=kv_dtype, max_context=max_context)
+    return Model(spec, ref, folder, source)
+

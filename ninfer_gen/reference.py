@@ -1,0 +1,126 @@
+"""reference: the reference backend — traced graphs run by the reference interpreter over real
+paged KV and GDN state slots (torch, CPU or GPU, fp32 or bf16).
+
+Owns sequences (a state slot + KV pages), chunked prefill, decode steps and the MTP entry. It is the
+numerical oracle of the GPU backend and the backend of machines with no GPU.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from compiler.interpret import run_graph
+from compiler.reference_ops import TORCH_DTYPES
+from compiler.spec import ModelSpec
+from compiler.trace import StatePools, state_avals, trace
+
+ACT_DTYPES = {"float32": "f32", "bfloat16": "bf16", "f32": "f32", "bf16": "bf16"}
+
+
+@dataclass
+class Sequence:
+    """One sequence's resources: its GDN state slot, its KV pages, and how many tokens it holds."""
+    slot: int
+    pages: list[int]
+    length: int = 0
+
+
+class ReferenceBackend:
+    def __init__(self, spec: ModelSpec, weights: dict, device: str = "cpu", dtype: str = "float32",
+                 kv_dtype: str | None = None, max_sequences: int = 2, max_context: int | None = None):
+        if dtype not in ACT_DTYPES:
+            raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
+        self.spec, self.device, self.act = spec, torch.device(device), ACT_DTYPES[dtype]
+        rt = spec.runtime
+        ctx = max_context or rt.max_context
+        per_seq = math.ceil(ctx / rt.page_size)
+        self.pools = StatePools(num_pages=per_seq * max_sequences, num_slots=max_sequences,
+                                pages_per_seq=per_seq, page_size=rt.page_size, kv_dtype=kv_dtype or self.act)
+        self.max_context = per_seq * rt.page_size
+        self.weights = {k: self._place(k, v) for k, v in weights.items()}
+        self.state = {name: torch.zeros(shape, dtype=TORCH_DTYPES[dt], device=self.device)
+                      for name, (shape, dt) in state_avals(spec, self.pools).items()}
+        self._free_slots = list(range(max_sequences))
+        self._free_pages = list(range(self.pools.num_pages))
+        self._graphs: dict = {}
+
+    def _place(self, name: str, w: torch.Tensor) -> torch.Tensor:
+        keep_fp32 = self.act == "f32" or name.endswith(("A_log", "dt_bias"))
+        return w.to(self.device, torch.float32 if keep_fp32 else torch.bfloat16)
+
+    def graph(self, entry: str, batch: int, tokens: int):
+        key = (entry, batch, tokens)
+        if key not in self._graphs:
+            self._graphs[key] = trace(self.spec, entry, batch, tokens, self.pools, self.act)
+        return self._graphs[key]
+
+    # ------------------------------------------------------------ sequences
+    def new_sequence(self) -> Sequence:
+        if not self._free_slots:
+            raise RuntimeError("reference backend: no free state slot (raise max_sequences)")
+        slot = self._free_slots.pop(0)
+        for name, t in self.state.items():
+            if name.startswith("gdn."):
+                t[slot].zero_()
+        return Sequence(slot=slot, pages=[])
+
+    def release(self, seq: Sequence) -> None:
+        self._free_slots.append(seq.slot)
+        self._free_pages.extend(seq.pages)
+        seq.pages.clear()
+
+    def _reserve(self, seq: Sequence, length: int) -> None:
+        if length > self.max_context:
+            raise ValueError(f"sequence of {length} tokens exceeds the context limit {self.max_context}")
+        need = math.ceil(length / self.pools.page_size) - len(seq.pages)
+        if need > len(self._free_pages):
+            raise RuntimeError("reference backend: out of KV pages")
+        for _ in range(max(0, need)):
+            seq.pages.append(self._free_pages.pop(0))
+
+    def _block_table(self, seqs: list[Sequence]) -> torch.Tensor:
+        rows = [s.pages + [0] * (self.pools.pages_per_seq - len(s.pages)) for s in seqs]
+        return torch.tensor(rows, dtype=torch.int32, device=self.device)
+
+    def _i32(self, values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=self.device)
+
+    # ------------------------------------------------------------ entry points
+    def run(self, entry: str, seqs: list[Sequence], tokens: list[list[int]], hidden=None, starts=None):
+        """One call of an entry point for B rows of T tokens each; advances main-model lengths."""
+        B, T = len(seqs), len(tokens[0])
+        starts = starts if starts is not None else [s.length for s in seqs]
+        for s, p in zip(seqs, starts):
+            self._reserve(s, p + T)
+        inputs = {"tokens": self._i32(tokens), "pos": self._i32(starts), "block_table": self._block_table(seqs)}
+        if entry == "mtp":
+            inputs["hidden"] = hidden
+        else:
+            inputs["slots"] = self._i32([s.slot for s in seqs])
+        out = run_graph(self.graph(entry, B, T), inputs, self.weights, self.state)
+        if entry != "mtp":
+            for s, p in zip(seqs, starts):
+                s.length = p + T
+        return out["logits"], out["hidden"]
+
+    def prefill(self, seq: Sequence, ids: list[int], chunk: int | None = None):
+        """Chunked prefill from the sequence's current length; returns logits [T, V] and hidden [T, H]."""
+        chunk = chunk or self.spec.runtime.prefill_chunk
+        logits, hidden = [], []
+        for i in range(0, len(ids), chunk):
+            lg, hd = self.run("prefill", [seq], [ids[i:i + chunk]])
+            logits.append(lg)
+            hidden.append(hd)
+        return torch.cat(logits), torch.cat(hidden)
+
+    def mtp(self, seq: Sequence, hidden: torch.Tensor, next_ids: list[int], start: int, chunk: int | None = None):
+        """MTP head over slots start.. (teacher-forced); fills the MTP layer's KV cache."""
+        chunk = chunk or self.spec.runtime.prefill_chunk
+        logits, normed = [], []
+        for i in range(0, len(next_ids), chunk):
+            lg, hd = self.run("mtp", [seq], [next_ids[i:i + chunk]], hidden[i:i + chunk], starts=[start + i])
+            logits.append(lg)
+            normed.append(hd)
+        return torch.cat(logits), torch.cat(normed)
