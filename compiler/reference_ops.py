@@ -95,7 +95,9 @@ def gdn_conv(c, w, history, slots):
     else:
         hist = history[slots.long().clamp(min=0)].to(c.dtype)
     full = torch.cat((hist, c.transpose(1, 2)), dim=-1)
-    out = F.silu(F.conv1d(full, w.to(c.dtype), groups=C)).transpose(1, 2)
+    taps = w.to(c.dtype).reshape(C, K)
+    acc = sum(taps[None, :, j, None] * full[:, :, j:j + T] for j in range(K))  # tap order fixed: j = 0..K-1
+    out = F.silu(acc).transpose(1, 2)
     if history is not None:
         rows = _valid(slots)
         history[slots[rows].long()] = full[rows, :, -(K - 1):].to(history.dtype)

@@ -106,7 +106,7 @@ def _resolve(path_or_spec) -> tuple[ModelSpec, dict, Path | None, str]:
     if path.is_dir():
         from .checkpoint import load_checkpoint
 
-        spec, tensors = load_checkpoint(path)
+        spec, tensors = load_checkpoint(path, require_mtp=False)
         return spec, tensors, path, str(path)
     if path.suffix in (".yaml", ".yml"):
         spec = load_spec(path)

@@ -1,0 +1,211 @@
+"""checkpoint: loads an HF safetensors checkpoint of the Qwen3.5 family into canonical tensor names,
+validated against the spec's tensor table, and applies the spec's quantisation recipe.
+
+Owns name mapping (prefixes, ignored vision tensors) and checkpoint errors; never touches a device.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
+
+from compiler.quant import QTensor, convert, dequantize
+from compiler.schema import SpecError
+from compiler.spec import FLOAT_FORMATS, MTPSpec, ModelSpec, format_of, spec_from_hf_config, tensor_table
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Names HF keeps outside the model prefix in every layout.
+UNPREFIXED = ("lm_head.", "mtp.")
+_MAX_LISTED = 10
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match its spec; the message names the directory, file or tensors."""
+
+
+def _listing(names: list[str]) -> str:
+    shown = ", ".join(names[:_MAX_LISTED])
+    more = len(names) - _MAX_LISTED
+    return f"{shown}, … and {more} more" if more > 0 else shown
+
+
+def _read_json(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise CheckpointError(f"{what} not found: {path}")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _checkpoint_dir(path: str | Path) -> Path:
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory not found: {path}")
+    return path
+
+
+def read_hf_config(path: str | Path) -> dict:
+    """The HF `config.json` of checkpoint directory `path`, as a dict."""
+    return _read_json(_checkpoint_dir(path) / "config.json", "config.json")
+
+
+def _shard_files(path: Path) -> list[Path]:
+    """model.safetensors, else the shards of the index, else every *.safetensors in the folder."""
+    if (path / SINGLE_FILE).is_file():
+        return [path / SINGLE_FILE]
+    index = path / INDEX_FILE
+    if index.is_file():
+        weight_map = _read_json(index, INDEX_FILE).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: expected a non-empty `weight_map` object")
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise CheckpointError(f"{index} names shard files that do not exist: {_listing(absent)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no safetensors files in {path} (expected {SINGLE_FILE}, {INDEX_FILE} "
+                              f"or *.safetensors)")
+    return files
+
+
+def canonical_name(key: str, spec: ModelSpec) -> str | None:
+    """The canonical name of checkpoint key `key`, or None when the spec says to ignore it."""
+    ck = spec.checkpoint
+    if key.startswith(ck.ignore_prefixes):
+        return None
+    if key.startswith(UNPREFIXED):
+        return key
+    for prefix in ck.prefixes:
+        if key.startswith(prefix):
+            return key[len(prefix):]
+    return key
+
+
+def _scan(files: list[Path], spec: ModelSpec) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
+    """Canonical name → (file, stored key, shape), reading only the safetensors headers."""
+    found: dict[str, tuple[Path, str, tuple[int, ...]]] = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():
+                    name = canonical_name(key, spec)
+                    if name is None:
+                        continue
+                    if name in found:
+                        raise CheckpointError(f"tensor {name!r} is stored twice: as {found[name][1]!r} in "
+                                              f"{found[name][0].name} and as {key!r} in {file.name}")
+                    found[name] = (file, key, tuple(f.get_slice(key).get_shape()))
+        except (SafetensorError, OSError) as err:
+            raise CheckpointError(f"cannot read safetensors file {file}: {err}") from None
+    return found
+
+
+def _without_mtp(spec: ModelSpec) -> ModelSpec:
+    model = dataclasses.replace(spec.model, mtp=MTPSpec(num_layers=0))
+    return dataclasses.replace(spec, model=model)
+
+
+def _reconcile(spec: ModelSpec, found: dict, path: Path, require_mtp: bool) -> ModelSpec:
+    """Drop tensors the spec does not use by design, settle the MTP question; returns the final spec."""
+    has_mtp = any(n.startswith("mtp.") for n in found)
+    if not spec.model.mtp.num_layers:
+        # A spec without MTP never runs the draft head, so stored MTP weights are simply not loaded.
+        for name in [n for n in found if n.startswith("mtp.")]:
+            del found[name]
+    elif not has_mtp:
+        if require_mtp:
+            mtp = [t.name for t in tensor_table(spec) if t.name.startswith("mtp.")]
+            raise CheckpointError(f"{path}: the spec has an MTP layer but the checkpoint has no mtp.* tensors "
+                                  f"(expected {_listing(mtp)}); load with require_mtp=False to run without it")
+        spec = _without_mtp(spec)
+    if spec.model.tie_word_embeddings:
+        found.pop("lm_head.weight", None)  # a tied head is the embedding; a stored copy is redundant
+    return spec
+
+
+def _validate(spec: ModelSpec, found: dict, path: Path) -> None:
+    table = tensor_table(spec)
+    expected = {t.name: t.shape for t in table}
+    missing = [t.name for t in table if t.name not in found]
+    unexpected = sorted(n for n in found if n not in expected)
+    wrong = [f"{n} (expected {list(expected[n])}, got {list(found[n][2])})"
+             for n in expected if n in found and found[n][2] != expected[n]]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing tensor(s): {_listing(missing)}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected tensor(s): {_listing(unexpected)}")
+    if wrong:
+        problems.append(f"{len(wrong)} tensor(s) with the wrong shape: {_listing(wrong)}")
+    if problems:
+        raise CheckpointError(f"checkpoint {path} does not match spec {spec.name!r}: " + "; ".join(problems))
+
+
+def _spec_for(path: Path) -> ModelSpec:
+    config = read_hf_config(path)
+    try:
+        return spec_from_hf_config(config, name=path.resolve().name)
+    except SpecError as err:
+        raise CheckpointError(f"{path / 'config.json'}: {err}") from None
+
+
+def load_checkpoint(path: str | Path, spec: ModelSpec | None = None,
+                    require_mtp: bool = True) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
+    """Load every tensor the spec needs as float32 CPU tensors keyed by canonical name.
+
+    The spec defaults to the one derived from `config.json`. With `require_mtp=False` a checkpoint
+    without mtp.* tensors loads, and the returned spec has no MTP layer.
+    """
+    path = _checkpoint_dir(path)
+    if spec is None:
+        spec = _spec_for(path)
+    files = _shard_files(path)
+    found = _scan(files, spec)
+    spec = _reconcile(spec, found, path, require_mtp)
+    _validate(spec, found, path)
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    for name, (file, key, _) in found.items():
+        by_file.setdefault(file, []).append((name, key))
+    tensors: dict[str, torch.Tensor] = {}
+    for file in tqdm(files, desc="loading shards", unit="file", disable=len(files) <= 2):
+        if file not in by_file:
+            continue
+        with safe_open(file, framework="pt") as f:
+            for name, key in by_file[file]:
+                tensors[name] = f.get_tensor(key).to(torch.float32)
+    return spec, {t.name: tensors[t.name] for t in tensor_table(spec)}
+
+
+def quantize_weights(spec: ModelSpec, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | QTensor]:
+    """Each tensor in the format its role gets from the spec's recipe: QTensor or a bf16/fp32 tensor."""
+    roles = {t.name: t for t in tensor_table(spec)}
+    out: dict[str, torch.Tensor | QTensor] = {}
+    for name, w in tensors.items():
+        if name not in roles:
+            raise CheckpointError(f"tensor {name!r} is not in the tensor table of spec {spec.name!r}")
+        fmt = format_of(spec, roles[name])
+        if fmt not in FLOAT_FORMATS and w.dim() != 2:
+            raise CheckpointError(f"tensor {name!r} of shape {list(w.shape)} cannot take the quantised format "
+                                  f"{fmt!r} (role {roles[name].role}): only 2-D matrices are quantised")
+        try:
+            out[name] = convert(w, fmt)
+        except ValueError as err:
+            raise CheckpointError(f"cannot convert tensor {name!r} to {fmt}: {err}") from None
+    return out
+
+
+def dequantized(tensors: dict[str, torch.Tensor | QTensor]) -> dict[str, torch.Tensor]:
+    """Float32 tensors for the reference backend, QTensors dequantised."""
+    return {name: dequantize(w) if isinstance(w, QTensor) else w.to(torch.float32)
+            for name, w in tensors.items()}

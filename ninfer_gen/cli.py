@@ -1,0 +1,146 @@
+"""cli: the `ninfer-gen` command — check, inspect, run. Turns every input error into one clear line
+(`error: ...`, exit 2), never a traceback; parses arguments and delegates, computing nothing itself."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import Counter
+
+from compiler.schema import SpecError
+
+EPILOG = """examples:
+  ninfer-gen run --prompt "def fibonacci(n):"        the small model shipped in models/
+  ninfer-gen run --weights <HF dir> --prompt "..."    any Qwen3.5/3.6/3.8 checkpoint
+  ninfer-gen check model_specs/qwen3.8-27b.yaml       validate a spec and print its sizes
+  ninfer-gen inspect model_specs/qwen3.8-tiny.yaml --entry step --batch 2 --tokens 4
+"""
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def cmd_check(args) -> int:
+    from compiler.spec import load_spec, summary
+
+    s = summary(load_spec(args.spec))
+    rows = [("model", s["name"]),
+            ("parameters", f"{s['parameters'] / 1e9:.3f} B" if s["parameters"] > 1e8 else f"{s['parameters']:,}"),
+            ("layers", ", ".join(f"{v} {k}" for k, v in s["layers"].items())),
+            ("bytes per quantised forward", _fmt_bytes(s["bytes_per_forward"])),
+            ("MTP bytes per draft step", _fmt_bytes(s["mtp_bytes_per_draft"])),
+            ("GDN state per sequence", _fmt_bytes(s["gdn_state_bytes_per_sequence"])),
+            ("conv history per sequence", _fmt_bytes(s["conv_history_bytes_per_sequence"])),
+            ("KV per token (bf16 / int8-g64)",
+             f"{_fmt_bytes(s['kv_bytes_per_token_bf16'])} / {_fmt_bytes(s['kv_bytes_per_token_int8'])}")]
+    print(f"{args.spec}: valid")
+    for k, v in rows:
+        print(f"  {k:<32} {v}")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from compiler.spec import load_spec
+    from compiler.trace import StatePools, trace
+
+    spec = load_spec(args.spec)
+    per_seq = -(-spec.runtime.max_context // spec.runtime.page_size)
+    pools = StatePools(per_seq * args.batch, args.batch, per_seq, spec.runtime.page_size, args.kv)
+    g = trace(spec, args.entry, args.batch, args.tokens, pools, args.act)
+    if args.stats:
+        counts = Counter(e.prim for e in g.eqns)
+        print(f"{g.name}: {len(g.eqns)} equations, {len(g.weights)} weights, {len(g.state)} state tensors")
+        for prim, n in counts.most_common():
+            print(f"  {prim:<18} {n}")
+    else:
+        print(g)
+    return 0
+
+
+def cmd_run(args) -> int:
+    import ninfer_gen
+    from .sampling import SamplingParams
+
+    model = ninfer_gen.load(args.weights, backend=args.backend, dtype=args.dtype, quantize=args.quantize,
+                            device=args.device)
+    tok = model.tokenizer
+    print(f"[model: {model.source}; backend: {args.backend} on {model.backend.device}; tokenizer: {tok.name}]",
+          file=sys.stderr)
+    ids = tok.encode(args.prompt)
+    if not ids:
+        raise ValueError("the prompt is empty")
+    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    t0 = time.perf_counter()
+    first = None
+    new: list[int] = []
+    shown = ""
+    sys.stdout.write(args.prompt)
+    for token in model.stream(ids, args.max_tokens, params, model.eos_ids):
+        first = first or time.perf_counter()
+        new.append(token)
+        text = tok.decode([t for t in new if t not in model.eos_ids])
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            sys.stdout.write(text[len(shown):])
+            sys.stdout.flush()
+            shown = text
+    end = time.perf_counter()
+    sys.stdout.write("\n")
+    decode_s = end - (first or end)
+    rate = (len(new) - 1) / decode_s if len(new) > 1 and decode_s > 0 else 0.0
+    print(f"[{len(ids)} prompt tokens, {len(new)} new tokens; time to first token "
+          f"{((first or end) - t0) * 1e3:.0f} ms; decode {rate:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ninfer-gen", description="A compiler-style inference engine for the "
+                                "Qwen3.5/3.8 hybrid family (Gated DeltaNet + gated attention + MTP).",
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    c = sub.add_parser("check", help="validate a model spec and print its sizes")
+    c.add_argument("spec", help="path to a model spec YAML")
+    c.set_defaults(func=cmd_check)
+    i = sub.add_parser("inspect", help="trace an entry point and print its graph IR")
+    i.add_argument("spec", help="path to a model spec YAML")
+    i.add_argument("--entry", choices=("prefill", "step", "mtp"), default="step")
+    i.add_argument("--batch", type=int, default=1, help="rows (cohort size); prefill needs 1")
+    i.add_argument("--tokens", type=int, default=1, help="tokens per row (1 = decode, K+1 = verify)")
+    i.add_argument("--act", choices=("f32", "bf16"), default="bf16", help="activation dtype")
+    i.add_argument("--kv", choices=("int8", "bf16", "f32"), default="int8", help="KV cache dtype")
+    i.add_argument("--stats", action="store_true", help="print equation counts instead of the graph")
+    i.set_defaults(func=cmd_inspect)
+    r = sub.add_parser("run", help="generate a completion for one prompt")
+    r.add_argument("--weights", help="HF checkpoint dir or spec YAML (random weights); "
+                   "default: the small model shipped in models/")
+    r.add_argument("--prompt", required=True)
+    r.add_argument("--max-tokens", type=int, default=96)
+    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    r.add_argument("--top-k", type=int, default=0)
+    r.add_argument("--top-p", type=float, default=1.0)
+    r.add_argument("--seed", type=int, default=None)
+    r.add_argument("--backend", default="reference", help="reference (the GPU backend is not built yet)")
+    r.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    r.add_argument("--quantize", action="store_true", help="apply the spec's weight quantisation recipe")
+    r.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    r.set_defaults(func=cmd_run)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (SpecError, ValueError, FileNotFoundError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
