@@ -66,6 +66,7 @@ def cmd_run(args) -> int:
     import ninfer_gen
     from .sampling import SamplingParams
 
+    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)  # validate before loading
     model = ninfer_gen.load(args.weights, backend=args.backend, dtype=args.dtype, quantize=args.quantize,
                             device=args.device)
     tok = model.tokenizer
@@ -74,7 +75,6 @@ def cmd_run(args) -> int:
     ids = tok.encode(args.prompt)
     if not ids:
         raise ValueError("the prompt is empty")
-    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     t0 = time.perf_counter()
     first = None
     new: list[int] = []

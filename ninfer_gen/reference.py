@@ -108,6 +108,7 @@ class ReferenceBackend:
     def prefill(self, seq: Sequence, ids: list[int], chunk: int | None = None):
         """Chunked prefill from the sequence's current length; returns logits [T, V] and hidden [T, H]."""
         chunk = chunk or self.spec.runtime.prefill_chunk
+        self._reserve(seq, seq.length + len(ids))  # fail before any work when it cannot fit
         logits, hidden = [], []
         for i in range(0, len(ids), chunk):
             lg, hd = self.run("prefill", [seq], [ids[i:i + chunk]])

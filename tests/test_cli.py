@@ -1,0 +1,49 @@
+"""CLI: check, inspect and run work, and bad input gives one `error:` line and exit code 2."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ninfer_gen.cli import main
+
+ROOT = Path(__file__).parent.parent
+TINY = str(ROOT / "model_specs" / "qwen3.8-tiny.yaml")
+
+
+def test_check_prints_the_27b_sizes(capsys):
+    assert main(["check", str(ROOT / "model_specs" / "qwen3.8-27b.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "27.321 B" in out and "144.0 MiB" in out and "48 linear_attention, 16 full_attention" in out
+
+
+def test_inspect_prints_the_graph(capsys):
+    assert main(["inspect", TINY, "--entry", "step", "--batch", "2", "--tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("graph qwen3.8-tiny.step") and "gdn_recurrence" in out
+
+
+def test_run_on_a_spec_streams_a_completion(capsys):
+    assert main(["run", "--weights", TINY, "--prompt", "abc", "--max-tokens", "5", "--device", "cpu"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("abc")
+    assert "5 new tokens" in captured.err and "tok/s" in captured.err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["check", "missing.yaml"], "spec file not found"),
+    (["run", "--weights", "no/such/dir.yaml", "--prompt", "x"], "spec file not found"),
+    (["run", "--weights", TINY, "--prompt", "x", "--backend", "gpu"], "not available"),
+    (["run", "--weights", TINY, "--prompt", "x", "--top-p", "0"], "top_p"),
+])
+def test_bad_input_is_one_clear_line(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and message in err and "Traceback" not in err
+
+
+def test_console_script_help_explains_commands():
+    out = subprocess.run([sys.executable, "-m", "ninfer_gen.cli", "--help"], capture_output=True, text=True,
+                         cwd=ROOT, check=True).stdout
+    for word in ("check", "inspect", "run", "examples"):
+        assert word in out
