@@ -161,3 +161,27 @@ def _paged_attention(q, block_table, pos, *cache, page_size, scale):
     _check(len(q.shape) == 4 and block_table.shape[0] == q.shape[0], f"paged_attention: {q} {block_table}")
     _check(q.shape[2] % cache[0].shape[2] == 0, f"paged_attention: heads {q} vs cache {cache[0]}")
     return [q]
+
+
+# ---------------------------------------------------------------- fused primitives (made by passes)
+
+@_prim("add_rmsnorm", ref.add_rmsnorm)
+def _add_rmsnorm(x, y, w, *, eps, offset):
+    _check(x.shape == y.shape and w.shape == (x.shape[-1],), f"add_rmsnorm: {x} {y} {w}")
+    return [x, x]
+
+
+PRIMS["silu_mul"] = Primitive("silu_mul", _same("silu_mul"), ref.silu_mul)
+
+
+@_prim("norm_rope", ref.norm_rope)
+def _norm_rope(x, w, pos, *, eps, offset, rotary_dim, theta):
+    _rmsnorm(x, w, eps=eps, offset=offset)
+    return _rope(x, pos, rotary_dim=rotary_dim, theta=theta)
+
+
+@_prim("gdn_step", ref.gdn_step, effectful=True)
+def _gdn_step(q, k, v, a, b, a_log, dt_bias, state, slots):
+    B, T, hv = v.shape[:3]
+    _check(a.shape == b.shape == (B * T, hv), f"gdn_step: raw gates {a} {b} for {v}")
+    return _gdn_recurrence(q, k, v, AVal((B, T, hv), "f32"), AVal((B, T, hv), "f32"), state, slots)

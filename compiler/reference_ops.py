@@ -240,3 +240,24 @@ def paged_attention(q, block_table, pos, *cache, page_size, scale):
         probs = torch.softmax(scores, dim=-1)
         out[b] = torch.einsum("htl,lhd->thd", probs, v.float()).to(q.dtype)
     return out
+
+
+# ---------------------------------------------------------------- fused primitives (compositions)
+
+def add_rmsnorm(x, y, w, *, eps, offset):
+    total = x + y
+    return total, rmsnorm(total, w, eps=eps, offset=offset)
+
+
+def silu_mul(a, b):
+    return F.silu(a) * b
+
+
+def norm_rope(x, w, pos, *, eps, offset, rotary_dim, theta):
+    return rope(rmsnorm(x, w, eps=eps, offset=offset), pos, rotary_dim=rotary_dim, theta=theta)
+
+
+def gdn_step(q, k, v, a, b, a_log, dt_bias, state, slots):
+    g, beta = gdn_gates(a, b, a_log, dt_bias)
+    shape = v.shape[:3]
+    return gdn_recurrence(q, k, v, g.reshape(shape), beta.reshape(shape), state, slots)

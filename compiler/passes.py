@@ -1,0 +1,142 @@
+"""passes: pure Graph → Graph rewrites in one ordered pipeline — the fusions that matter for decode
+(residual add + RMSNorm, q/k norm + RoPE, SiLU·mul, GDN gates into the recurrent step) and dead code.
+
+Each fused primitive's reference is the composition it replaces, so the interpreter checks every pass
+(fused graph == original graph). `NINFER_DEBUG=2` prints the graph after each pass.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from typing import Callable
+
+from .ir import Eqn, Graph, Var, typecheck
+from .prims import PRIMS
+
+Pass = Callable[[Graph], Graph]
+
+
+def _uses(g: Graph) -> dict[int, int]:
+    count: dict[int, int] = {}
+    for e in g.eqns:
+        for x in e.inputs:
+            if isinstance(x, Var):
+                count[x.uid] = count.get(x.uid, 0) + 1
+    for v in g.outputs.values():
+        count[v.uid] = count.get(v.uid, 0) + 1
+    return count
+
+
+def _producers(g: Graph) -> dict[int, int]:
+    return {o.uid: i for i, e in enumerate(g.eqns) for o in e.outputs}
+
+
+def _rewrite(g: Graph, match: Callable[[Graph, int, dict, dict], tuple[Eqn, set[int]] | None]) -> Graph:
+    """Walk equations; `match(g, i, uses, producers)` may return a fused equation placed at i and the
+    indices of the equations it absorbs."""
+    uses, prod = _uses(g), _producers(g)
+    dropped: set[int] = set()
+    out: list[Eqn] = []
+    for i, e in enumerate(g.eqns):
+        if i in dropped:
+            continue
+        hit = match(g, i, uses, prod)
+        if hit is None:
+            out.append(e)
+            continue
+        fused, absorbed = hit
+        dropped |= absorbed
+        out = [x for x in out if id(x) not in {id(g.eqns[j]) for j in absorbed}]
+        out.append(fused)
+    return replace(g, eqns=out)
+
+
+def _single_use_producer(g, var, prim, uses, prod) -> Eqn | None:
+    if not isinstance(var, Var) or uses.get(var.uid) != 1 or var.uid not in prod:
+        return None
+    e = g.eqns[prod[var.uid]]
+    return e if e.prim == prim else None
+
+
+def fuse_add_rmsnorm(g: Graph) -> Graph:
+    """add(x, y) followed by rmsnorm of the sum → one kernel giving both the sum and the norm."""
+    def match(g, i, uses, prod):
+        e = g.eqns[i]
+        if e.prim != "rmsnorm" or e.inputs[0].uid not in prod:
+            return None
+        j = prod[e.inputs[0].uid]
+        add = g.eqns[j]
+        total = add.outputs[0] if add.prim == "add" else None
+        if total is None or any(total in g.eqns[k].inputs for k in range(j + 1, i)):
+            return None  # the fused kernel runs at the norm's place: nothing between may read the sum
+        fused = Eqn("add_rmsnorm", [*add.inputs, e.inputs[1]], dict(e.params), [add.outputs[0], e.outputs[0]])
+        return fused, {j}
+    return _rewrite(g, match)
+
+
+def fuse_silu_mul(g: Graph) -> Graph:
+    def match(g, i, uses, prod):
+        e = g.eqns[i]
+        if e.prim != "mul":
+            return None
+        act = _single_use_producer(g, e.inputs[0], "silu", uses, prod)
+        if act is None:
+            return None
+        return Eqn("silu_mul", [act.inputs[0], e.inputs[1]], {}, e.outputs), {prod[e.inputs[0].uid]}
+    return _rewrite(g, match)
+
+
+def fuse_norm_rope(g: Graph) -> Graph:
+    def match(g, i, uses, prod):
+        e = g.eqns[i]
+        if e.prim != "rope":
+            return None
+        norm = _single_use_producer(g, e.inputs[0], "rmsnorm", uses, prod)
+        if norm is None:
+            return None
+        params = {**norm.params, **e.params}
+        return Eqn("norm_rope", [norm.inputs[0], norm.inputs[1], e.inputs[1]], params, e.outputs), \
+            {prod[e.inputs[0].uid]}
+    return _rewrite(g, match)
+
+
+def fuse_gdn_gates(g: Graph) -> Graph:
+    """gdn_gates → reshapes → gdn_recurrence: the step computes its own gates from raw a, b."""
+    def match(g, i, uses, prod):
+        e = g.eqns[i]
+        if e.prim != "gdn_recurrence":
+            return None
+        rg = _single_use_producer(g, e.inputs[3], "reshape", uses, prod)
+        rb = _single_use_producer(g, e.inputs[4], "reshape", uses, prod)
+        if rg is None or rb is None or rg.inputs[0].uid not in prod:
+            return None
+        gates = g.eqns[prod[rg.inputs[0].uid]]
+        if gates.prim != "gdn_gates" or rb.inputs[0] is not gates.outputs[1] or uses[gates.outputs[0].uid] != 1:
+            return None
+        q, k, v, _, _, state, slots = e.inputs
+        fused = Eqn("gdn_step", [q, k, v, *gates.inputs, state, slots], {}, e.outputs)
+        return fused, {prod[rg.inputs[0].uid], prod[e.inputs[3].uid], prod[e.inputs[4].uid]}
+    return _rewrite(g, match)
+
+
+def dead_code(g: Graph) -> Graph:
+    live = {v.uid for v in g.outputs.values()}
+    keep = []
+    for e in reversed(g.eqns):
+        if PRIMS[e.prim].effectful or any(o.uid in live for o in e.outputs):
+            keep.append(e)
+            live |= {x.uid for x in e.inputs if isinstance(x, Var)}
+    return replace(g, eqns=keep[::-1])
+
+
+PIPELINE: list[Pass] = [fuse_add_rmsnorm, fuse_silu_mul, fuse_norm_rope, fuse_gdn_gates, dead_code]
+
+
+def run_pipeline(g: Graph, passes: list[Pass] = PIPELINE) -> Graph:
+    debug = int(os.environ.get("NINFER_DEBUG", "0"))
+    for p in passes:
+        g = p(g)
+        typecheck(g)
+        if debug >= 2:
+            print(f"# after {p.__name__}\n{g}")
+    return g

@@ -1,0 +1,82 @@
+"""Passes: every fusion keeps the graph's results and state writes bit-identical, and fires where
+it should."""
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from compiler.interpret import run_graph
+from compiler.ir import AVal, Eqn, Var
+from compiler.passes import PIPELINE, dead_code, run_pipeline
+from compiler.reference_ops import TORCH_DTYPES
+from compiler.spec import load_spec
+from compiler.trace import StatePools, state_avals, trace
+from ninfer_gen.random_weights import random_weights
+
+SPEC = load_spec(Path(__file__).parent.parent / "model_specs" / "qwen3.8-tiny.yaml")
+POOLS = StatePools(num_pages=16, num_slots=2, pages_per_seq=8, kv_dtype="int8")
+
+
+def _state(seed):
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, (shape, dt) in state_avals(SPEC, POOLS).items():
+        t = torch.randn(shape, generator=gen) if dt == "f32" else torch.zeros(shape)
+        out[name] = t.to(TORCH_DTYPES[dt])
+    return out
+
+
+def _inputs(entry, batch, tokens):
+    gen = torch.Generator().manual_seed(1)
+    inp = {"tokens": torch.randint(0, 512, (batch, tokens), generator=gen, dtype=torch.int32),
+           "pos": torch.tensor([3, 70][:batch], dtype=torch.int32),
+           "block_table": torch.arange(batch * 8, dtype=torch.int32).reshape(batch, 8)}
+    if entry == "mtp":
+        inp["hidden"] = torch.randn(batch * tokens, 128, generator=gen)
+    else:
+        inp["slots"] = torch.arange(batch, dtype=torch.int32)
+    return inp
+
+
+@pytest.mark.parametrize("entry,batch,tokens", [("step", 2, 1), ("step", 2, 4), ("prefill", 1, 20), ("mtp", 2, 2)])
+def test_fused_graph_is_bit_identical(entry, batch, tokens):
+    g = trace(SPEC, entry, batch, tokens, POOLS)
+    fused = run_pipeline(g)
+    weights = random_weights(SPEC)
+    s1, s2 = _state(0), _state(0)
+    o1 = run_graph(g, _inputs(entry, batch, tokens), weights, s1)
+    o2 = run_graph(fused, _inputs(entry, batch, tokens), weights, s2)
+    for k in o1:
+        assert torch.equal(o1[k], o2[k]), k
+    for k in s1:
+        assert torch.equal(s1[k], s2[k]), k
+
+
+def test_fusions_fire_on_decode_graph():
+    g = run_pipeline(trace(SPEC, "step", 1, 1, POOLS))
+    counts = Counter(e.prim for e in g.eqns)
+    layers = SPEC.model.layers.count
+    assert counts["add_rmsnorm"] == 2 * layers  # residual+norm before every mixer/MLP, and the final norm
+    assert counts["silu_mul"] == layers
+    assert counts["gdn_step"] == 3 and counts["gdn_gates"] == 0 and counts["gdn_recurrence"] == 0
+    assert counts["norm_rope"] == 2 and counts["rope"] == 0
+    assert "silu" not in counts and "add" not in counts
+
+
+def test_dead_code_keeps_effects_and_drops_unused():
+    g = trace(SPEC, "step", 1, 1, POOLS)
+    x = g.inputs["pos"]
+    unused = Eqn("positions", [x], {"tokens": 1}, [Var(AVal((1,), "i32"))])
+    g.eqns.append(unused)
+    pruned = dead_code(g)
+    assert unused not in pruned.eqns
+    assert sum(e.prim == "kv_append" for e in pruned.eqns) == 1
+
+
+def test_pipeline_is_ordered_and_pure():
+    g = trace(SPEC, "step", 1, 1, POOLS)
+    before = str(g)
+    run_pipeline(g)
+    assert str(g) == before
+    assert PIPELINE[-1] is dead_code
