@@ -280,10 +280,6 @@ def spec_from_hf_config(config: dict | str | Path, name: str | None = None) -> M
 
 # ---------------------------------------------------------------- derived sizes
 
-FORMAT_BITS = {"q4g64": 4 + 16 / 64, "q5g64": 5 + 16 / 64, "q6g64": 6 + 16 / 64, "w8g32": 8 + 16 / 32,
-               "bf16": 16, "fp32": 32}
-
-
 @dataclass(frozen=True)
 class TensorInfo:
     name: str          # canonical checkpoint name without the model prefix, e.g. "layers.0.mlp.up_proj.weight"
@@ -353,29 +349,3 @@ def tensor_table(spec: ModelSpec) -> list[TensorInfo]:
 
 def format_of(spec: ModelSpec, info: TensorInfo) -> str:
     return getattr(spec.quantization, info.role)
-
-
-def summary(spec: ModelSpec) -> dict:
-    """Sizes that drive the design (MODEL.md §7), computed from the spec."""
-    a, g, at = spec.model, spec.model.linear_attention, spec.model.attention
-    table = tensor_table(spec)
-    params = sum(t.numel for t in table)
-    main = [t for t in table if not t.name.startswith("mtp.") and t.role != "embed"]
-    if a.tie_word_embeddings:  # the tied head is streamed through the embedding's format
-        main.append(TensorInfo("lm_head(tied)", (a.vocab_size, a.hidden_size), "embed"))
-    fwd_bytes = sum(t.numel * FORMAT_BITS[format_of(spec, t)] / 8 for t in main)
-    mtp_bytes = sum(t.numel * FORMAT_BITS[format_of(spec, t)] / 8 for t in table if t.name.startswith("mtp."))
-    n_gdn = sum(k == "linear_attention" for k in a.layers.kinds)
-    n_attn = a.layers.count - n_gdn
-    kv_values = 2 * at.num_kv_heads * at.head_dim
-    return {
-        "name": spec.name,
-        "parameters": params,
-        "layers": {"linear_attention": n_gdn, "full_attention": n_attn, "mtp": a.mtp.num_layers},
-        "bytes_per_forward": int(fwd_bytes),
-        "mtp_bytes_per_draft": int(mtp_bytes),
-        "gdn_state_bytes_per_sequence": n_gdn * g.num_value_heads * g.key_head_dim * g.value_head_dim * 4,
-        "conv_history_bytes_per_sequence": n_gdn * g.conv_dim * (g.conv_kernel - 1) * 2,
-        "kv_bytes_per_token_bf16": (n_attn + a.mtp.num_layers) * kv_values * 2,
-        "kv_bytes_per_token_int8": (n_attn + a.mtp.num_layers) * (kv_values + kv_values // 64 * 2),
-    }

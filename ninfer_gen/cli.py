@@ -13,6 +13,7 @@ EPILOG = """examples:
   ninfer-gen run --prompt "def fibonacci(n):"        the small model shipped in models/
   ninfer-gen run --weights <HF dir> --prompt "..."    any Qwen3.5/3.6/3.8 checkpoint
   ninfer-gen check model_specs/qwen3.8-27b.yaml       validate a spec and print its sizes
+  ninfer-gen plan model_specs/qwen3.8-27b.yaml --cohorts 8 --max-context 16384
   ninfer-gen inspect model_specs/qwen3.8-tiny.yaml --entry step --batch 2 --tokens 4
 """
 
@@ -26,7 +27,8 @@ def _fmt_bytes(n: float) -> str:
 
 
 def cmd_check(args) -> int:
-    from compiler.spec import load_spec, summary
+    from compiler.sizes import summary
+    from compiler.spec import load_spec
 
     s = summary(load_spec(args.spec))
     rows = [("model", s["name"]),
@@ -41,6 +43,27 @@ def cmd_check(args) -> int:
     print(f"{args.spec}: valid")
     for k, v in rows:
         print(f"  {k:<32} {v}")
+    return 0
+
+
+def cmd_plan(args) -> int:
+    import json
+
+    from compiler.spec import load_spec
+    from .memory_plan import GiB, parse_bytes, plan_memory
+
+    spec = load_spec(args.spec)
+    plan = plan_memory(spec, args.cohorts, args.max_context or spec.runtime.max_context,
+                       parse_bytes(args.vram_budget), args.draft, args.kv)
+    if args.json:
+        print(json.dumps(plan.to_json(), indent=2))
+        return 0
+    print(f"{spec.name}: {plan.cohort} lane(s), draft {plan.draft_tokens}, max context {plan.max_context}, "
+          f"{plan.kv_dtype} KV, budget {plan.budget / GiB:.2f} GiB")
+    for name, size in plan.rows():
+        print(f"  {name:<46} {size / GiB:8.3f} GiB")
+    print(f"  {'total':<46} {plan.total / GiB:8.3f} GiB")
+    print(f"  KV holds {plan.kv_tokens} tokens = {plan.kv_tokens // plan.cohort} per lane")
     return 0
 
 
@@ -105,6 +128,15 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check", help="validate a model spec and print its sizes")
     c.add_argument("spec", help="path to a model spec YAML")
     c.set_defaults(func=cmd_check)
+    pl = sub.add_parser("plan", help="split a VRAM budget into weights, state, arena and KV pool")
+    pl.add_argument("spec", help="path to a model spec YAML")
+    pl.add_argument("--cohorts", type=int, default=8, help="concurrent lanes (state slots)")
+    pl.add_argument("--max-context", type=int, default=None, help="tokens per lane (default: the spec's)")
+    pl.add_argument("--vram-budget", default="24GiB", help="device memory to plan for (default 24GiB = RTX 3090)")
+    pl.add_argument("--draft", type=int, default=None, help="MTP draft tokens (default: the spec's)")
+    pl.add_argument("--kv", choices=("int8", "bf16"), default=None, help="KV cache dtype (default: the spec's)")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pl.set_defaults(func=cmd_plan)
     i = sub.add_parser("inspect", help="trace an entry point and print its graph IR")
     i.add_argument("spec", help="path to a model spec YAML")
     i.add_argument("--entry", choices=("prefill", "step", "mtp"), default="step")

@@ -1,0 +1,115 @@
+"""memory_plan: one VRAM budget (default 24 GiB, the RTX 3090) split into weights, activation arena,
+graph pools, GDN state slots, ReplaySSM records, headroom and — from what is left — the KV pool.
+
+Pure arithmetic on the spec; runs on any machine. Does not fit → `MemoryPlanError` naming the overflow.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from compiler.sizes import record_bytes_per_token, summary
+from compiler.spec import ModelSpec
+
+GiB = 1024 ** 3
+MiB = 1024 ** 2
+CONTEXT_HEADROOM = 512 * MiB   # CUDA context, module images, allocator slack (outside our buffers)
+GRAPH_POOLS = 64 * MiB         # captured CUDA graphs' private pools, all buckets
+
+
+class MemoryPlanError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    budget: int
+    cohort: int
+    draft_tokens: int
+    max_context: int
+    kv_dtype: str
+    weights: int
+    activations: int
+    graph_pools: int
+    state_slots: int
+    records: int
+    headroom: int
+    kv_pool: int
+    kv_bytes_per_token: int
+    page_size: int
+
+    @property
+    def kv_pages(self) -> int:
+        return self.kv_pool // (self.kv_bytes_per_token * self.page_size)
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.kv_pages * self.page_size
+
+    @property
+    def total(self) -> int:
+        return (self.weights + self.activations + self.graph_pools + self.state_slots + self.records
+                + self.headroom + self.kv_pool)
+
+    def rows(self) -> list[tuple[str, int]]:
+        return [("weights", self.weights), ("activation arena", self.activations), ("graph pools", self.graph_pools),
+                (f"GDN state slots ({self.cohort})", self.state_slots),
+                (f"ReplaySSM records ({self.cohort} × {self.draft_tokens + 1} tokens)", self.records),
+                ("context headroom", self.headroom),
+                (f"KV pool ({self.kv_pages} pages = {self.kv_tokens} tokens)", self.kv_pool)]
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "kv_pages": self.kv_pages, "kv_tokens": self.kv_tokens, "total": self.total}
+
+
+def activation_bytes(spec: ModelSpec, cohort: int, draft: int) -> int:
+    """Largest live activations: a prefill chunk's widest intermediates (bf16) plus the logits of the
+    largest decode/verify bucket (fp32, target and draft)."""
+    a, g = spec.model, spec.model.linear_attention
+    q_rows = a.attention.num_heads * a.attention.head_dim * 2
+    per_token = 2 * a.intermediate_size + 2 * g.conv_dim + 4 * a.hidden_size + q_rows
+    rows = cohort * (draft + 1)
+    return spec.runtime.prefill_chunk * per_token * 2 + 2 * rows * a.vocab_size * 4
+
+
+def plan_memory(spec: ModelSpec, cohort: int, max_context: int, budget: int, draft: int | None = None,
+                kv_dtype: str | None = None) -> MemoryPlan:
+    if cohort <= 0 or max_context <= 0 or budget <= 0:
+        raise MemoryPlanError("cohort, max context and budget must be positive")
+    draft = spec.runtime.draft_tokens if draft is None else draft
+    kv_dtype = kv_dtype or spec.runtime.kv_dtype
+    s = summary(spec)
+    per_token = s["kv_bytes_per_token_int8" if kv_dtype == "int8" else "kv_bytes_per_token_bf16"]
+    fixed = dict(weights=s["weight_bytes"], activations=activation_bytes(spec, cohort, draft),
+                 graph_pools=GRAPH_POOLS,
+                 state_slots=cohort * (s["gdn_state_bytes_per_sequence"] + s["conv_history_bytes_per_sequence"]),
+                 records=cohort * (draft + 1) * record_bytes_per_token(spec) if draft else 0,
+                 headroom=CONTEXT_HEADROOM)
+    left = budget - sum(fixed.values())
+    plan = MemoryPlan(budget, cohort, draft, max_context, kv_dtype, kv_pool=max(0, left),
+                      kv_bytes_per_token=per_token, page_size=spec.runtime.page_size, **fixed)
+    need_pages = cohort * -(-max_context // plan.page_size)
+    if left <= 0 or plan.kv_pages < need_pages:
+        parts = ", ".join(f"{name} {size / GiB:.2f} GiB" for name, size in plan.rows()[:-1])
+        need = need_pages * plan.page_size * per_token
+        raise MemoryPlanError(
+            f"does not fit in {budget / GiB:.2f} GiB: {parts} leave {max(left, 0) / GiB:.2f} GiB for the KV "
+            f"cache, but {cohort} lane(s) × {max_context} tokens need {need / GiB:.2f} GiB "
+            f"({kv_dtype} KV, {per_token / 1024:.1f} KiB per token). Lower --max-context or --cohorts, "
+            f"or raise --vram-budget.")
+    return plan
+
+
+def parse_bytes(text: str) -> int:
+    """'24GiB', '22 GB', '512MiB' or a plain number of bytes."""
+    t = text.strip().replace(" ", "")
+    units = {"GiB": GiB, "MiB": MiB, "GB": 10 ** 9, "MB": 10 ** 6, "G": GiB, "M": MiB, "": 1}
+    for unit in sorted(units, key=len, reverse=True):
+        if t.endswith(unit) and unit:
+            number = t[: -len(unit)]
+            break
+    else:
+        unit, number = "", t
+    try:
+        return int(float(number) * units[unit])
+    except ValueError:
+        raise MemoryPlanError(f"cannot read a size from {text!r} (e.g. 24GiB, 22GB, 512MiB)") from None
