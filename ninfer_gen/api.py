@@ -19,7 +19,7 @@ from .sampling import Sampler, SamplingParams
 from .tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_MODEL = REPO / "models" / "qwen3.8-pycode-small"
+DEFAULT_MODEL = REPO / "models" / "qwen3.8-small-py"
 TINY_SPEC = REPO / "model_specs" / "qwen3.8-tiny.yaml"
 BACKENDS = ("reference",)
 
