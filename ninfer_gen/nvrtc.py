@@ -104,7 +104,9 @@ def compile_source(source: str, name: str, arch: str, options: list[str], *,
 
     `options` are the caller's extra options (includes, -std); the arch option is added here.
     """
+    # sm_XX gives a cubin for exactly that arch (what the runtime loads); compute_XX gives portable PTX.
     arch_opt = f"--gpu-architecture={'compute_' + arch[3:] if ptx else arch}"
+    # -v: ptxas reports registers, shared memory, stack and spills per entry (parsed into `resources`).
     opts = [arch_opt, *options] + ([] if ptx else ["--ptxas-options=-v"])
     t0 = time.perf_counter()
     prog = _check(nvrtc.nvrtcCreateProgram(source.encode(), f"{name}.cu".encode(), 0, [], []),
@@ -129,4 +131,5 @@ def compile_source(source: str, name: str, arch: str, options: list[str], *,
 
 
 def include_options(template_dir: str | Path) -> list[str]:
+    """cuda_bf16.h / cuda_fp16.h (NVRTC 13.0 ships none) and the templates' `common/*.cuh`."""
     return [f"-I{cuda_include_dir()}", f"-I{Path(template_dir).resolve()}"]

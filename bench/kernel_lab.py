@@ -1,0 +1,186 @@
+"""kernel_lab: per-family timings at the 27B shapes on the GPU, with bytes and FLOPs counted and the
+fraction of a device-to-device copy measured in the same run (CUDA events, median of 50 after warm-up,
+inputs rotated over copies bigger than L2). Writes JSON to --out and prints a short table last.
+
+  python -m bench.kernel_lab --out lab.json [--only gemv,gdn_step] [--iters 50]   (from the repo root)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from compiler.kernels import argmax, attn_decode, attn_prefill, gdn_conv, gdn_step, gemm, gemv, qk_rope_kv, rmsnorm
+from compiler.kernels.cases import make_case
+from compiler.kernels.weight_layout import device_bytes, pack_for_device, random_qmatrix
+from compiler.targets import lookup
+from ninfer_gen.cuda_module import KernelCache
+
+KERNELS = KernelCache(os.environ.get("NINFER_BUILD_DIR"), jobs=os.cpu_count())
+DEVICE = "cuda"
+
+
+def time_launches(runs, iters: int, warmup: int = 10) -> list[float]:
+    """Microseconds per iteration; iteration i replays runs[i % len(runs)] (a list of launchers)."""
+    for i in range(warmup):
+        for launcher in runs[i % len(runs)]:
+            launcher.launch()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    torch.cuda._sleep(100_000_000)       # keeps the GPU busy while the host queues every launch: no launch gaps
+    for i, (start, end) in enumerate(events):
+        start.record()
+        for launcher in runs[i % len(runs)]:
+            launcher.launch()
+        end.record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) * 1e3 for s, e in events]
+
+
+def copy_bandwidth(iters: int) -> float:
+    """GB/s of a device-to-device copy of 1 GiB (read + write counted)."""
+    src = torch.randn(256 * 2**20, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(5):
+        dst.copy_(src)
+    times = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        dst.copy_(src)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e-3)
+    return 2 * src.numel() * 4 / statistics.median(times) / 1e9
+
+
+def gemv_runs(fmt, n, k, ms, epilogue, out, target, l2, configs=None) -> list:
+    """Thunks, one per M (or per (M, config) in `configs`: the sweep; a config is a dict of key
+    fields to replace, e.g. {"warps": 8, "tiles": 2}), sharing one packed weight set (rotated copies
+    when smaller than 2×L2)."""
+    shared = {}
+
+    def weights():
+        if not shared:
+            g = torch.Generator(device=DEVICE).manual_seed(0)
+            copies = max(1, min(16, -(-2 * l2 // device_bytes(fmt, n, k))))
+            shared["w"] = [pack_for_device(random_qmatrix(fmt, n, k, g), gate_up=epilogue == "silu_mul")
+                           for _ in range(copies)]
+        return shared["w"]
+
+    def one(m, cfg=None):
+        key = gemv.make_key(fmt, n, k, m, target, epilogue, out)
+        key = replace(key, **cfg) if cfg else key
+        x = torch.randn(m, k, device=DEVICE).bfloat16()
+        res = torch.randn(m, n, device=DEVICE).bfloat16() if epilogue == "residual" else None
+        n_out = n // 2 if epilogue == "silu_mul" else n
+        y = torch.empty(m, n_out, device=DEVICE, dtype=torch.float32 if out == "f32" else torch.bfloat16)
+        nz = lambda t: t if t.numel() else None                           # noqa: E731
+        runs = [[KERNELS.bind(key, [y, x, w["lo"], nz(w["hi"]), nz(w["scales"]), res])] for w in weights()]
+        moved = device_bytes(fmt, n, k) + x.numel() * 2 + y.numel() * y.element_size() + \
+            (res.numel() * 2 if res is not None else 0)
+        return key, runs, moved, 2 * m * n * k
+    if configs:
+        return [lambda m=m, c=c: one(m, c) for m in ms for c in configs]
+    return [lambda m=m: one(m) for m in ms]
+
+
+def case_runs(key, l2, **options):
+    """A thunk: rotated copies of a random Case until the copies exceed 2×L2 (at most 32)."""
+    def build():
+        first = make_case(key, DEVICE, 0, **options)
+        copies = max(1, min(32, -(-2 * l2 // max(first.bytes, 1))))
+        cases = [first] + [make_case(key, DEVICE, i, **options) for i in range(1, copies)]
+        return key, [[KERNELS.bind(k, a) for k, a in c.launches] for c in cases], first.bytes, first.flops
+    return build
+
+
+def plan(target):
+    """(label, [thunk → (key, runs, bytes, flops)]) at the 27B shapes."""
+    l2, ms = target.l2_bytes, (1, 4, 8, 16, 32)
+    yield "gemv", gemv_runs("q4g64", 34816, 5120, ms, "silu_mul", "bf16", target, l2)
+    yield "gemv", gemv_runs("q4g64", 248320, 5120, ms, "none", "f32", target, l2)
+    yield "gemv", gemv_runs("w8g32", 248320, 5120, (1, 4, 32), "none", "f32", target, l2)
+    yield "gemv", gemv_runs("q5g64", 5120, 17408, (1, 8, 32), "residual", "bf16", target, l2)
+    yield "gemv", gemv_runs("q4g64", 10240, 5120, (1, 8, 32), "none", "bf16", target, l2)
+    steps = [gdn_step.make_key(16, 48, 128, 128, b, t, mode, target)
+             for b, t, mode in ((1, 1, "step"), (8, 1, "step"), (1, 4, "record"), (8, 4, "record"), (8, 4, "fold"),
+                                (1, 4, "commit_record"), (8, 4, "commit_record"))]
+    yield "gdn_step", [case_runs(k, l2) for k in steps]
+    convs = [gdn_conv.Key(10240, 1, 1, 4, "update", target.arch), gdn_conv.Key(10240, 8, 4, 4, "record", target.arch)]
+    yield "gdn_conv", [case_runs(k, l2) for k in convs]
+    attn = [(attn_decode.make_key(24, 4, 256, b, t, dt, 512, target), ctx)
+            for b, t, dt, ctx in ((1, 1, "int8", 4096), (1, 1, "int8", 32768), (1, 4, "int8", 4096),
+                                  (8, 1, "int8", 4096), (1, 1, "bf16", 4096), (1, 1, "bf16", 32768))]
+    yield "attn_decode", [case_runs(k, l2, ctx=ctx) for k, ctx in attn]
+    prefill = [(gemm.make_key("q4g64", 34816, 5120, 1024, target, "silu_mul"), {}),
+               (gemm.make_key("q5g64", 5120, 17408, 1024, target, "residual"), {}),
+               (attn_prefill.make_key(24, 4, 256, 1024, "int8", 512, target), {"ctx": 8192})]
+    yield "prefill", [case_runs(k, l2, **opt) for k, opt in prefill]
+    # (warps, tiles) of the decode GEMM; warps fixes the reduction order: per shape, never per M
+    sweep = [{"warps": w, "tiles": t} for w, t in ((4, 1), (8, 1), (4, 2), (8, 2))]
+    yield "sweep", gemv_runs("q4g64", 34816, 5120, (1, 8, 32), "silu_mul", "bf16", target, l2, sweep)
+    yield "sweep", gemv_runs("q5g64", 5120, 17408, (1, 8), "residual", "bf16", target, l2, sweep)
+    misc = [rmsnorm.Key(5120, 1, True, "bf16", 1e-6, target.arch), rmsnorm.Key(5120, 32, True, "bf16", 1e-6, target.arch),
+            qk_rope_kv.Key(24, 4, 256, 64, 8, 4, "int8", 64, 512, 1e-6, target.arch), argmax.Key(248320, 8, target.arch)]
+    yield "misc", [case_runs(k, l2) for k in misc]
+
+
+def measure(label, thunks, iters: int, copy_gbs: float) -> list[dict]:
+    """Rows for one plan group; a kernel that fails to build or run is recorded, not fatal."""
+    rows = []
+    for thunk in thunks:
+        name = label
+        try:
+            key, runs, moved, flops = thunk()
+            name = key.name
+            us = time_launches(runs, iters)
+        except Exception as err:
+            rows.append({"label": label, "name": name, "error": f"{type(err).__name__}: {err}"})
+            print(f"  {name}: FAILED {type(err).__name__}: {err}", flush=True)
+            continue
+        med = statistics.median(us)
+        rows.append({"label": label, "name": key.name, "family": key.family, "key": key.fields(),
+                     "bytes": moved, "flops": flops, "us_median": med, "us_min": min(us),
+                     "gbps": moved / med / 1e3, "frac_copy": moved / med / 1e3 / copy_gbs,
+                     "tflops": flops / med / 1e6, "launches": len(runs[0])})
+        print(f"  {key.name}: {med:.1f} us", flush=True)
+        del runs
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="kernel_lab.json")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--only", default="", help="comma-separated labels: gemv,gdn_step,gdn_conv,attn_decode,prefill,sweep,misc")
+    args = ap.parse_args(argv)
+    major, minor = torch.cuda.get_device_capability()
+    target = lookup(f"sm_{major}{minor}")
+    copy_gbs = copy_bandwidth(args.iters)
+    rows, t0 = [], time.time()
+    for label, items in plan(target):
+        if args.only and label not in args.only.split(","):
+            continue
+        rows += measure(label, items, args.iters, copy_gbs)
+    out = {"device": torch.cuda.get_device_name(), "target": target.name, "copy_gbps": copy_gbs,
+           "iters": args.iters, "seconds": time.time() - t0, "results": rows}
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(f"\ndevice {out['device']}  copy {copy_gbs:.0f} GB/s  (median of {args.iters}; JSON: {args.out})")
+    print(f"{'kernel':<62} {'us':>9} {'GB/s':>8} {'copy%':>6} {'TFLOP/s':>8}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['name'][:62]:<62} FAILED: {r['error'][:120]}")
+            continue
+        print(f"{r['name'][:62]:<62} {r['us_median']:>9.1f} {r['gbps']:>8.0f} {100 * r['frac_copy']:>6.1f} "
+              f"{r['tflops']:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""cases: fresh random inputs, argument lists, references and byte/FLOP counts for one kernel key.
+
+Used by the GPU tests (correctness, poisoned outputs) and bench/kernel_lab.py (timing). Pure torch on
+any device: no CUDA calls. A Case is a list of launches (key, args) — attention with splits adds its
+combine — plus the tensors each launch writes and a lazy reference.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from . import argmax, embed, gated_rmsnorm, gemv, rmsnorm
+from .weight_layout import device_bytes, pack_for_device, random_qmatrix
+
+
+@dataclass(frozen=True)
+class Tol:
+    """|actual − expected| ≤ atol·max(1, rms(expected)) + rtol·|expected| elementwise."""
+    atol: float
+    rtol: float
+
+
+TOLERANCES = {
+    "bf16": Tol(8e-3, 1.6e-2),      # one bf16 ulp is 2^-8 relative; accumulation order adds a little
+    "f32": Tol(1e-4, 2e-3),         # fp32 accumulation in a different order (K up to 17408), rsqrtf/expf
+    "state": Tol(1e-4, 1e-3),       # GDN fp32 state after up to a prefill chunk of updates
+    "exact": Tol(0.0, 0.0),         # integer outputs and copies
+    "kv": Tol(0.0, 0.0),            # int8 KV codes: compared dequantised, see compare()
+    "kv_scale": Tol(0.0, 2e-3),     # fp16 scale of a group whose amax moved by an ulp
+}
+
+
+@dataclass
+class Case:
+    launches: list                           # [(key, args)] in order
+    outputs: dict[str, torch.Tensor]         # pure outputs: poisoned (NaN / −1) before each run
+    inplace: dict[str, torch.Tensor]         # tensors updated in place (compared whole)
+    reference: Callable[[], dict]            # name → expected tensor (same shape as the output)
+    tol: dict[str, str]                      # name → TOLERANCES key
+    bytes: int = 0                           # bytes the launches must move (kernel lab)
+    flops: int = 0
+    row_mask: dict[str, torch.Tensor] = field(default_factory=dict)   # name → bool rows to compare
+
+    def poison(self) -> None:
+        for t in self.outputs.values():
+            t.fill_(float("nan") if t.is_floating_point() else -1)
+
+
+def randn(shape, g, dtype=torch.bfloat16, scale=1.0):
+    return (torch.randn(shape, generator=g, device=g.device) * scale).to(dtype)
+
+
+def _gemv(key: gemv.Key, g) -> Case:
+    dev = g.device
+    w = random_qmatrix(key.fmt, key.n, key.k, g)
+    packed = pack_for_device(w, gate_up=key.epilogue == "silu_mul")
+    x = randn((key.m, key.k), g)
+    res = randn((key.m, key.n), g) if key.epilogue == "residual" else None
+    n_out = key.n // 2 if key.epilogue == "silu_mul" else key.n
+    y = torch.empty(key.m, n_out, device=dev, dtype=torch.float32 if key.out_dtype == "f32" else torch.bfloat16)
+    nz = lambda t: t if t.numel() else None                               # noqa: E731
+    args = [y, x, packed["lo"], nz(packed["hi"]), nz(packed["scales"]), res]
+    moved = device_bytes(key.fmt, key.n, key.k) + x.numel() * 2 + y.numel() * y.element_size() + \
+        (res.numel() * 2 if res is not None else 0)
+    return Case([(key, args)], {"y": y}, {}, lambda: {"y": gemv.reference(key, x, w, res)},
+                {"y": key.out_dtype}, moved, 2 * key.m * key.n * key.k)
+
+
+def _rmsnorm(key: rmsnorm.Key, g) -> Case:
+    x, w = randn((key.m, key.h), g), randn((key.h,), g, scale=0.1)
+    delta = randn((key.m, key.h), g) if key.add else None
+    x0 = x.clone()
+    y = torch.empty(key.m, key.h, device=g.device, dtype=torch.float32 if key.out_dtype == "f32" else torch.bfloat16)
+
+    def ref():
+        yr, xr = rmsnorm.reference(key, x0, w, delta)
+        return {"y": yr, "x": xr}
+    moved = key.m * key.h * (2 + y.element_size() + (6 if key.add else 0)) + key.h * 2
+    return Case([(key, [y, x, delta, w])], {"y": y}, {"x": x} if key.add else {}, ref,
+                {"y": key.out_dtype, "x": "exact"}, moved, 4 * key.m * key.h)
+
+
+def _gated(key: gated_rmsnorm.Key, g) -> Case:
+    o = randn((key.m, key.hv, key.dv), g, torch.float32)
+    z, w = randn((key.m, key.hv * key.dv), g), randn((key.dv,), g)
+    y = torch.empty(key.m, key.hv * key.dv, device=g.device, dtype=torch.bfloat16)
+    return Case([(key, [y, o, z, w])], {"y": y}, {}, lambda: {"y": gated_rmsnorm.reference(key, o, z, w)},
+                {"y": "bf16"}, o.numel() * 8, 8 * o.numel())
+
+
+def _embed(key: embed.Key, g, vocab: int = 4096) -> Case:
+    table = random_qmatrix(key.fmt, vocab, key.h, g)
+    ids = torch.randint(0, vocab, (key.m,), generator=g, device=g.device, dtype=torch.int32)
+    y = torch.empty(key.m, key.h, device=g.device, dtype=torch.bfloat16)
+    codes, scales = (table, None) if key.fmt == "bf16" else (table.codes, table.scales)
+    per_row = key.h * (2 if key.fmt == "bf16" else 1) + (0 if key.fmt == "bf16" else key.h // 16) + key.h * 2
+    return Case([(key, [y, ids, codes, scales])], {"y": y}, {}, lambda: {"y": embed.reference(key, ids, table)},
+                {"y": "exact"}, key.m * per_row, 0)
+
+
+def _argmax(key: argmax.Key, g) -> Case:
+    logits = randn((key.m, key.v), g, torch.float32)
+    top = logits.max().item() + 1.0
+    for r in range(key.m):                        # plant a tie: the lower index must win
+        a, b = sorted(torch.randint(0, key.v, (2,), generator=g, device=g.device).tolist())
+        logits[r, a] = logits[r, b if a != b else min(b + 1, key.v - 1)] = top + r
+    out = torch.empty(key.m, device=g.device, dtype=torch.int32)
+    partial = torch.empty(key.m, argmax.slices(key), 2, device=g.device)
+    counters = torch.zeros(key.m, device=g.device, dtype=torch.int32)
+    return Case([(key, [out, logits, partial, counters])], {"out": out}, {"counters": counters},
+                lambda: {"out": argmax.reference(key, logits), "counters": torch.zeros_like(counters)},
+                {"out": "exact", "counters": "exact"}, logits.numel() * 4, logits.numel())
+
+
+BUILDERS = {"gemv": _gemv, "gemm": _gemv, "rmsnorm": _rmsnorm, "gated_rmsnorm": _gated, "embed": _embed, "argmax": _argmax}
+
+
+def make_case(key, device="cuda", seed: int = 0, **options) -> Case:
+    """Random inputs for `key` on `device`; options go to the family builder (e.g. ctx for attention)."""
+    from . import cases_seq
+    g = torch.Generator(device=device).manual_seed(seed)
+    builder = BUILDERS.get(key.family) or cases_seq.BUILDERS[key.family]
+    return builder(key, g, **options)

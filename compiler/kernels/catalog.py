@@ -1,0 +1,109 @@
+"""catalog: every kernel key a model spec needs: decode/verify buckets (B rows × T tokens, M = B·T) and
+one prefill chunk.
+
+A stand-in for the lead's Graph → Plan lowering, which will emit keys from the traced graph: until
+then this list drives `build_kernels` in tests and the kernel lab.
+"""
+from __future__ import annotations
+
+from ..targets import Target
+from . import (argmax, attn_combine, attn_decode, attn_prefill, embed, gated_rmsnorm, gdn_conv, gdn_step, gemm,
+               gemv, qk_rope_kv, rmsnorm)
+
+
+def buckets(cohorts, draft: int) -> list[tuple[int, int]]:
+    """(B, T) pairs: plain decode T = 1 and verify T = draft + 1, for every cohort size."""
+    ts = sorted({1, draft + 1}) if draft else [1]
+    return [(b, t) for b in sorted(set(cohorts)) for t in ts if b * t <= 32]
+
+
+def gemv_shapes(spec) -> list[tuple[str, int, int, str, str]]:
+    """(fmt, n, k, epilogue, out_dtype) of every matrix a decode/verify step multiplies."""
+    a, q = spec.model, spec.quantization
+    g, at, h, f = a.linear_attention, a.attention, a.hidden_size, a.intermediate_size
+    attn_in = at.num_heads * at.head_dim
+
+    def attention(fmt_q, fmt_k, fmt_v, fmt_o):
+        return [(fmt_q, 2 * attn_in if at.output_gate else attn_in, h, "none", "bf16"),
+                (fmt_k, at.num_kv_heads * at.head_dim, h, "none", "bf16"),
+                (fmt_v, at.num_kv_heads * at.head_dim, h, "none", "bf16"),
+                (fmt_o, h, attn_in, "residual", "bf16")]
+
+    def mlp(fmt_gu, fmt_d):
+        return [(fmt_gu, 2 * f, h, "silu_mul", "bf16"), (fmt_d, h, f, "residual", "bf16")]
+
+    shapes = [(q.gdn_qkv, g.conv_dim, h, "none", "bf16"), (q.gdn_z, g.value_dim, h, "none", "bf16"),
+              (q.gdn_ab, 2 * g.num_value_heads, h, "none", "f32"), (q.gdn_out, h, g.value_dim, "residual", "bf16")]
+    shapes += attention(q.attn_q, q.attn_k, q.attn_v, q.attn_o) + mlp(q.mlp_gate_up, q.mlp_down)
+    shapes.append((q.embed if a.tie_word_embeddings else q.lm_head, a.vocab_size, h, "none", "f32"))
+    if a.mtp.num_layers:
+        shapes.append((q.mtp, h, 2 * h, "none", "bf16"))
+        shapes += attention(q.mtp, q.mtp, q.mtp, q.mtp) + mlp(q.mtp, q.mtp)
+    return list(dict.fromkeys(shapes))
+
+
+def _row_keys(spec, m: int, target: Target) -> list:
+    a, eps, arch = spec.model, spec.model.rms_norm_eps, target.arch
+    g = a.linear_attention
+    keys = [gemv.make_key(fmt, n, k, m, target, epi, out) for fmt, n, k, epi, out in gemv_shapes(spec)]
+    keys += [rmsnorm.Key(a.hidden_size, m, add, "bf16", eps, arch) for add in (False, True)]
+    keys += [embed.Key(spec.quantization.embed, a.hidden_size, m, arch),
+             gated_rmsnorm.Key(g.num_value_heads, g.value_head_dim, m, eps, arch),
+             argmax.Key(a.vocab_size, m, arch)]
+    return keys
+
+
+def _bucket_keys(spec, b: int, t: int, target: Target) -> list:
+    a, arch = spec.model, target.arch
+    g, at, rt = a.linear_attention, a.attention, spec.runtime
+    max_pages = -(-rt.max_context // rt.page_size)
+    conv_mode = "update" if t == 1 else "record"
+    keys = [gdn_conv.Key(g.conv_dim, b, t, g.conv_kernel, conv_mode, arch),
+            gdn_step.make_key(g.num_key_heads, g.num_value_heads, g.key_head_dim, g.value_head_dim, b, t,
+                              "step" if t == 1 else "record", target),
+            qk_rope_kv.Key(at.num_heads, at.num_kv_heads, at.head_dim, at.rotary_dim, b, t, rt.kv_dtype,
+                           rt.page_size, max_pages, a.rms_norm_eps, arch)]
+    if t > 1:   # ReplaySSM: an eager fold after the round, or the fold fused into the next verify
+        for mode in ("fold", "commit_record"):
+            keys += [gdn_conv.Key(g.conv_dim, b, t, g.conv_kernel, mode, arch),
+                     gdn_step.make_key(g.num_key_heads, g.num_value_heads, g.key_head_dim, g.value_head_dim, b, t,
+                                       mode, target)]
+    dec = attn_decode.make_key(at.num_heads, at.num_kv_heads, at.head_dim, b, t, rt.kv_dtype, max_pages, target,
+                               at.output_gate, rt.page_size)
+    return keys + [dec] + ([attn_combine.for_decode(dec)] if dec.splits > 1 else [])
+
+
+def prefill_keys(spec, target: Target) -> list:
+    """Keys of one prefill chunk (M = chunk tokens of one sequence): the prefill GEMMs (the vocab
+    projection only runs at M = 1), norms, GDN conv and the sequential GDN step over the whole chunk
+    (the same state bits as decode), RoPE + KV append and the flash-style prefill attention.
+    Chunked (WY) GDN is not written yet."""
+    a, rt, arch = spec.model, spec.runtime, target.arch
+    g, at, chunk = a.linear_attention, a.attention, rt.prefill_chunk
+    max_pages = -(-rt.max_context // rt.page_size)
+    keys = [gemm.make_key(fmt, n, k, chunk, target, epi, out) for fmt, n, k, epi, out in gemv_shapes(spec)
+            if n != a.vocab_size]
+    keys += [rmsnorm.Key(a.hidden_size, chunk, add, "bf16", a.rms_norm_eps, arch) for add in (False, True)]
+    keys += [embed.Key(spec.quantization.embed, a.hidden_size, chunk, arch),
+             gated_rmsnorm.Key(g.num_value_heads, g.value_head_dim, chunk, a.rms_norm_eps, arch),
+             gdn_conv.Key(g.conv_dim, 1, chunk, g.conv_kernel, "update", arch),
+             gdn_step.make_key(g.num_key_heads, g.num_value_heads, g.key_head_dim, g.value_head_dim, 1, chunk,
+                               "step", target),
+             qk_rope_kv.Key(at.num_heads, at.num_kv_heads, at.head_dim, at.rotary_dim, 1, chunk, rt.kv_dtype,
+                            rt.page_size, max_pages, a.rms_norm_eps, arch)]
+    keys.append(attn_prefill.make_key(at.num_heads, at.num_kv_heads, at.head_dim, chunk, rt.kv_dtype, max_pages,
+                                      target, at.output_gate, rt.page_size))
+    return keys
+
+
+def spec_keys(spec, target: Target, cohorts=None, draft: int | None = None) -> list:
+    """Every kernel key of `spec` for `target`: decode/verify buckets (defaults: the spec's runtime
+    profile) and the prefill GEMMs."""
+    rt = spec.runtime
+    pairs = buckets(cohorts or rt.cohorts, rt.draft_tokens if draft is None else draft)
+    keys = []
+    for m in sorted({b * t for b, t in pairs}):
+        keys += _row_keys(spec, m, target)
+    for b, t in pairs:
+        keys += _bucket_keys(spec, b, t, target)
+    return list(dict.fromkeys(keys + prefill_keys(spec, target)))

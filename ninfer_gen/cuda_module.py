@@ -1,0 +1,130 @@
+"""cuda_module: loads built kernels (cubin, or PTX as a fallback) on torch's primary context and
+launches them on torch's current stream, so launches are captured by `torch.cuda.graph`.
+
+Arguments are packed once per `Launcher` (device addresses as uint64, ints as int32, floats as fp32).
+Import order matters (CUDA.md): torch first, then cuda.bindings. Never compiles.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch  # noqa: F401  (must precede any cuda.bindings work after cuInit)
+from cuda.bindings import driver as cu
+
+_CTYPES = {"ptr": ctypes.c_uint64, "i32": ctypes.c_int32, "f32": ctypes.c_float}
+_STATIC_SMEM_LIMIT = 48 * 1024
+
+
+class CudaError(RuntimeError):
+    pass
+
+
+def check(result, what: str):
+    """Unwrap a cuda.bindings result tuple, raising CudaError with the driver's message."""
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        _, msg = cu.cuGetErrorString(err)
+        raise CudaError(f"{what}: {err.name} ({msg.decode() if msg else '?'})")
+    return rest[0] if len(rest) == 1 else tuple(rest)
+
+
+def primary_context(device: int | None = None):
+    """Make torch's primary context current on this thread (torch creates it first)."""
+    device = torch.cuda.current_device() if device is None else device
+    torch.cuda.init()
+    torch.empty(1, device=f"cuda:{device}")             # forces torch's context into existence
+    check(cu.cuInit(0), "cuInit")
+    dev = check(cu.cuDeviceGet(device), "cuDeviceGet")
+    ctx = check(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+    check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    return ctx
+
+
+@dataclass
+class Kernel:
+    name: str
+    module: object
+    function: object
+
+    @classmethod
+    def load(cls, image: bytes | str | Path, entry: str, dynamic_smem: int = 0) -> "Kernel":
+        """`image`: cubin bytes, PTX text, or a path to either (a .ptx file is JIT-compiled by the driver)."""
+        primary_context()
+        if isinstance(image, (str, Path)):
+            path = Path(image)
+            image = path.read_bytes() + (b"\0" if path.suffix == ".ptx" else b"")
+        module = check(cu.cuModuleLoadData(image), f"cuModuleLoadData({entry})")
+        fn = check(cu.cuModuleGetFunction(module, entry.encode()), f"cuModuleGetFunction({entry})")
+        if dynamic_smem > _STATIC_SMEM_LIMIT:
+            attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            check(cu.cuFuncSetAttribute(fn, attr, dynamic_smem), f"cuFuncSetAttribute({entry})")
+        return cls(entry, module, fn)
+
+    def bind(self, params, args, launch) -> "Launcher":
+        return Launcher(self, params, args, launch)
+
+    def __call__(self, params, args, launch, stream: int | None = None) -> None:
+        self.bind(params, args, launch).launch(stream)
+
+
+def _value(arg):
+    """A tensor is passed by its device address; None is a null pointer."""
+    if arg is None:
+        return 0
+    if isinstance(arg, torch.Tensor):
+        return arg.data_ptr()
+    return arg
+
+
+class Launcher:
+    """One kernel with its arguments packed once (a void*[] of ctypes values); launch() is cheap."""
+
+    def __init__(self, kernel: Kernel, params, args, launch):
+        if len(params) != len(args):
+            raise ValueError(f"{kernel.name}: {len(params)} parameters, {len(args)} arguments")
+        self.kernel, self.launch_cfg = kernel, launch
+        self._values = [_CTYPES[p.kind](_value(a)) for p, a in zip(params, args)]
+        self._ptrs = (ctypes.c_void_p * len(self._values))(*[ctypes.addressof(v) for v in self._values])
+
+    def launch(self, stream: int | None = None) -> None:
+        g, b, smem = self.launch_cfg.grid, self.launch_cfg.block, self.launch_cfg.smem
+        stream = torch.cuda.current_stream().cuda_stream if stream is None else stream
+        check(cu.cuLaunchKernel(self.kernel.function, *g, *b, smem, stream, ctypes.addressof(self._ptrs), 0),
+              f"cuLaunchKernel({self.kernel.name})")
+
+
+class KernelCache:
+    """Kernels by key for one build root: compiles on a miss (unless no_jit) and loads each once."""
+
+    def __init__(self, root=None, jobs: int | None = None, no_jit: bool = False):
+        from compiler.build_cache import DEFAULT_ROOT
+        self.root, self.jobs, self.no_jit = Path(root or DEFAULT_ROOT), jobs, no_jit
+        self._built: dict = {}
+        self._loaded: dict = {}
+
+    def build(self, keys, ptx: bool = False) -> None:
+        from compiler.build_cache import build_kernels
+        todo = [k for k in dict.fromkeys(keys) if (k.name, ptx) not in self._built]
+        if todo:
+            summary = build_kernels(todo, jobs=self.jobs, root=self.root, ptx=ptx, no_jit=self.no_jit,
+                                    progress=False)
+            self._built.update({(b.key.name, ptx): b for b in summary.built})
+
+    def spilled(self) -> list[str]:
+        """Names of built kernels whose ptxas report shows spills."""
+        return [b.key.name for b in self._built.values() if b.meta["spill_stores"] or b.meta["spill_loads"]]
+
+    def get(self, key, ptx: bool = False) -> Kernel:
+        if (key.name, ptx) not in self._loaded:
+            self.build([key], ptx)
+            built = self._built[(key.name, ptx)]
+            self._loaded[(key.name, ptx)] = Kernel.load(built.ptx if ptx else built.cubin, key.name)
+        return self._loaded[(key.name, ptx)]
+
+    def bind(self, key, args, ptx: bool = False) -> Launcher:
+        """A launcher for `key` with `args` in the family's parameter order and its launch config."""
+        from compiler.kernels import module_of
+        mod = module_of(key)
+        return self.get(key, ptx).bind(mod.params(key), args, mod.launch(key))

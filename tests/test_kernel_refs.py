@@ -1,0 +1,183 @@
+"""CPU tests of the kernel side: device weight layout (round trip and a bit-level model of the gemv
+kernel), and every family's torch reference against a straightforward loop at tiny shapes."""
+import math
+
+import pytest
+import torch
+
+from compiler.kernels import (argmax, attn_decode, embed, gated_rmsnorm, gdn_conv, gdn_step, gemv,
+                              qk_rope_kv, rmsnorm)
+from compiler.kernels.weight_layout import FORMATS, dequantize, pack_for_device, random_qmatrix, unpack_from_device
+from compiler.targets import lookup
+from gemv_emulator import emulate
+
+T3090 = lookup("rtx3090")
+
+
+def gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("n,k,gate_up", [(6, 64, False), (48, 192, False), (32, 128, True), (80, 256, False)])
+def test_layout_round_trip(fmt, n, k, gate_up):
+    w = random_qmatrix(fmt, n, k, gen())
+    back = unpack_from_device(pack_for_device(w, gate_up=gate_up), fmt, n, k, gate_up=gate_up)
+    if fmt == "bf16":
+        assert torch.equal(back.view(torch.int16), w.view(torch.int16))
+    else:
+        assert torch.equal(back.codes, w.codes) and torch.equal(back.scales, w.scales)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_chunked_packing_equals_whole(fmt):
+    w = random_qmatrix(fmt, 72, 128, gen(3))
+    whole, chunked = pack_for_device(w, chunk_rows=4096), pack_for_device(w, chunk_rows=16)
+    assert all(torch.equal(whole[n], chunked[n]) for n in ("lo", "hi", "scales"))
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("m", [1, 3, 8, 17, 32])
+@pytest.mark.parametrize("epilogue", ["none", "residual", "silu_mul"])
+def test_gemv_emulated_kernel_matches_reference(fmt, m, epilogue):
+    n, k = (32, 128) if epilogue == "silu_mul" else (40, 128)
+    g = gen(m)
+    w = random_qmatrix(fmt, n, k, g)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    res = torch.randn(m, n, generator=g).to(torch.bfloat16) if epilogue == "residual" else None
+    key = gemv.make_key(fmt, n, k, m, T3090, epilogue, "f32")
+    y = emulate(fmt, pack_for_device(w, gate_up=epilogue == "silu_mul"), x, n, epilogue, res)
+    ref = gemv.reference(key, x, w, res).double().numpy()
+    assert abs(y - ref).max() <= 1e-4 * max(1.0, abs(ref).max())
+
+
+def test_gemv_reference_is_a_loop():
+    key = gemv.make_key("q4g64", 16, 64, 2, T3090)
+    w = random_qmatrix("q4g64", 16, 64, gen())
+    x = torch.randn(2, 64, generator=gen(1)).to(torch.bfloat16)
+    y = gemv.reference(key, x, w).float()
+    for r in range(2):
+        for n in range(16):
+            want = sum(float(x[r, c]) * float(w.codes[n, c]) * float(w.scales[n, c // 64]) for c in range(64))
+            assert abs(float(y[r, n]) - want) <= 1e-2 * max(1, abs(want))
+
+
+def test_rmsnorm_reference_is_a_loop():
+    key = rmsnorm.Key(64, 2, True, "f32", 1e-6, "sm_86")
+    x, d = (torch.randn(2, 64, generator=gen(i)).to(torch.bfloat16) for i in range(2))
+    w = torch.randn(64, generator=gen(2)).to(torch.bfloat16)
+    y, xn = rmsnorm.reference(key, x, w, d)
+    for r in range(2):
+        s = [float(torch.tensor(float(x[r, c]) + float(d[r, c])).to(torch.bfloat16)) for c in range(64)]
+        assert [float(v) for v in xn[r]] == s
+        inv = 1 / math.sqrt(sum(v * v for v in s) / 64 + 1e-6)
+        for c in range(64):
+            assert abs(float(y[r, c]) - s[c] * inv * (1 + float(w[c]))) < 1e-4
+
+
+def test_gated_rmsnorm_reference_is_a_loop():
+    key = gated_rmsnorm.Key(2, 32, 1, 1e-6, "sm_86")
+    o, z, w = torch.randn(1, 2, 32, generator=gen(0)), torch.randn(1, 64, generator=gen(1)).bfloat16(), \
+        torch.randn(32, generator=gen(2)).bfloat16()
+    y = gated_rmsnorm.reference(key, o, z, w)
+    for h in range(2):
+        inv = 1 / math.sqrt(sum(float(v) ** 2 for v in o[0, h]) / 32 + 1e-6)
+        for c in range(32):
+            zz = float(z[0, h * 32 + c])
+            want = float(o[0, h, c]) * inv * float(w[c]) * zz / (1 + math.exp(-zz))
+            assert abs(float(y[0, h * 32 + c]) - want) <= 1e-2 * max(1, abs(want))
+
+
+def test_embed_and_argmax_references():
+    table = random_qmatrix("w8g32", 10, 64, gen())
+    ids = torch.tensor([3, 0, 9], dtype=torch.int32)
+    y = embed.reference(embed.Key("w8g32", 64, 3, "sm_86"), ids, table)
+    assert torch.equal(y, (dequantize(table)[ids.long()]).bfloat16())
+    logits = torch.tensor([[1.0, 5.0, 5.0, -1.0], [0.0, 0.0, 0.0, 0.0]])
+    assert argmax.reference(argmax.Key(4, 2, "sm_86"), logits).tolist() == [1, 0]
+
+
+def test_gdn_conv_reference_is_a_loop():
+    c, b, t = 8, 2, 3
+    g = gen()
+    x = torch.randn(b, t, c, generator=g).bfloat16()
+    w = torch.randn(c, 4, generator=g).bfloat16()
+    hist = torch.randn(3, 3, c, generator=g).bfloat16()
+    slots = torch.tensor([2, -1], dtype=torch.int32)
+    y, h2 = gdn_conv.reference(gdn_conv.Key(c, b, t, 4, "update", "sm_86"), hist, slots, x, w)
+    for tt in range(t):
+        for ch in range(c):
+            cols = [float(hist[2, j, ch]) for j in range(3)] + [float(x[0, i, ch]) for i in range(t)]
+            acc = sum(float(w[ch, j]) * cols[tt + j] for j in range(4))
+            assert abs(float(y[0, tt, ch]) - acc / (1 + math.exp(-acc))) <= 1e-2 * max(1, abs(acc))
+    assert torch.equal(h2[2], x[0]) and torch.equal(h2[:2], hist[:2])
+    rec = torch.randn(b, t, c, generator=g).bfloat16()
+    _, h3 = gdn_conv.reference(gdn_conv.Key(c, b, t, 4, "fold", "sm_86"), hist, torch.tensor([1, 0]), rec=rec,
+                               commit=torch.tensor([1, 0]))
+    assert torch.equal(h3[1], torch.cat([hist[1, 1:], rec[0, :1]])) and torch.equal(h3[0], hist[0])
+
+
+def _gdn_inputs(key, g):
+    qkv = torch.randn(key.b, key.t, 2 * key.hk * key.dk + key.hv * key.dv, generator=g).bfloat16()
+    a, b = torch.randn(key.b, key.t, key.hv, generator=g), torch.randn(key.b, key.t, key.hv, generator=g)
+    a_log, dt = torch.rand(key.hv, generator=g), torch.randn(key.hv, generator=g) - 2
+    state = torch.randn(3, key.hv, key.dk, key.dv, generator=g) * 0.1
+    return qkv, a, b, a_log, dt, state
+
+
+def test_gdn_step_reference_is_a_loop_and_fold_replays_it():
+    key = gdn_step.Key(1, 2, 32, 32, 1, 3, "record", 1, "sm_86")
+    qkv, a, b, a_log, dt, state = _gdn_inputs(key, gen())
+    slots = torch.tensor([1], dtype=torch.int32)
+    o, s_after, rec = gdn_step.reference(key, state, slots, qkv, a, b, a_log, dt)
+    assert torch.equal(s_after, state)                                   # record never writes S0
+    S = state[1].double().clone()
+    for tt in range(3):
+        q, k = qkv[0, tt, :32].double(), qkv[0, tt, 32:64].double()
+        q, k = q / math.sqrt(float((q * q).sum()) + 1e-6) / math.sqrt(32), k / math.sqrt(float((k * k).sum()) + 1e-6)
+        for h in range(2):                                               # both v heads use k head 0
+            gg = -math.exp(float(a_log[h])) * math.log1p(math.exp(float(a[0, tt, h]) + float(dt[h])))
+            beta = 1 / (1 + math.exp(-float(b[0, tt, h])))
+            S[h] *= math.exp(gg)
+            u = S[h].T @ k
+            S[h] += torch.outer(k, beta * (qkv[0, tt, 64 + 32 * h:96 + 32 * h].double() - u))
+            assert torch.allclose(o[0, tt, h].double(), S[h].T @ q, atol=1e-4)
+    fold = gdn_step.Key(1, 2, 32, 32, 1, 3, "fold", 1, "sm_86")
+    _, folded, _ = gdn_step.reference(fold, state, slots, rec=rec, commit=torch.tensor([3]))
+    assert torch.allclose(folded[1].double(), S, atol=1e-4)
+    _, same, _ = gdn_step.reference(fold, state, slots, rec=rec, commit=torch.tensor([0]))
+    assert torch.equal(same, state)
+
+
+def test_rope_and_kv_quantisation_are_loops():
+    freqs = qk_rope_kv.inv_freq(1e7, 16)
+    assert torch.allclose(freqs, torch.tensor([1e7 ** (-2 * m / 16) for m in range(8)]), rtol=1e-6)
+    x = torch.randn(1, 1, 64, generator=gen())
+    y = qk_rope_kv.rope(x, torch.tensor([5]), freqs, 16)[0, 0]
+    for m in range(8):
+        c, s = math.cos(5 * float(freqs[m])), math.sin(5 * float(freqs[m]))
+        assert abs(float(y[m]) - (float(x[0, 0, m]) * c - float(x[0, 0, m + 8]) * s)) < 1e-5
+        assert abs(float(y[m + 8]) - (float(x[0, 0, m + 8]) * c + float(x[0, 0, m]) * s)) < 1e-5
+    assert torch.equal(y[16:], x[0, 0, 16:])
+    codes, scales = qk_rope_kv.quantize_kv(torch.cat([x[0, 0], torch.zeros(64)]))
+    sc = float(torch.tensor(float(x.abs().max()) / 127).half())
+    assert float(scales[0]) == sc and float(scales[1]) == 0 and not codes[64:].any()
+    assert all(int(codes[i]) == max(-127, min(127, round(float(x[0, 0, i]) / sc))) for i in range(64))
+
+
+def test_attention_reference_is_a_loop():
+    key = attn_decode.Key(4, 2, 64, 1, 2, "bf16", 64, 4, 1, True, "sm_86")
+    g = gen()
+    pages = {"k": torch.randn(4, 2, 64, 64, generator=g).bfloat16(), "v": torch.randn(4, 2, 64, 64, generator=g).bfloat16()}
+    table, lens = torch.tensor([[2, 0, 3, 1]], dtype=torch.int32), torch.tensor([70], dtype=torch.int32)
+    q = torch.randn(1, 2, 4, 64, generator=g).bfloat16()
+    gate = torch.randn(2, 4, 128, generator=g).bfloat16()
+    out = attn_decode.reference(key, q, gate, pages, table, lens)
+    for tt in range(2):
+        for h in range(4):
+            keys = range(70 - 2 + tt + 1)
+            kv = lambda name, n: pages[name][int(table[0, n // 64]), h // 2, n % 64].double()  # noqa: E731
+            sc = torch.tensor([float(q[0, tt, h].double() @ kv("k", n)) / 8 for n in keys])
+            p = torch.softmax(sc, 0)
+            o = sum(p[i] * kv("v", n) for i, n in enumerate(keys)) * torch.sigmoid(gate[tt, h, 64:].double())
+            assert torch.allclose(out[0, tt, h].double(), o, atol=2e-2, rtol=2e-2)

@@ -1,0 +1,117 @@
+"""CPU tier: every kernel family renders and compiles with NVRTC, with zero spills, for the 27B and
+tiny specs (decode/verify buckets, M ∈ {1, 2, 4, 8, 16, 32}) on sm_86 and sm_90 and a sample on sm_80
+and sm_89; a warm rebuild compiles nothing; NVRTC errors name the rendered file; the cache layout."""
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from compiler import codegen
+from compiler.build_cache import KernelCacheMiss, build_kernels
+from compiler.kernels import FAMILY_MODULES, catalog, gemv, module_of, rmsnorm
+from compiler.kernels.cases import make_case
+from compiler.spec import load_spec
+from compiler.targets import TargetError, lookup, resolve
+from ninfer_gen.nvrtc import KernelCompileError, parse_ptxas
+
+ROOT = Path(__file__).resolve().parent.parent
+SPECS = {name: load_spec(ROOT / f"model_specs/qwen3.8-{name}.yaml") for name in ("27b", "tiny")}
+
+
+def _spec_keys(arch: str) -> list:
+    target = lookup(arch)
+    keys = catalog.spec_keys(SPECS["27b"], target) + catalog.spec_keys(SPECS["tiny"], target)
+    a = SPECS["27b"].model
+    keys += [gemv.make_key("q6g64", a.hidden_size, a.intermediate_size, m, target, "residual") for m in (1, 32)]
+    return keys
+
+
+@pytest.fixture(scope="module")
+def build_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("build")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["sm_86", "sm_90"])
+def test_every_kernel_compiles_without_spills(build_root, arch):
+    keys = _spec_keys(arch)
+    assert {k.family for k in keys} == set(FAMILY_MODULES)
+    assert {k.m for k in keys if k.family == "gemv"} == {1, 2, 4, 8, 16, 32}
+    cold = build_kernels(keys, jobs=2, root=build_root, progress=False)
+    spilled = [b.key.name for b in cold.built if b.meta["spill_stores"] or b.meta["spill_loads"]]
+    assert not spilled and cold.spills == 0, f"spills in {spilled}"
+    print(f"\n{arch} cold: {cold.table()}")
+    warm = build_kernels(keys, jobs=2, root=build_root, progress=False)
+    assert warm.compiled == 0 and warm.cached == warm.kernels == cold.kernels
+    print(f"{arch} warm: {warm.table()}")
+    for b in cold.built:           # launch configs fit the card's limits
+        cfg = module_of(b.key).launch(b.key, lookup(arch))
+        assert cfg.block[0] * cfg.block[1] * cfg.block[2] <= 1024 and b.meta["smem_bytes"] <= 48 * 1024
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["sm_80", "sm_89"])
+def test_sample_compiles_on_other_archs(build_root, arch):
+    keys = [k for k in _spec_keys(arch) if getattr(k, "m", None) in (None, 1, 32) or k.family == "gemm"]
+    keys = list({k.family + str(i % 3): k for i, k in enumerate(keys)}.values())   # ≤ 3 per family
+    summary = build_kernels(keys, jobs=2, root=build_root, progress=False)
+    assert summary.spills == 0 and {k.family for k in keys} == set(FAMILY_MODULES)
+
+
+def test_cache_folder_meta_and_no_jit(tmp_path):
+    key = rmsnorm.Key(128, 2, True, "bf16", 1e-6, "sm_86")
+    with pytest.raises(KernelCacheMiss):
+        build_kernels([key], root=tmp_path, no_jit=True, progress=False)
+    built = build_kernels([key], root=tmp_path, jobs=1, ptx=True, progress=False).built[0]
+    assert built.dir.parent == tmp_path / "sm_86" / "rmsnorm" and built.dir.name.startswith(key.name + "-")
+    assert {p.name for p in built.dir.iterdir()} == {"kernel.cu", "kernel.cubin", "kernel.ptx", "meta.json", "nvrtc.log"}
+    meta = json.loads((built.dir / "meta.json").read_text())
+    assert meta["key"] == key.fields() and meta["nvrtc_version"].startswith("13.0") and meta["registers"] > 0
+    src = (built.dir / "kernel.cu").read_text()
+    assert src.startswith(f"// kernel: {key.name}\n// key: ") and f"// hash: {built.dir.name[-12:]}" in src
+    assert f"#define KERNEL_NAME {key.name}" in src and b".target sm_86" in (built.dir / "kernel.ptx").read_bytes()
+    assert build_kernels([key], root=tmp_path, no_jit=True, progress=False).compiled == 0
+    other = replace(key, eps=1e-5)
+    assert codegen.render(other, "13.0").hash != codegen.render(key, "13.0").hash
+
+
+def test_compile_error_names_the_rendered_file(tmp_path, monkeypatch):
+    key = rmsnorm.Key(128, 1, False, "bf16", 1e-6, "sm_86")
+    real = codegen.render
+
+    def broken(k, v):
+        r = real(k, v)
+        return replace(r, source=r.source + "\nthis is not C++;\n")
+    monkeypatch.setattr(codegen, "render", broken)
+    with pytest.raises(KernelCompileError) as err:
+        build_kernels([key], root=tmp_path, jobs=1, progress=False)
+    assert "kernel.cu" in str(err.value) and "error" in str(err.value) and Path(err.value.source_path).exists()
+
+
+def test_targets_and_arch_lookup():
+    t = lookup("rtx3090")
+    assert (t.arch, t.sms, t.bandwidth_gbs, t.l2_bytes) == ("sm_86", 82, 936.0, 6 * 2**20)
+    assert resolve(arch="sm_90").arch == "sm_90" and resolve("a100").arch == "sm_80"
+    assert lookup("sm_87").arch == "sm_87"
+    with pytest.raises(TargetError, match="unknown target"):
+        lookup("gtx1080")
+    with pytest.raises(TargetError, match="unsupported arch"):
+        resolve(arch="sm_75")
+
+
+def test_ptxas_report_parsing():
+    log = ("ptxas info    : Compiling entry function 'k' for 'sm_86'\nptxas info    : Function properties for k\n"
+           "ptxas         .     8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads\n"
+           "ptxas info    : Used 40 registers, used 1 barriers, 2048 bytes smem, 368 bytes cmem[0]\n")
+    r = parse_ptxas(log)["k"]
+    assert (r.registers, r.smem_bytes, r.stack_bytes, r.spills) == (40, 2048, 8, 8)
+
+
+def test_every_key_has_matching_params_and_args():
+    """Launch argument lists built by the cases match each family's parameter list (tiny, on CPU)."""
+    for key in catalog.spec_keys(SPECS["tiny"], lookup("rtx3090")):
+        if key.family == "attn_combine":
+            continue
+        for k, args in make_case(key, "cpu").launches:
+            assert len(args) == len(module_of(k).params(k)), k.name
