@@ -101,19 +101,23 @@ def lm_head_name(spec: ModelSpec) -> str:
     return "embed_tokens.weight" if spec.model.tie_word_embeddings else "lm_head.weight"
 
 
-def forward(ops: Ops, spec: ModelSpec, W, tokens, batch: Batch):
-    """Main model over tokens [B, T] → (logits [N, vocab], final-norm hidden [N, hidden])."""
+def forward(ops: Ops, spec: ModelSpec, W, tokens, batch: Batch, last_logits: bool = False):
+    """Main model over tokens [B, T] → (logits [N, vocab], final-norm hidden [N, hidden]).
+    `last_logits` (one-row prefill for serving): logits of the last token only, [1, vocab]."""
     a = spec.model
-    x = ops.embed(ops.reshape(tokens, batch.B * batch.T), W("embed_tokens.weight"))
+    N = batch.B * batch.T
+    x = ops.embed(ops.reshape(tokens, N), W("embed_tokens.weight"))
     for i, kind in enumerate(a.layers.kinds):
         x = decoder_layer(ops, spec, W, f"layers.{i}.", kind, x, batch, i)
     y = ops.rmsnorm(x, W("norm.weight"), a.rms_norm_eps)
-    return ops.linear(y, W(lm_head_name(spec))), y
+    head_in = ops.slice(y, 0, N - 1, N) if last_logits else y
+    return ops.linear(head_in, W(lm_head_name(spec))), y
 
 
-def mtp_forward(ops: Ops, spec: ModelSpec, W, hidden, next_tokens, batch: Batch):
+def mtp_forward(ops: Ops, spec: ModelSpec, W, hidden, next_tokens, batch: Batch, last_logits: bool = False):
     """MTP head: slot i takes final-norm hidden y_i and token x_{i+1} at RoPE position i and
-    predicts x_{i+2} → (logits [N, vocab], normed MTP output [N, hidden] for chained drafts)."""
+    predicts x_{i+2} → (logits [N, vocab], normed MTP output [N, hidden] for chained drafts).
+    `last_logits`: over a prompt the MTP pass only fills its KV cache; the last slot drafts."""
     eps = spec.model.rms_norm_eps
     e = ops.embed(ops.reshape(next_tokens, batch.B * batch.T), W("embed_tokens.weight"))
     e = ops.rmsnorm(e, W("mtp.pre_fc_norm_embedding.weight"), eps)
@@ -121,7 +125,9 @@ def mtp_forward(ops: Ops, spec: ModelSpec, W, hidden, next_tokens, batch: Batch)
     u = ops.linear(ops.concat([e, n], axis=1), W("mtp.fc.weight"))
     u = decoder_layer(ops, spec, W, "mtp.layers.0.", "full_attention", u, batch, "mtp")
     y = ops.rmsnorm(u, W("mtp.norm.weight"), eps)
-    return ops.linear(y, W(lm_head_name(spec))), y
+    N = batch.B * batch.T
+    head_in = ops.slice(y, 0, N - 1, N) if last_logits else y
+    return ops.linear(head_in, W(lm_head_name(spec))), y
 
 
 def reference_forward(spec: ModelSpec, params: dict, tokens, with_mtp: bool = True) -> dict:

@@ -1,5 +1,6 @@
 """passes: pure Graph → Graph rewrites in one ordered pipeline — the fusions that matter for decode
-(residual add + RMSNorm, q/k norm + RoPE, SiLU·mul, GDN gates into the recurrent step) and dead code.
+(residual add into the projection's epilogue or into RMSNorm, SiLU·mul into a fused gate/up GEMV,
+q/k norm + RoPE, GDN gates into the recurrent step, the output gate into attention) and dead code.
 
 Each fused primitive's reference is the composition it replaces, so the interpreter checks every pass
 (fused graph == original graph). `NINFER_DEBUG=2` prints the graph after each pass.
@@ -36,19 +37,18 @@ def _rewrite(g: Graph, match: Callable[[Graph, int, dict, dict], tuple[Eqn, set[
     indices of the equations it absorbs."""
     uses, prod = _uses(g), _producers(g)
     dropped: set[int] = set()
-    out: list[Eqn] = []
+    out: list[tuple[int, Eqn]] = []
     for i, e in enumerate(g.eqns):
         if i in dropped:
             continue
         hit = match(g, i, uses, prod)
         if hit is None:
-            out.append(e)
+            out.append((i, e))
             continue
         fused, absorbed = hit
         dropped |= absorbed
-        out = [x for x in out if id(x) not in {id(g.eqns[j]) for j in absorbed}]
-        out.append(fused)
-    return replace(g, eqns=out)
+        out.append((i, fused))
+    return replace(g, eqns=[e for i, e in out if i not in dropped])
 
 
 def _single_use_producer(g, var, prim, uses, prod) -> Eqn | None:
@@ -56,6 +56,53 @@ def _single_use_producer(g, var, prim, uses, prod) -> Eqn | None:
         return None
     e = g.eqns[prod[var.uid]]
     return e if e.prim == prim else None
+
+
+def fuse_linear_residual(g: Graph) -> Graph:
+    """add(x, linear(h, W)) → the projection's epilogue adds the residual (o_proj, out_proj, down)."""
+    def match(g, i, uses, prod):
+        e = g.eqns[i]
+        if e.prim != "add":
+            return None
+        lin = _single_use_producer(g, e.inputs[1], "linear", uses, prod)
+        if lin is None:
+            return None
+        return Eqn("linear_residual", [*lin.inputs, e.inputs[0]], {}, e.outputs), {prod[e.inputs[1].uid]}
+    return _rewrite(g, match)
+
+
+def fuse_gate_up(g: Graph) -> Graph:
+    """silu_mul(linear(h, Wg), linear(h, Wu)) → one GEMV over the fused [gate; up] weight."""
+    def match(g, i, uses, prod):
+        e = g.eqns[i]
+        if e.prim != "silu_mul":
+            return None
+        gate = _single_use_producer(g, e.inputs[0], "linear", uses, prod)
+        up = _single_use_producer(g, e.inputs[1], "linear", uses, prod)
+        if gate is None or up is None or gate.inputs[0] is not up.inputs[0]:
+            return None
+        fused = Eqn("linear_silu_mul", [gate.inputs[0], gate.inputs[1], up.inputs[1]], {}, e.outputs)
+        return fused, {prod[e.inputs[0].uid], prod[e.inputs[1].uid]}
+    return _rewrite(g, match)
+
+
+def fuse_output_gate(g: Graph) -> Graph:
+    """mul(reshape(paged_attention(q, ...)), sigmoid(gate)) → attention applies the gate in its epilogue."""
+    def match(g, i, uses, prod):
+        e = g.eqns[i]
+        if e.prim != "mul":
+            return None
+        flat = _single_use_producer(g, e.inputs[0], "reshape", uses, prod)
+        sig = _single_use_producer(g, e.inputs[1], "sigmoid", uses, prod)
+        if flat is None or sig is None:
+            return None
+        attn = _single_use_producer(g, flat.inputs[0], "paged_attention", uses, prod)
+        if attn is None:
+            return None
+        q, bt, pos, *cache = attn.inputs
+        fused = Eqn("gated_paged_attention", [q, sig.inputs[0], bt, pos, *cache], dict(attn.params), e.outputs)
+        return fused, {prod[flat.inputs[0].uid], prod[e.inputs[0].uid], prod[e.inputs[1].uid]}
+    return _rewrite(g, match)
 
 
 def fuse_add_rmsnorm(g: Graph) -> Graph:
@@ -129,7 +176,8 @@ def dead_code(g: Graph) -> Graph:
     return replace(g, eqns=keep[::-1])
 
 
-PIPELINE: list[Pass] = [fuse_add_rmsnorm, fuse_silu_mul, fuse_norm_rope, fuse_gdn_gates, dead_code]
+PIPELINE: list[Pass] = [fuse_linear_residual, fuse_add_rmsnorm, fuse_silu_mul, fuse_gate_up, fuse_norm_rope,
+                        fuse_gdn_gates, fuse_output_gate, dead_code]
 
 
 def run_pipeline(g: Graph, passes: list[Pass] = PIPELINE) -> Graph:

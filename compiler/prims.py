@@ -30,38 +30,39 @@ def _prim(name: str, reference: Callable, effectful: bool = False):
     return register
 
 
-def _check(cond: bool, msg: str) -> None:
+def _check(cond: bool, msg) -> None:
+    """`msg` is a string or a function making one: passing checks build no text (typecheck is hot)."""
     if not cond:
-        raise TypeError(msg)
+        raise TypeError(msg() if callable(msg) else msg)
 
 
 @_prim("embed", ref.embed)
 def _embed(ids, table, *, dtype):
-    _check(ids.dtype == "i32" and len(ids.shape) == 1, f"embed: ids must be i32[N], got {ids}")
+    _check(ids.dtype == "i32" and len(ids.shape) == 1, lambda: f"embed: ids must be i32[N], got {ids}")
     return [AVal((ids.shape[0], table.shape[1]), dtype)]
 
 
 @_prim("linear", ref.linear)
 def _linear(x, w):
-    _check(len(x.shape) == 2 and x.shape[1] == w.shape[1], f"linear: x {x} does not match weight {w}")
+    _check(len(x.shape) == 2 and x.shape[1] == w.shape[1], lambda: f"linear: x {x} does not match weight {w}")
     return [AVal((x.shape[0], w.shape[0]), x.dtype)]
 
 
 @_prim("rmsnorm", ref.rmsnorm)
 def _rmsnorm(x, w, *, eps, offset):
-    _check(w.shape == (x.shape[-1],), f"rmsnorm: weight {w} does not match {x}")
+    _check(w.shape == (x.shape[-1],), lambda: f"rmsnorm: weight {w} does not match {x}")
     return [x]
 
 
 @_prim("gated_rmsnorm", ref.gated_rmsnorm)
 def _gated_rmsnorm(x, z, w, *, eps):
-    _check(x.shape == z.shape and w.shape == (x.shape[-1],), f"gated_rmsnorm: {x}, {z}, {w}")
+    _check(x.shape == z.shape and w.shape == (x.shape[-1],), lambda: f"gated_rmsnorm: {x}, {z}, {w}")
     return [x]
 
 
 def _same(name):
     def rule(a, b):
-        _check(a.shape == b.shape and a.dtype == b.dtype, f"{name}: {a} vs {b}")
+        _check(a.shape == b.shape and a.dtype == b.dtype, lambda: f"{name}: {a} vs {b}")
         return [a]
     return rule
 
@@ -84,13 +85,13 @@ def _reshape(x, *, shape):
     m = 1
     for d in x.shape:
         m *= d
-    _check(n == m, f"reshape: {x} cannot become {shape}")
+    _check(n == m, lambda: f"reshape: {x} cannot become {shape}")
     return [AVal(tuple(shape), x.dtype)]
 
 
 @_prim("slice", ref.slice_)
 def _slice(x, *, axis, start, stop):
-    _check(0 <= start < stop <= x.shape[axis], f"slice: [{start}:{stop}] out of {x} axis {axis}")
+    _check(0 <= start < stop <= x.shape[axis], lambda: f"slice: [{start}:{stop}] out of {x} axis {axis}")
     shape = list(x.shape)
     shape[axis] = stop - start
     return [AVal(tuple(shape), x.dtype)]
@@ -100,66 +101,65 @@ def _slice(x, *, axis, start, stop):
 def _concat(*xs, axis):
     base = list(xs[0].shape)
     for x in xs[1:]:
-        _check(len(x.shape) == len(base) and x.dtype == xs[0].dtype, f"concat: {xs}")
+        _check(len(x.shape) == len(base) and x.dtype == xs[0].dtype, lambda: f"concat: {xs}")
     base[axis] = sum(x.shape[axis] for x in xs)
     return [AVal(tuple(base), xs[0].dtype)]
 
 
 @_prim("positions", ref.positions)
 def _positions(pos, *, tokens):
-    _check(pos.dtype == "i32" and len(pos.shape) == 1, f"positions: start must be i32[B], got {pos}")
+    _check(pos.dtype == "i32" and len(pos.shape) == 1, lambda: f"positions: start must be i32[B], got {pos}")
     return [AVal((pos.shape[0] * tokens,), "i32")]
 
 
 @_prim("rope", ref.rope)
 def _rope(x, pos, *, rotary_dim, theta):
-    _check(len(x.shape) == 3 and pos.shape == (x.shape[0],), f"rope: {x} with positions {pos}")
-    _check(rotary_dim % 2 == 0 and rotary_dim <= x.shape[2], f"rope: rotary_dim {rotary_dim} for {x}")
+    _check(len(x.shape) == 3 and pos.shape == (x.shape[0],), lambda: f"rope: {x} with positions {pos}")
+    _check(rotary_dim % 2 == 0 and rotary_dim <= x.shape[2], lambda: f"rope: rotary_dim {rotary_dim} for {x}")
     return [x]
 
 
 @_prim("gdn_conv", ref.gdn_conv, effectful=True)
 def _gdn_conv(c, w, history, slots):
-    _check(len(c.shape) == 3 and w.shape[0] == c.shape[2], f"gdn_conv: {c} with weight {w}")
+    _check(len(c.shape) == 3 and w.shape[0] == c.shape[2], lambda: f"gdn_conv: {c} with weight {w}")
     if history is not None:
-        _check(history.shape[1:] == (c.shape[2], w.shape[2] - 1), f"gdn_conv: history {history}")
+        _check(history.shape[1:] == (c.shape[2], w.shape[2] - 1), lambda: f"gdn_conv: history {history}")
     return [c]
 
 
 @_prim("gdn_gates", ref.gdn_gates)
 def _gdn_gates(a, b, a_log, dt_bias):
-    _check(a.shape == b.shape and a_log.shape == (a.shape[-1],), f"gdn_gates: {a}, {b}, {a_log}")
+    _check(a.shape == b.shape and a_log.shape == (a.shape[-1],), lambda: f"gdn_gates: {a}, {b}, {a_log}")
     return [AVal(a.shape, "f32"), AVal(a.shape, "f32")]
 
 
 @_prim("gdn_recurrence", ref.gdn_recurrence, effectful=True)
 def _gdn_recurrence(q, k, v, g, beta, state, slots):
     B, T, hk, dk = q.shape
-    _check(k.shape == q.shape and v.shape[:2] == (B, T) and v.shape[2] % hk == 0, f"gdn: {q} {k} {v}")
-    _check(g.shape == (B, T, v.shape[2]) == beta.shape, f"gdn: gates {g} {beta} for {v}")
+    _check(k.shape == q.shape and v.shape[:2] == (B, T) and v.shape[2] % hk == 0, lambda: f"gdn: {q} {k} {v}")
+    _check(g.shape == (B, T, v.shape[2]) == beta.shape, lambda: f"gdn: gates {g} {beta} for {v}")
     if state is not None:
-        _check(state.shape[1:] == (v.shape[2], dk, v.shape[3]) and state.dtype == "f32", f"gdn: state {state}")
+        _check(state.shape[1:] == (v.shape[2], dk, v.shape[3]) and state.dtype == "f32", lambda: f"gdn: state {state}")
     return [v]
 
 
 @_prim("causal_attention", ref.causal_attention)
 def _causal_attention(q, k, v, *, scale):
-    _check(k.shape == v.shape and q.shape[:2] == k.shape[:2] and q.shape[2] % k.shape[2] == 0,
-           f"causal_attention: {q} {k} {v}")
+    _check(k.shape == v.shape and q.shape[:2] == k.shape[:2] and q.shape[2] % k.shape[2] == 0, lambda: f"causal_attention: {q} {k} {v}")
     return [q]
 
 
 @_prim("kv_append", ref.kv_append, effectful=True)
 def _kv_append(k, v, block_table, pos, *cache, page_size):
-    _check(k.shape == v.shape and block_table.shape[0] == k.shape[0] == pos.shape[0], f"kv_append: {k} {v}")
+    _check(k.shape == v.shape and block_table.shape[0] == k.shape[0] == pos.shape[0], lambda: f"kv_append: {k} {v}")
     _check(len(cache) in (1, 2), "kv_append: cache is (values,) or (codes, scales)")
     return []
 
 
 @_prim("paged_attention", ref.paged_attention)
 def _paged_attention(q, block_table, pos, *cache, page_size, scale):
-    _check(len(q.shape) == 4 and block_table.shape[0] == q.shape[0], f"paged_attention: {q} {block_table}")
-    _check(q.shape[2] % cache[0].shape[2] == 0, f"paged_attention: heads {q} vs cache {cache[0]}")
+    _check(len(q.shape) == 4 and block_table.shape[0] == q.shape[0], lambda: f"paged_attention: {q} {block_table}")
+    _check(q.shape[2] % cache[0].shape[2] == 0, lambda: f"paged_attention: heads {q} vs cache {cache[0]}")
     return [q]
 
 
@@ -167,7 +167,7 @@ def _paged_attention(q, block_table, pos, *cache, page_size, scale):
 
 @_prim("add_rmsnorm", ref.add_rmsnorm)
 def _add_rmsnorm(x, y, w, *, eps, offset):
-    _check(x.shape == y.shape and w.shape == (x.shape[-1],), f"add_rmsnorm: {x} {y} {w}")
+    _check(x.shape == y.shape and w.shape == (x.shape[-1],), lambda: f"add_rmsnorm: {x} {y} {w}")
     return [x, x]
 
 
@@ -183,5 +183,25 @@ def _norm_rope(x, w, pos, *, eps, offset, rotary_dim, theta):
 @_prim("gdn_step", ref.gdn_step, effectful=True)
 def _gdn_step(q, k, v, a, b, a_log, dt_bias, state, slots):
     B, T, hv = v.shape[:3]
-    _check(a.shape == b.shape == (B * T, hv), f"gdn_step: raw gates {a} {b} for {v}")
+    _check(a.shape == b.shape == (B * T, hv), lambda: f"gdn_step: raw gates {a} {b} for {v}")
     return _gdn_recurrence(q, k, v, AVal((B, T, hv), "f32"), AVal((B, T, hv), "f32"), state, slots)
+
+
+@_prim("linear_residual", ref.linear_residual)
+def _linear_residual(x, w, residual):
+    out = _linear(x, w)
+    _check(out[0] == residual, lambda: f"linear_residual: residual {residual} vs {out[0]}")
+    return out
+
+
+@_prim("linear_silu_mul", ref.linear_silu_mul)
+def _linear_silu_mul(x, w_gate, w_up):
+    _check(w_gate.shape == w_up.shape, lambda: f"linear_silu_mul: {w_gate} vs {w_up}")
+    return _linear(x, w_gate)
+
+
+@_prim("gated_paged_attention", ref.gated_paged_attention)
+def _gated_paged_attention(q, gate, block_table, pos, *cache, page_size, scale):
+    B, T, hq, d = _paged_attention(q, block_table, pos, *cache, page_size=page_size, scale=scale)[0].shape
+    _check(gate.shape == (B * T, hq * d), lambda: f"gated_paged_attention: gate {gate} for {q}")
+    return [gate]

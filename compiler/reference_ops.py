@@ -261,3 +261,16 @@ def gdn_step(q, k, v, a, b, a_log, dt_bias, state, slots):
     g, beta = gdn_gates(a, b, a_log, dt_bias)
     shape = v.shape[:3]
     return gdn_recurrence(q, k, v, g.reshape(shape), beta.reshape(shape), state, slots)
+
+
+def linear_residual(x, w, residual):
+    return residual + linear(x, w)
+
+
+def linear_silu_mul(x, w_gate, w_up):
+    return silu_mul(linear(x, w_gate), linear(x, w_up))
+
+
+def gated_paged_attention(q, gate, block_table, pos, *cache, page_size, scale):
+    o = paged_attention(q, block_table, pos, *cache, page_size=page_size, scale=scale)
+    return o.reshape(gate.shape) * torch.sigmoid(gate)

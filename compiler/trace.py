@@ -58,13 +58,16 @@ def _weight_dtype(spec: ModelSpec, info) -> str:
 
 
 def trace(spec: ModelSpec, entry: str, batch: int, tokens: int, pools: StatePools,
-          act_dtype: str = "f32") -> Graph:
+          act_dtype: str = "f32", last_logits: bool = False) -> Graph:
     """Trace one entry point at one static shape. Quantised weights appear as their dequantised
-    dtype; the weight format is a property of the binding, recorded in graph params."""
+    dtype; the weight format is a property of the binding. `last_logits` (one-sequence chunks): the
+    vocab projection runs for the chunk's last token alone, as serving needs."""
     if entry not in ENTRIES:
         raise ValueError(f"unknown entry point {entry!r} (expected one of {', '.join(ENTRIES)})")
     if entry == "prefill" and batch != 1:
         raise ValueError("prefill traces one sequence: batch must be 1")
+    if last_logits and batch != 1:
+        raise ValueError("last_logits applies to one-sequence chunks (batch 1) only")
     ops = TraceOps(act_dtype)
     table = {t.name: t for t in tensor_table(spec)}
     weights, state = {}, {}
@@ -88,12 +91,14 @@ def trace(spec: ModelSpec, entry: str, batch: int, tokens: int, pools: StatePool
                     pools.kv_dtype == "int8")
     if entry == "mtp":
         inputs["hidden"] = ops.new_var((batch * tokens, spec.model.hidden_size), act_dtype)
-        logits, hidden = model.mtp_forward(ops, spec, W, inputs["hidden"], inputs["tokens"], b)
+        logits, hidden = model.mtp_forward(ops, spec, W, inputs["hidden"], inputs["tokens"], b, last_logits)
     else:
         inputs["slots"] = b.slots = ops.new_var((batch,), "i32")
-        logits, hidden = model.forward(ops, spec, W, inputs["tokens"], b)
+        logits, hidden = model.forward(ops, spec, W, inputs["tokens"], b, last_logits)
     params = {"entry": entry, "batch": batch, "tokens": tokens, "act": act_dtype, "kv": pools.kv_dtype,
               "page_size": pools.page_size}
+    if last_logits:
+        params["logits"] = "last"
     g = Graph(f"{spec.name}.{entry}", inputs, weights, dict(sorted(state.items())), ops.eqns,
               {"logits": logits, "hidden": hidden}, params)
     typecheck(g)

@@ -14,6 +14,7 @@ EPILOG = """examples:
   ninfer-gen run --weights <HF dir> --prompt "..."    any Qwen3.5/3.6/3.8 checkpoint
   ninfer-gen check model_specs/qwen3.8-27b.yaml       validate a spec and print its sizes
   ninfer-gen plan model_specs/qwen3.8-27b.yaml --cohorts 8 --max-context 16384
+  ninfer-gen build model_specs/qwen3.8-27b.yaml --target rtx3090 --cohorts 1,2,4,8 --draft 3
   ninfer-gen inspect model_specs/qwen3.8-tiny.yaml --entry step --batch 2 --tokens 4
 """
 
@@ -65,6 +66,39 @@ def cmd_plan(args) -> int:
     print(f"  {'total':<46} {plan.total / GiB:8.3f} GiB")
     print(f"  KV holds {plan.kv_tokens} tokens = {plan.kv_tokens // plan.cohort} per lane")
     return 0
+
+
+def cmd_build(args) -> int:
+    from compiler.build_cache import build_kernels
+    from compiler.buckets import kernel_set, plan_all
+    from compiler.spec import load_spec
+    from compiler.targets import resolve
+
+    spec = load_spec(args.spec)
+    target = resolve(args.target, args.arch)
+    cohorts = _int_list(args.cohorts) if args.cohorts else spec.runtime.cohorts
+    draft = spec.runtime.draft_tokens if args.draft is None else args.draft
+    plans = plan_all(spec, target, cohorts, draft)
+    print(f"{spec.name} for {target.name} ({target.arch}): cohorts {','.join(map(str, cohorts))}, draft {draft}")
+    print(f"  {'bucket':<22} {'launches':>8} {'arena MiB':>10}")
+    for (entry, b, t), plan in plans.items():
+        print(f"  {f'{entry} B={b} T={t}':<22} {plan.launches:>8} {plan.arena_bytes / 2**20:>10.1f}")
+    graph_keys, extra = kernel_set(spec, target, plans, cohorts, draft)
+    print(f"  kernels: {len(graph_keys)} from the lowered graphs + {len(extra)} ReplaySSM/sampling kernels "
+          "from the catalog")
+    summary = build_kernels(graph_keys + extra, jobs=args.jobs, root=args.build_dir, ptx=args.ptx)
+    print(summary.table())
+    return 0 if summary.spills == 0 else 1
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"expected a comma-separated list of integers, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise ValueError(f"expected positive integers, got {text!r}")
+    return values
 
 
 def cmd_inspect(args) -> int:
@@ -137,6 +171,16 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--kv", choices=("int8", "bf16"), default=None, help="KV cache dtype (default: the spec's)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.set_defaults(func=cmd_plan)
+    b = sub.add_parser("build", help="trace, lower and compile every kernel a spec needs (NVRTC → build/)")
+    b.add_argument("spec", help="path to a model spec YAML")
+    b.add_argument("--target", default=None, help="card: rtx3090 (default), rtx3080, a6000, a100, rtx4090, h200")
+    b.add_argument("--arch", default=None, help="sm_80 | sm_86 | sm_87 | sm_89 | sm_90 (wins over --target)")
+    b.add_argument("--cohorts", default=None, help="cohort sizes, e.g. 1,2,4,8 (default: the spec's)")
+    b.add_argument("--draft", type=int, default=None, help="MTP draft tokens (default: the spec's)")
+    b.add_argument("--jobs", type=int, default=None, help="parallel compiles (default: CPU count)")
+    b.add_argument("--build-dir", default="build", help="cache root (default: build/)")
+    b.add_argument("--ptx", action="store_true", help="also emit PTX for the arch (compute_XX)")
+    b.set_defaults(func=cmd_build)
     i = sub.add_parser("inspect", help="trace an entry point and print its graph IR")
     i.add_argument("spec", help="path to a model spec YAML")
     i.add_argument("--entry", choices=("prefill", "step", "mtp"), default="step")

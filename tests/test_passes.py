@@ -57,11 +57,19 @@ def test_fusions_fire_on_decode_graph():
     g = run_pipeline(trace(SPEC, "step", 1, 1, POOLS))
     counts = Counter(e.prim for e in g.eqns)
     layers = SPEC.model.layers.count
-    assert counts["add_rmsnorm"] == 2 * layers  # residual+norm before every mixer/MLP, and the final norm
-    assert counts["silu_mul"] == layers
+    assert counts["linear_residual"] == 2 * layers  # every residual add rides on a projection's epilogue
+    assert counts["add"] == 0 and counts["add_rmsnorm"] == 0 and counts["rmsnorm"] == 2 * layers + 1
+    assert counts["linear_silu_mul"] == layers and counts["silu_mul"] == 0
+    assert counts["gated_paged_attention"] == 1 and counts["sigmoid"] == 0 and counts["mul"] == 0
     assert counts["gdn_step"] == 3 and counts["gdn_gates"] == 0 and counts["gdn_recurrence"] == 0
     assert counts["norm_rope"] == 2 and counts["rope"] == 0
-    assert "silu" not in counts and "add" not in counts
+    assert "silu" not in counts
+
+
+def test_add_rmsnorm_fuses_where_no_projection_takes_the_add():
+    from compiler.passes import fuse_add_rmsnorm
+    g = fuse_add_rmsnorm(trace(SPEC, "step", 1, 1, POOLS))
+    assert Counter(e.prim for e in g.eqns)["add_rmsnorm"] == 2 * SPEC.model.layers.count
 
 
 def test_dead_code_keeps_effects_and_drops_unused():

@@ -1,0 +1,238 @@
+"""lower: fused Graph → Plan — the ordered kernel calls (family key + launch dims), and every value's
+binding: graph inputs, weights, state, or an offset in one activation arena reused by liveness.
+
+One lowering rule per primitive (`RULES`): it returns the kernel keys the equation launches, or
+nothing when the equation is a view (reshape, slice) or is absorbed by a neighbour's kernel (q/k
+norm + RoPE and positions by the layer's `qk_rope_kv`; the MTP concat by the norms writing its halves). Argument packing per family is the
+executable's job (`kernels.<family>.params`).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .ir import Eqn, Graph, Var
+from .kernels import (Launch, attn_combine, attn_decode, attn_prefill, embed, gated_rmsnorm, gdn_conv, gdn_step,
+                      gemm, gemv, module_of, qk_rope_kv, rmsnorm)
+from .spec import ModelSpec, format_of, tensor_table
+from .targets import Target
+
+VIEWS = ("reshape", "slice")
+# absorbed primitive → the kernel that does its work (concat: its producers write the two halves)
+ABSORBED = {"norm_rope": "qk_rope_kv", "positions": "qk_rope_kv", "concat": "producers"}
+DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "i8": 1}
+ALIGN = 256
+
+
+@dataclass(frozen=True)
+class Call:
+    key: object
+    launch: Launch
+    eqn: int                      # index of the graph equation it implements
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+@dataclass
+class Plan:
+    name: str
+    target: str
+    calls: list[Call]
+    arena: dict[str, tuple[int, int]]          # value → (offset, bytes)
+    arena_bytes: int
+    live: dict[str, tuple[int, int]] = field(default_factory=dict)   # value → (first, last) equation
+    absorbed: Counter = field(default_factory=Counter)
+
+    @property
+    def launches(self) -> int:
+        return len(self.calls)
+
+    def keys(self) -> list:
+        return list(dict.fromkeys(c.key for c in self.calls))
+
+    def family_counts(self) -> Counter:
+        return Counter(c.key.family for c in self.calls)
+
+
+@dataclass
+class _Ctx:
+    spec: ModelSpec
+    target: Target
+    graph: Graph
+    weight_format: dict[int, str]
+    weight_name: dict[int, str]
+
+    @property
+    def b(self) -> int:
+        return self.graph.params["batch"]
+
+    @property
+    def t(self) -> int:
+        return self.graph.params["tokens"]
+
+    @property
+    def m(self) -> int:
+        return self.b * self.t
+
+    @property
+    def prefill(self) -> bool:
+        return self.graph.params["entry"] == "prefill" or self.m > 32
+
+    @property
+    def max_pages(self) -> int:
+        return self.graph.inputs["block_table"].shape[1]
+
+    @property
+    def kv_dtype(self) -> str:
+        return "int8" if self.graph.params["kv"] == "int8" else "bf16"
+
+
+def _matmul(ctx: _Ctx, x: Var, w: Var, n: int, epilogue: str = "none", out: str = "bf16"):
+    """Skinny GEMV for up to 32 rows (decode, verify, cohorts, the prefill's last-token head),
+    the tensor-core GEMM above."""
+    rows = x.shape[0]
+    make = gemv.make_key if rows <= 32 else gemm.make_key
+    return [make(ctx.weight_format[w.uid], n, w.shape[1], rows, ctx.target, epilogue, out)]
+
+
+def _linear(ctx, e):
+    x, w = e.inputs
+    is_head = ctx.weight_name[w.uid] in ("lm_head.weight", "embed_tokens.weight")
+    return _matmul(ctx, x, w, w.shape[0], out="f32" if is_head or w.shape[0] < 64 else "bf16")
+
+
+def _linear_residual(ctx, e):
+    return _matmul(ctx, e.inputs[0], e.inputs[1], e.inputs[1].shape[0], "residual")
+
+
+def _linear_silu_mul(ctx, e):
+    return _matmul(ctx, e.inputs[0], e.inputs[1], 2 * e.inputs[1].shape[0], "silu_mul")
+
+
+def _norm(add: bool):
+    def rule(ctx, e):
+        return [rmsnorm.Key(e.inputs[0].shape[-1], ctx.m, add, "bf16", e.params["eps"], ctx.target.arch)]
+    return rule
+
+
+def _embed(ctx, e):
+    return [embed.Key(ctx.weight_format[e.inputs[1].uid], e.inputs[1].shape[1], ctx.m, ctx.target.arch)]
+
+
+def _gdn_conv(ctx, e):
+    c, w = e.inputs[0], e.inputs[1]
+    return [gdn_conv.Key(c.shape[2], ctx.b, ctx.t, w.shape[2], "update", ctx.target.arch)]
+
+
+def _gdn_step(ctx, e):
+    q, _, v = e.inputs[:3]
+    return [gdn_step.make_key(q.shape[2], v.shape[2], q.shape[3], v.shape[3], ctx.b, ctx.t, "step", ctx.target)]
+
+
+def _gated_rmsnorm(ctx, e):
+    _, hv, dv = e.inputs[0].shape
+    return [gated_rmsnorm.Key(hv, dv, ctx.m, e.params["eps"], ctx.target.arch)]
+
+
+def _kv_append(ctx, e):
+    at, a = ctx.spec.model.attention, ctx.spec.model
+    return [qk_rope_kv.Key(at.num_heads, at.num_kv_heads, at.head_dim, at.rotary_dim, ctx.b, ctx.t, ctx.kv_dtype,
+                           e.params["page_size"], ctx.max_pages, a.rms_norm_eps, ctx.target.arch)]
+
+
+def _attention(gate: bool):
+    def rule(ctx, e):
+        at, page = ctx.spec.model.attention, e.params["page_size"]
+        if ctx.prefill:
+            return [attn_prefill.make_key(at.num_heads, at.num_kv_heads, at.head_dim, ctx.t, ctx.kv_dtype,
+                                          ctx.max_pages, ctx.target, gate, page)]
+        dec = attn_decode.make_key(at.num_heads, at.num_kv_heads, at.head_dim, ctx.b, ctx.t, ctx.kv_dtype,
+                                   ctx.max_pages, ctx.target, gate, page)
+        return [dec] + ([attn_combine.for_decode(dec)] if dec.splits > 1 else [])
+    return rule
+
+
+RULES: dict[str, Callable[[_Ctx, Eqn], list]] = {
+    "embed": _embed, "linear": _linear, "linear_residual": _linear_residual, "linear_silu_mul": _linear_silu_mul,
+    "rmsnorm": _norm(False), "add_rmsnorm": _norm(True), "gdn_conv": _gdn_conv, "gdn_step": _gdn_step,
+    "gated_rmsnorm": _gated_rmsnorm, "kv_append": _kv_append, "paged_attention": _attention(False),
+    "gated_paged_attention": _attention(True),
+}
+
+
+class LoweringError(ValueError):
+    pass
+
+
+def _names(g: Graph) -> dict[int, str]:
+    names = {v.uid: f"in:{k}" for k, v in g.inputs.items()}
+    names.update({v.uid: f"w:{k}" for k, v in g.weights.items()})
+    names.update({v.uid: f"s:{k}" for k, v in g.state.items()})
+    return names
+
+
+def _allocate(g: Graph, names: dict[int, str]) -> tuple[dict, int, dict]:
+    """First-fit arena offsets for every non-view value, live from its producer to its last reader
+    (through views); graph outputs live to the end."""
+    base: dict[int, int] = {}              # view uid → base uid
+    start, end, size = {}, {}, {}
+    for i, e in enumerate(g.eqns):
+        for x in e.inputs:
+            if isinstance(x, Var):
+                end[base.get(x.uid, x.uid)] = i
+        for o in e.outputs:
+            if e.prim in VIEWS:
+                base[o.uid] = base.get(e.inputs[0].uid, e.inputs[0].uid)
+            else:
+                start[o.uid], end[o.uid] = i, i
+                size[o.uid] = _nbytes(o)
+    for v in g.outputs.values():
+        end[base.get(v.uid, v.uid)] = len(g.eqns)
+    active: list[tuple[int, int, int]] = []   # (offset, bytes, end)
+    arena, live, top = {}, {}, 0
+    for uid in sorted(start, key=start.get):
+        active = [a for a in active if a[2] >= start[uid]]
+        offset = 0
+        for off, nbytes, _ in sorted(active):
+            if offset + size[uid] <= off:
+                break
+            offset = max(offset, off + nbytes)
+        active.append((offset, size[uid], end[uid]))
+        arena[f"a:{uid}"] = (offset, size[uid])
+        live[f"a:{uid}"] = (start[uid], end[uid])
+        names[uid] = f"a:{uid}"
+        top = max(top, offset + size[uid])
+    for view, b in base.items():
+        names[view] = names.get(b, f"a:{b}")
+    return arena, top, live
+
+
+def _nbytes(v: Var) -> int:
+    n = 1
+    for d in v.shape:
+        n *= d
+    return -(-n * DTYPE_BYTES[v.dtype] // ALIGN) * ALIGN
+
+
+def lower(g: Graph, spec: ModelSpec, target: Target) -> Plan:
+    """Lower a fused graph (after `passes.run_pipeline`) for one target card."""
+    table = {t.name: t for t in tensor_table(spec)}
+    ctx = _Ctx(spec, target, g, {v.uid: format_of(spec, table[k]) for k, v in g.weights.items()},
+               {v.uid: k for k, v in g.weights.items()})
+    names = _names(g)
+    arena, arena_bytes, live = _allocate(g, names)
+    plan = Plan(g.name, target.name, [], arena, arena_bytes, live)
+    for i, e in enumerate(g.eqns):
+        if e.prim in VIEWS:
+            continue
+        if e.prim in ABSORBED:
+            plan.absorbed[f"{e.prim}→{ABSORBED[e.prim]}"] += 1
+            continue
+        if e.prim not in RULES:
+            raise LoweringError(f"no lowering rule for primitive {e.prim!r} (eqn {i}); run the pass pipeline first")
+        ins = tuple(names[x.uid] for x in e.inputs if isinstance(x, Var))
+        outs = tuple(names[o.uid] for o in e.outputs)
+        for key in RULES[e.prim](ctx, e):
+            plan.calls.append(Call(key, module_of(key).launch(key, target), i, ins, outs))
+    return plan
