@@ -7,7 +7,7 @@ numerical oracle of the GPU backend and the backend of machines with no GPU.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,15 +16,21 @@ from compiler.reference_ops import TORCH_DTYPES
 from compiler.spec import ModelSpec
 from compiler.trace import StatePools, state_avals, trace
 
+from .kv import BlockManager, BlockTable
+from .state import SlotAllocator
+
 ACT_DTYPES = {"float32": "f32", "bfloat16": "bf16", "f32": "f32", "bf16": "bf16"}
 
 
 @dataclass
 class Sequence:
-    """One sequence's resources: its GDN state slot, its KV pages, and how many tokens it holds."""
+    """One sequence's resources: its GDN state slot and its KV block table (pages, tokens held)."""
     slot: int
-    pages: list[int]
-    length: int = 0
+    table: BlockTable = field(default_factory=BlockTable)
+
+    @property
+    def length(self) -> int:
+        return self.table.length
 
 
 class ReferenceBackend:
@@ -42,8 +48,8 @@ class ReferenceBackend:
         self.weights = {k: self._place(k, v) for k, v in weights.items()}
         self.state = {name: torch.zeros(shape, dtype=TORCH_DTYPES[dt], device=self.device)
                       for name, (shape, dt) in state_avals(spec, self.pools).items()}
-        self._free_slots = list(range(max_sequences))
-        self._free_pages = list(range(self.pools.num_pages))
+        self.slots = SlotAllocator(max_sequences)
+        self.blocks = BlockManager(self.pools.num_pages, rt.page_size)
         self._graphs: dict = {}
 
     def _place(self, name: str, w: torch.Tensor) -> torch.Tensor:
@@ -58,30 +64,23 @@ class ReferenceBackend:
 
     # ------------------------------------------------------------ sequences
     def new_sequence(self) -> Sequence:
-        if not self._free_slots:
-            raise RuntimeError("reference backend: no free state slot (raise max_sequences)")
-        slot = self._free_slots.pop(0)
+        slot = self.slots.allocate()
         for name, t in self.state.items():
             if name.startswith("gdn."):
                 t[slot].zero_()
-        return Sequence(slot=slot, pages=[])
+        return Sequence(slot=slot)
 
     def release(self, seq: Sequence) -> None:
-        self._free_slots.append(seq.slot)
-        self._free_pages.extend(seq.pages)
-        seq.pages.clear()
+        self.slots.free(seq.slot)
+        self.blocks.free(seq.table)
 
     def _reserve(self, seq: Sequence, length: int) -> None:
         if length > self.max_context:
             raise ValueError(f"sequence of {length} tokens exceeds the context limit {self.max_context}")
-        need = math.ceil(length / self.pools.page_size) - len(seq.pages)
-        if need > len(self._free_pages):
-            raise RuntimeError("reference backend: out of KV pages")
-        for _ in range(max(0, need)):
-            seq.pages.append(self._free_pages.pop(0))
+        self.blocks.reserve(seq.table, length)
 
     def _block_table(self, seqs: list[Sequence]) -> torch.Tensor:
-        rows = [s.pages + [0] * (self.pools.pages_per_seq - len(s.pages)) for s in seqs]
+        rows = [s.table.pages + [0] * (self.pools.pages_per_seq - len(s.table.pages)) for s in seqs]
         return torch.tensor(rows, dtype=torch.int32, device=self.device)
 
     def _i32(self, values) -> torch.Tensor:
@@ -102,7 +101,7 @@ class ReferenceBackend:
         out = run_graph(self.graph(entry, B, T), inputs, self.weights, self.state)
         if entry != "mtp":
             for s, p in zip(seqs, starts):
-                s.length = p + T
+                s.table.length = p + T
         return out["logits"], out["hidden"]
 
     def prefill(self, seq: Sequence, ids: list[int], chunk: int | None = None):

@@ -108,4 +108,5 @@ def test_context_limit_is_a_clear_error(model):
     too_long = [1] * (model.backend.max_context + 1)
     with pytest.raises(ValueError, match="context limit"):
         model.forward_logits(too_long)
-    assert model.backend._free_slots  # the failed sequence gave its slot back
+    assert model.backend.slots.free_slots == model.backend.slots.num_slots  # the failed sequence gave its slot back
+    assert model.backend.blocks.free_pages == model.backend.blocks.num_pages
