@@ -12,8 +12,8 @@ from .prims import PRIMS
 def run_graph(graph: Graph, inputs: dict, weights: dict, state: dict) -> dict:
     """Evaluate `graph`; returns its outputs by name. Missing bindings raise KeyError naming them."""
     env: dict[int, object] = {}
-    for group, values in (("input", inputs), ("weight", weights), ("state", state)):
-        declared = getattr(graph, group + "s" if group != "state" else "state")
+    bindings = (("input", graph.inputs, inputs), ("weight", graph.weights, weights), ("state", graph.state, state))
+    for group, declared, values in bindings:
         missing = [k for k in declared if k not in values]
         if missing:
             raise KeyError(f"graph {graph.name}: no {group} bound for {', '.join(missing[:5])}")
@@ -21,9 +21,7 @@ def run_graph(graph: Graph, inputs: dict, weights: dict, state: dict) -> dict:
             env[v.uid] = values[k]
     for eqn in graph.eqns:
         args = [None if x is None else x.value if isinstance(x, Lit) else env[x.uid] for x in eqn.inputs]
-        out = PRIMS[eqn.prim].reference(*args, **eqn.params)
-        outs = [] if out is None else list(out) if isinstance(out, tuple) else [out]
-        for var, val in zip(eqn.outputs, outs, strict=True):
+        for var, val in zip(eqn.outputs, PRIMS[eqn.prim].apply(*args, **eqn.params), strict=True):
             env[var.uid] = val
     return {k: env[v.uid] for k, v in graph.outputs.items()}
 

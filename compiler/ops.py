@@ -85,10 +85,7 @@ class EagerOps(Ops):
         self.act_dtype = act_dtype
 
     def bind(self, prim, *inputs, **params):
-        out = PRIMS[prim].reference(*inputs, **params)
-        if out is None:
-            return []
-        return list(out) if isinstance(out, tuple) else [out]
+        return PRIMS[prim].apply(*inputs, **params)
 
 
 class TraceOps(Ops):

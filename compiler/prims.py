@@ -19,6 +19,13 @@ class Primitive:
     reference: Callable
     effectful: bool = False
 
+    def apply(self, *inputs, **params) -> list:
+        """Run the torch reference; always a list of outputs (empty for pure effects)."""
+        out = self.reference(*inputs, **params)
+        if out is None:
+            return []
+        return list(out) if isinstance(out, tuple) else [out]
+
 
 PRIMS: dict[str, Primitive] = {}
 

@@ -7,7 +7,6 @@ import pytest
 
 from compiler.buckets import bucket_shapes, plan_bucket
 from compiler.lower import LoweringError, lower
-from compiler.passes import run_pipeline
 from compiler.spec import load_spec
 from compiler.targets import resolve
 from compiler.trace import StatePools, trace
