@@ -23,11 +23,14 @@ def bucket_shapes(spec: ModelSpec, cohorts, draft: int) -> list[tuple[str, int, 
     return shapes + [("prefill", 1, spec.runtime.prefill_chunk)]
 
 
-def plan_bucket(spec: ModelSpec, target: Target, entry: str, batch: int, tokens: int) -> Plan:
+def plan_bucket(spec: ModelSpec, target: Target, entry: str, batch: int, tokens: int,
+                last_logits: bool | None = None) -> Plan:
+    """`last_logits` (default: more than 32 tokens) keeps only the last row's logits."""
     rt = spec.runtime
     per_seq = -(-rt.max_context // rt.page_size)
     pools = StatePools(per_seq * batch, batch, per_seq, rt.page_size, rt.kv_dtype)
-    graph = trace(spec, entry, batch, tokens, pools, "bf16", last_logits=tokens > 32)
+    last = tokens > 32 if last_logits is None else last_logits
+    graph = trace(spec, entry, batch, tokens, pools, "bf16", last_logits=last)
     return lower(run_pipeline(graph), spec, target)
 
 

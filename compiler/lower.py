@@ -43,6 +43,8 @@ class Plan:
     arena_bytes: int
     live: dict[str, tuple[int, int]] = field(default_factory=dict)   # value → (first, last) equation
     absorbed: Counter = field(default_factory=Counter)
+    dtypes: dict[str, str] = field(default_factory=dict)       # arena value → dtype the kernel writes (if wider)
+    graph: Graph | None = None                                 # the fused graph the calls implement
 
     @property
     def launches(self) -> int:
@@ -172,9 +174,11 @@ def _names(g: Graph) -> dict[int, str]:
     return names
 
 
-def _allocate(g: Graph, names: dict[int, str]) -> tuple[dict, int, dict]:
+def _allocate(g: Graph, names: dict[int, str], dtypes: dict[int, str] | None = None) -> tuple[dict, int, dict]:
     """First-fit arena offsets for every non-view value, live from its producer to its last reader
-    (through views); graph outputs live to the end."""
+    (through views); graph outputs live to the end. `dtypes` overrides a value's dtype where its
+    kernel writes a wider one than the graph says (fp32 GEMV outputs, the GDN step's fp32 output)."""
+    dtypes = dtypes or {}
     base: dict[int, int] = {}              # view uid → base uid
     start, end, size = {}, {}, {}
     for i, e in enumerate(g.eqns):
@@ -186,7 +190,7 @@ def _allocate(g: Graph, names: dict[int, str]) -> tuple[dict, int, dict]:
                 base[o.uid] = base.get(e.inputs[0].uid, e.inputs[0].uid)
             else:
                 start[o.uid], end[o.uid] = i, i
-                size[o.uid] = _nbytes(o)
+                size[o.uid] = _nbytes(o, dtypes.get(o.uid))
     for v in g.outputs.values():
         end[base.get(v.uid, v.uid)] = len(g.eqns)
     active: list[tuple[int, int, int]] = []   # (offset, bytes, end)
@@ -208,11 +212,21 @@ def _allocate(g: Graph, names: dict[int, str]) -> tuple[dict, int, dict]:
     return arena, top, live
 
 
-def _nbytes(v: Var) -> int:
+def _nbytes(v: Var, dtype: str | None = None) -> int:
     n = 1
     for d in v.shape:
         n *= d
-    return -(-n * DTYPE_BYTES[v.dtype] // ALIGN) * ALIGN
+    return -(-n * DTYPE_BYTES[dtype or v.dtype] // ALIGN) * ALIGN
+
+
+def kernel_dtype(keys) -> str | None:
+    """The dtype the kernels of one equation write to its output, where it differs from the graph's."""
+    for key in keys:
+        if key.family in ("gemv", "gemm") and key.out_dtype == "f32":
+            return "f32"
+        if key.family == "gdn_step":
+            return "f32"
+    return None
 
 
 def lower(g: Graph, spec: ModelSpec, target: Target) -> Plan:
@@ -221,18 +235,25 @@ def lower(g: Graph, spec: ModelSpec, target: Target) -> Plan:
     ctx = _Ctx(spec, target, g, {v.uid: format_of(spec, table[k]) for k, v in g.weights.items()},
                {v.uid: k for k, v in g.weights.items()})
     names = _names(g)
-    arena, arena_bytes, live = _allocate(g, names)
-    plan = Plan(g.name, target.name, [], arena, arena_bytes, live)
+    keys: dict[int, list] = {}
     for i, e in enumerate(g.eqns):
-        if e.prim in VIEWS:
-            continue
-        if e.prim in ABSORBED:
-            plan.absorbed[f"{e.prim}→{ABSORBED[e.prim]}"] += 1
+        if e.prim in VIEWS or e.prim in ABSORBED:
             continue
         if e.prim not in RULES:
             raise LoweringError(f"no lowering rule for primitive {e.prim!r} (eqn {i}); run the pass pipeline first")
+        keys[i] = RULES[e.prim](ctx, e)
+    dtypes = {e.outputs[0].uid: dt for i, e in enumerate(g.eqns)
+              if i in keys and e.outputs and (dt := kernel_dtype(keys[i]))}
+    arena, arena_bytes, live = _allocate(g, names, dtypes)
+    plan = Plan(g.name, target.name, [], arena, arena_bytes, live,
+                dtypes={names[u]: d for u, d in dtypes.items()}, graph=g)
+    for i, e in enumerate(g.eqns):
+        if e.prim in ABSORBED:
+            plan.absorbed[f"{e.prim}→{ABSORBED[e.prim]}"] += 1
+        if i not in keys:
+            continue
         ins = tuple(names[x.uid] for x in e.inputs if isinstance(x, Var))
         outs = tuple(names[o.uid] for o in e.outputs)
-        for key in RULES[e.prim](ctx, e):
+        for key in keys[i]:
             plan.calls.append(Call(key, module_of(key).launch(key, target), i, ins, outs))
     return plan

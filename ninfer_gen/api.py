@@ -21,7 +21,7 @@ from .tokenizer import load_tokenizer
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "models" / "qwen3.8-small-py"
 TINY_SPEC = REPO / "model_specs" / "qwen3.8-tiny.yaml"
-BACKENDS = ("reference",)
+BACKENDS = ("reference", "gpu")
 
 
 class Model:
@@ -35,7 +35,7 @@ class Model:
         """Logits [T, vocab] of a fresh sequence (chunked prefill)."""
         seq = self.backend.new_sequence()
         try:
-            logits, _ = self.backend.prefill(seq, list(token_ids), chunk_size)
+            logits, _ = self.backend.prefill(seq, list(token_ids), chunk_size, all_logits=True)
         finally:
             self.backend.release(seq)
         return logits.float().cpu().numpy()
@@ -115,13 +115,23 @@ def _resolve(path_or_spec) -> tuple[ModelSpec, dict, Path | None, str]:
 
 
 def load(path_or_spec=None, backend: str = "reference", dtype: str = "float32", quantize: bool = False,
-         device: str | None = None, kv_dtype: str | None = None, max_context: int | None = None) -> Model:
+         device: str | None = None, kv_dtype: str | None = None, max_context: int | None = None,
+         random_weights: str = "host", vram_budget: int | None = None, use_graphs: bool = True,
+         progress: bool = False) -> Model:
     """Load a model. `path_or_spec`: an HF checkpoint directory, a spec .yaml (seeded random weights),
-    a ModelSpec, or None for the small model shipped in the repository. `quantize=True` runs the
-    spec's quantisation recipe at load and the reference uses the dequantised weights."""
+    a ModelSpec, or None for the small model shipped in the repository.
+
+    backend "reference": the graph interpreter in torch; `quantize=True` runs the spec's quantisation
+    recipe at load and the reference uses the dequantised weights.
+    backend "gpu": the compiled kernels; weights always take the spec's recipe (quantised at load).
+    With a spec and `random_weights="device"`, the weights are drawn on the GPU directly in their
+    quantised formats (any size, seconds; values differ from the host draw of the same seed)."""
     if backend not in BACKENDS:
-        raise ValueError(f"backend {backend!r} is not available (available: {', '.join(BACKENDS)}); "
-                         "the GPU backend does not exist yet")
+        raise ValueError(f"backend {backend!r} is not available (available: {', '.join(BACKENDS)})")
+    if random_weights not in ("host", "device"):
+        raise ValueError(f"random_weights must be 'host' or 'device', got {random_weights!r}")
+    if backend == "gpu":
+        return _load_gpu(path_or_spec, kv_dtype, max_context, random_weights, vram_budget, use_graphs, progress)
     spec, tensors, folder, source = _resolve(path_or_spec)
     if quantize:
         from .checkpoint import dequantized, quantize_weights
@@ -131,3 +141,28 @@ def load(path_or_spec=None, backend: str = "reference", dtype: str = "float32", 
     ref = ReferenceBackend(spec, tensors, device=device, dtype=dtype, kv_dtype=kv_dtype, max_context=max_context)
     return Model(spec, ref, folder, source)
 
+
+def _load_gpu(path_or_spec, kv_dtype, max_context, random_weights, vram_budget, use_graphs, progress) -> Model:
+    if not torch.cuda.is_available():
+        raise RuntimeError("the GPU backend needs a CUDA device; none is visible (use backend='reference')")
+    from .device_weights import from_host, random_on_device
+    from .gpu_backend import GpuBackend
+    from .memory_plan import GiB
+
+    budget = vram_budget or int(24 * GiB)
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))   # the budget binds the allocator too
+    if random_weights == "device" and (isinstance(path_or_spec, ModelSpec) or
+                                       str(path_or_spec).endswith((".yaml", ".yml"))):
+        spec = path_or_spec if isinstance(path_or_spec, ModelSpec) else load_spec(path_or_spec)
+        weights = random_on_device(spec, seed=0, progress=progress)
+        folder, source = None, f"{spec.name} (random weights drawn on the GPU, seed 0)"
+    else:
+        from .checkpoint import quantize_weights
+
+        spec, tensors, folder, source = _resolve(path_or_spec)
+        weights = from_host(spec, quantize_weights(spec, tensors), progress=progress)
+        del tensors
+    backend = GpuBackend(spec, weights, max_context=max_context, kv_dtype=kv_dtype, vram_budget=budget,
+                         use_graphs=use_graphs)
+    return Model(spec, backend, folder, source)

@@ -16,6 +16,9 @@ EPILOG = """examples:
   ninfer-gen plan model_specs/qwen3.8-27b.yaml --cohorts 8 --max-context 16384
   ninfer-gen build model_specs/qwen3.8-27b.yaml --target rtx3090 --cohorts 1,2,4,8 --draft 3
   ninfer-gen inspect model_specs/qwen3.8-tiny.yaml --entry step --batch 2 --tokens 4
+  ninfer-gen run --backend gpu --prompt "def f(x):"   the small model on the compiled kernels
+  ninfer-gen run --backend gpu --weights model_specs/qwen3.8-27b.yaml --random-weights --prompt hi
+  ninfer-gen bench model_specs/qwen3.8-27b.yaml --json bench.json   27B, random weights, 24 GiB
 """
 
 
@@ -124,8 +127,17 @@ def cmd_run(args) -> int:
     from .sampling import SamplingParams
 
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)  # validate before loading
-    model = ninfer_gen.load(args.weights, backend=args.backend, dtype=args.dtype, quantize=args.quantize,
-                            device=args.device)
+    if args.backend == "gpu":
+        from .memory_plan import parse_bytes
+        model = ninfer_gen.load(args.weights, backend="gpu", max_context=args.max_context,
+                                random_weights="device" if args.random_weights else "host",
+                                vram_budget=parse_bytes(args.vram_budget), use_graphs=not args.no_graphs,
+                                progress=True)
+    else:
+        if args.random_weights:
+            raise ValueError("--random-weights draws weights on the GPU: use it with --backend gpu")
+        model = ninfer_gen.load(args.weights, backend=args.backend, dtype=args.dtype, quantize=args.quantize,
+                                device=args.device, max_context=args.max_context)
     tok = model.tokenizer
     print(f"[model: {model.source}; backend: {args.backend} on {model.backend.device}; tokenizer: {tok.name}]",
           file=sys.stderr)
@@ -199,11 +211,25 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--top-k", type=int, default=0)
     r.add_argument("--top-p", type=float, default=1.0)
     r.add_argument("--seed", type=int, default=None)
-    r.add_argument("--backend", default="reference", help="reference (the GPU backend is not built yet)")
-    r.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    r.add_argument("--quantize", action="store_true", help="apply the spec's weight quantisation recipe")
-    r.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    r.add_argument("--backend", choices=("reference", "gpu"), default="reference",
+                   help="reference: the graph interpreter in torch (any device); gpu: the compiled kernels "
+                   "with CUDA graphs (weights always in the spec's quantised formats)")
+    r.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="reference activations")
+    r.add_argument("--quantize", action="store_true", help="reference: apply the spec's weight quantisation recipe")
+    r.add_argument("--device", default=None, help="reference: cpu or cuda (default: cuda when available)")
+    r.add_argument("--random-weights", action="store_true",
+                   help="gpu: with a spec YAML, draw the weights on the GPU in their quantised formats (seed 0)")
+    r.add_argument("--max-context", type=int, default=None, help="tokens per sequence (default: the spec's)")
+    r.add_argument("--vram-budget", default="24GiB", help="gpu: memory budget (default 24GiB = RTX 3090)")
+    r.add_argument("--no-graphs", action="store_true", help="gpu: launch kernels one by one (no CUDA graphs)")
     r.set_defaults(func=cmd_run)
+    from .bench import add_arguments, cmd_bench
+    bn = sub.add_parser("bench", help="GPU benchmark: TTFT, decode and prefill speed, bandwidth efficiency, memory",
+                        description="Runs the reference workload on the GPU backend: ~30-token prompts with "
+                        "1024 greedy output tokens (one request), then long prompts (8K, 32K). Prints a table "
+                        "and writes JSON; bandwidth efficiency is against a copy measured in the same run.")
+    add_arguments(bn)
+    bn.set_defaults(func=cmd_bench)
     return p
 
 

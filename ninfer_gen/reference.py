@@ -104,8 +104,9 @@ class ReferenceBackend:
                 s.table.length = p + T
         return out["logits"], out["hidden"]
 
-    def prefill(self, seq: Sequence, ids: list[int], chunk: int | None = None):
-        """Chunked prefill from the sequence's current length; returns logits [T, V] and hidden [T, H]."""
+    def prefill(self, seq: Sequence, ids: list[int], chunk: int | None = None, all_logits: bool = True):
+        """Chunked prefill from the sequence's current length; returns logits [T, V] and hidden [T, H]
+        (always every row; `all_logits` is accepted for the GPU backend's interface)."""
         chunk = chunk or self.spec.runtime.prefill_chunk
         self._reserve(seq, seq.length + len(ids))  # fail before any work when it cannot fit
         logits, hidden = [], []

@@ -36,9 +36,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> int:
         p = self.params
+        if p.greedy:                              # on the logits' device: one int comes back
+            return int(torch.argmax(logits.reshape(-1)))
         logits = logits.float().cpu()
-        if p.greedy:
-            return int(torch.argmax(logits))
         logits = logits / p.temperature
         if p.top_k:
             kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]

@@ -33,7 +33,7 @@ def test_run_on_a_spec_streams_a_completion(capsys):
 @pytest.mark.parametrize("argv,message", [
     (["check", "missing.yaml"], "spec file not found"),
     (["run", "--weights", "no/such/dir.yaml", "--prompt", "x"], "spec file not found"),
-    (["run", "--weights", TINY, "--prompt", "x", "--backend", "gpu"], "not available"),
+    (["run", "--weights", TINY, "--prompt", "x", "--random-weights"], "use it with --backend gpu"),
     (["run", "--weights", TINY, "--prompt", "x", "--top-p", "0"], "top_p"),
     (["build", TINY, "--target", "gtx1080"], "unknown target 'gtx1080'"),
     (["build", TINY, "--arch", "sm_75"], "unsupported arch 'sm_75'"),
@@ -43,6 +43,15 @@ def test_bad_input_is_one_clear_line(capsys, argv, message):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and message in err and "Traceback" not in err
+
+
+def test_gpu_commands_without_a_gpu_say_so(capsys, monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for argv in (["run", "--weights", TINY, "--prompt", "x", "--backend", "gpu"], ["bench", TINY]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error:") and "CUDA" in err and "Traceback" not in err
 
 
 def test_console_script_help_explains_commands():

@@ -76,6 +76,14 @@ def params(key: Key) -> list[Param]:
             Param("seq_lens", "ptr", "[b] int32 keys incl. the t new tokens; 0 = padded row")]
 
 
+def workspace(key: Key) -> dict[str, int]:
+    """Bytes of the split partials attn_combine reduces (none when splits == 1)."""
+    if key.splits == 1:
+        return {}
+    rows = key.b * key.t * key.hq * key.splits
+    return {"part_o": rows * key.d * 4, "part_ml": rows * 8}
+
+
 def gather_kv(pages: dict, name: str, table_row, length: int, hkv: int, d: int, page: int) -> torch.Tensor:
     """fp32 [length, hkv, d] for one sequence from its pages."""
     ids = [int(table_row[i]) for i in range(ceil_div(length, page))]

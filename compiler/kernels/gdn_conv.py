@@ -35,8 +35,15 @@ class Key(KernelKey):
         return [self.mode, f"c{self.c}", f"b{self.b}", f"t{self.t}"]
 
 
+TSEG = 32       # tokens per block in 'update' mode (prefill): segments run in parallel
+
+
+def segments(key: Key) -> int:
+    return ceil_div(key.t, TSEG) if key.mode == "update" else 1
+
+
 def launch(key: Key, target: Target | None = None) -> Launch:
-    return Launch((ceil_div(key.c, 128), key.b, 1), (128, 1, 1), 0)
+    return Launch((ceil_div(key.c, 128), key.b, segments(key)), (128, 1, 1), 0)
 
 
 def params(key: Key) -> list[Param]:

@@ -1,0 +1,302 @@
+"""bench: `ninfer-gen bench` — the reference workload on the GPU backend, with every figure measured
+in the same run as a device-to-device copy so speed is reported as bandwidth efficiency.
+
+Phases: (1) copy bandwidth; (2) ~30-token prompts, greedy, `--output-tokens` (1024) new tokens, one
+request: TTFT, end-to-end and decode tok/s, and the decode step alone (CUDA-event timed graph
+replays) with the bytes it must move (weights streamed + GDN state read/written + KV read at the
+mean context) → bandwidth efficiency; (3) long prompts (8K, 32K): prefill tok/s and effective
+TFLOP/s (2 × matrix parameters × tokens, plus causal attention 2 × 2 × L²/2 × Hq × D per layer).
+Peak memory: torch's allocator peak and the device's used memory (every process and the context).
+Writes JSON (`--json`) and prints a short table last. `--hf-json` adds same-day ratios against
+`bench/hf_baseline.py`'s output.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from compiler.kernels.weight_layout import device_bytes
+from compiler.spec import ModelSpec, load_spec
+
+from .memory_plan import GiB, parse_bytes
+
+MiB = 2 ** 20
+
+
+def copy_bandwidth(iters: int = 20) -> float:
+    """GB/s of a 1 GiB device-to-device copy (read + write counted), median."""
+    src = torch.randn(256 * MiB, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        dst.copy_(src)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e-3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * 256 * MiB * 4 / statistics.median(times) / 1e9
+
+
+def step_bytes(spec: ModelSpec, plan, context: int, kv_dtype: str) -> dict[str, int]:
+    """Bytes one decode step must move: packed weights of every GEMV, the embedding row, GDN state
+    read + written and conv history, KV of `context` tokens read per attention layer."""
+    a, g, at = spec.model, spec.model.linear_attention, spec.model.attention
+    weights = sum(device_bytes(c.key.fmt, c.key.n, c.key.k) for c in plan.calls if c.key.family in ("gemv", "gemm"))
+    n_gdn = sum(k == "linear_attention" for k in a.layers.kinds)
+    n_attn = a.layers.count - n_gdn
+    b = plan.graph.params["batch"]
+    state = b * n_gdn * (2 * g.num_value_heads * g.key_head_dim * g.value_head_dim * 4
+                         + 2 * (g.conv_kernel - 1) * g.conv_dim * 2)
+    per_token = 2 * at.num_kv_heads * at.head_dim * ((1 + 2 / 64) if kv_dtype == "int8" else 2)
+    kv = int(b * n_attn * context * per_token)
+    return {"weights": weights, "state": state, "kv": kv, "total": weights + state + kv}
+
+
+def matrix_params(spec: ModelSpec) -> int:
+    from compiler.spec import tensor_table
+    return sum(t.numel for t in tensor_table(spec)
+               if len(t.shape) == 2 and not t.name.startswith("mtp.") and t.role != "embed")
+
+
+def prefill_flops(spec: ModelSpec, tokens: int) -> float:
+    a, at = spec.model, spec.model.attention
+    n_attn = sum(k == "full_attention" for k in a.layers.kinds)
+    attn = n_attn * 2 * 2 * (tokens * tokens / 2) * at.num_heads * at.head_dim
+    return 2 * matrix_params(spec) * tokens + attn
+
+
+class _Peak:
+    """Device memory in use (all processes + contexts), sampled at phase boundaries."""
+
+    def __init__(self):
+        self.device = 0
+
+    def sample(self) -> None:
+        free, total = torch.cuda.mem_get_info()
+        self.device = max(self.device, total - free)
+
+
+def _sync_time() -> float:
+    torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def _ids(n: int, vocab: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+def time_replays(bucket, iters: int = 50) -> list[float]:
+    """Milliseconds per replay of a captured bucket (CUDA events, host queued ahead)."""
+    for _ in range(5):
+        bucket.run()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    torch.cuda._sleep(50_000_000)
+    for s, e in events:
+        s.record()
+        bucket.run()
+        e.record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in events]
+
+
+def profile_bucket(bucket, repeats: int = 3) -> dict[str, dict]:
+    """Per kernel family: launches and µs per forward, from CUDA events around each eager launch
+    (the median over `repeats` forwards). Eager gaps are host-bound, so the sum exceeds a replay."""
+    from collections import defaultdict
+
+    calls = bucket.plan.calls
+    per = defaultdict(list)
+    for _ in range(repeats):
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(len(calls) + 1)]
+        events[0].record()
+        for launcher, ev in zip(bucket.launchers, events[1:]):
+            launcher.launch()
+            ev.record()
+        torch.cuda.synchronize()
+        fam = defaultdict(float)
+        for c, a, b in zip(calls, events, events[1:]):
+            fam[c.key.family] += a.elapsed_time(b) * 1e3
+        for k, v in fam.items():
+            per[k].append(v)
+    count = defaultdict(int)
+    for c in calls:
+        count[c.key.family] += 1
+    return {k: {"launches": count[k], "us": statistics.median(v)} for k, v in
+            sorted(per.items(), key=lambda kv: -statistics.median(kv[1]))}
+
+
+def run_bench(args) -> dict:
+    import ninfer_gen
+    from .memory_plan import plan_memory
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("ninfer-gen bench needs a CUDA GPU; none is visible")
+    budget = parse_bytes(args.vram_budget)
+    spec = load_spec(args.spec) if args.weights is None else None
+    longs = [int(x) for x in args.prefill.split(",") if x] if args.prefill else []
+    ctx = max([args.prompt_tokens + args.output_tokens, *longs]) + 64
+    result: dict = {"device": torch.cuda.get_device_name(), "budget_bytes": budget, "max_context": ctx}
+    peak = _Peak()
+    copy_gbs = copy_bandwidth()
+    result["copy_GBps"] = copy_gbs
+    t0 = time.perf_counter()
+    source = args.weights or args.spec
+    model = ninfer_gen.load(source, backend="gpu", max_context=ctx, vram_budget=budget,
+                            random_weights="device" if args.weights is None else "host", progress=True)
+    spec = model.spec
+    be = model.backend
+    torch.cuda.synchronize()
+    result["load_s"] = time.perf_counter() - t0
+    result["model"] = model.source
+    result["memory_plan"] = plan_memory(spec, 1, ctx, budget).to_json()
+    result["weights_bytes"] = be.weights.nbytes
+    peak.sample()
+
+    # warm-up: compile and capture the buckets the workload uses, outside the timings
+    t0 = time.perf_counter()
+    seq = be.new_sequence()
+    be.prefill(seq, _ids(args.prompt_tokens + be.spec.runtime.prefill_chunk, spec.model.vocab_size, 99))
+    be.run("step", [seq], [[1]])
+    be.release(seq)
+    result["warmup_s"] = time.perf_counter() - t0
+
+    # (2) the reference workload: short prompt, long greedy output, one request
+    vocab = spec.model.vocab_size
+    runs = []
+    for r in range(args.repeats):
+        prompt = _ids(args.prompt_tokens, vocab, r)
+        seq = be.new_sequence()
+        start = _sync_time()
+        logits, _ = be.prefill(seq, prompt)
+        token = int(torch.argmax(logits[-1]))
+        first = _sync_time()
+        for _ in range(args.output_tokens - 1):
+            logits, _ = be.run("step", [seq], [[token]])
+            token = int(torch.argmax(logits[-1]))
+        end = _sync_time()
+        context = seq.length
+        step = be.exe.bucket("step", 1, 1)
+        replay_ms = statistics.median(time_replays(step))
+        be.release(seq)
+        runs.append({"ttft_ms": (first - start) * 1e3, "decode_tok_s": (args.output_tokens - 1) / (end - first),
+                     "e2e_tok_s": args.output_tokens / (end - start), "step_replay_ms": replay_ms,
+                     "final_context": context})
+    peak.sample()
+    step_plan = be.exe.bucket("step", 1, 1).plan
+    mean_ctx = args.prompt_tokens + args.output_tokens // 2
+    moved = step_bytes(spec, step_plan, mean_ctx, be.state.kv_dtype)
+    best = min(runs, key=lambda r: r["step_replay_ms"])
+    decode = {
+        "runs": runs,
+        "ttft_ms": statistics.median(r["ttft_ms"] for r in runs),
+        "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
+        "e2e_tok_s": statistics.median(r["e2e_tok_s"] for r in runs),
+        "step_replay_ms": best["step_replay_ms"],
+        "bytes_per_step": moved,
+        "bandwidth_GBps": moved["total"] / (best["step_replay_ms"] * 1e-3) / 1e9,
+        "launches_per_forward": len(step_plan.calls),
+        "profile_eager_us": profile_bucket(be.exe.bucket("step", 1, 1)),
+    }
+    decode["bandwidth_efficiency"] = decode["bandwidth_GBps"] / copy_gbs
+    result["decode"] = decode
+
+    # (3) long prompts
+    result["prefill"] = []
+    for n in longs:
+        seq = be.new_sequence()
+        try:
+            start = _sync_time()
+            be.prefill(seq, _ids(n, vocab, 7))
+            secs = _sync_time() - start
+            result["prefill"].append({"tokens": n, "seconds": secs, "tok_s": n / secs,
+                                      "effective_TFLOPs": prefill_flops(spec, n) / secs / 1e12,
+                                      "chunk_profile_eager_us": profile_bucket(
+                                          be.exe.bucket("prefill", 1, spec.runtime.prefill_chunk), 1)})
+        except Exception as err:       # report and go on: one failing length must not hide the others
+            result["prefill"].append({"tokens": n, "error": f"{type(err).__name__}: {err}"})
+        finally:
+            be.release(seq)
+        peak.sample()
+    result["launches"] = {f"{e}:{b}x{t}": n for (e, b, t, _), n in be.exe.launches.items()}
+    result["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+    result["peak_device_used_bytes"] = peak.device
+    if args.hf_json:
+        result["hf"] = _hf_ratios(json.loads(Path(args.hf_json).read_text()), result)
+    return result
+
+
+def _hf_ratios(hf: dict, ours: dict) -> dict:
+    """Same-day ratios against bench/hf_baseline.py's JSON (its `measurements`: decode at batch 1,
+    prefill per length)."""
+    ms = [m for m in hf.get("measurements", []) if "tok_s" in m]
+    out: dict = {"transformers": hf.get("versions", {}).get("transformers") if isinstance(hf.get("versions"), dict)
+                 else hf.get("transformers")}
+    dec = [m for m in ms if m.get("kind") == "decode" and m.get("batch") == 1]
+    if dec:
+        out["decode_tok_s"] = dec[0]["tok_s"]
+        out["decode_ratio"] = ours["decode"]["decode_tok_s"] / dec[0]["tok_s"]
+    for p in ours["prefill"]:
+        theirs = [m for m in ms if m.get("kind") == "prefill" and m.get("tokens") == p["tokens"]]
+        if theirs and "tok_s" in p:
+            out[f"prefill_{p['tokens']}_tok_s"] = theirs[0]["tok_s"]
+            out[f"prefill_{p['tokens']}_ratio"] = p["tok_s"] / theirs[0]["tok_s"]
+    return out
+
+
+def table(r: dict) -> str:
+    d = r["decode"]
+    lines = [f"device {r['device']}; copy {r['copy_GBps']:.0f} GB/s; model {r['model']}",
+             f"{'metric':<34} {'value':>14}",
+             f"{'TTFT (ms)':<34} {d['ttft_ms']:>14.1f}",
+             f"{'decode tok/s (end to end loop)':<34} {d['decode_tok_s']:>14.1f}",
+             f"{'decode step (graph replay, ms)':<34} {d['step_replay_ms']:>14.3f}",
+             f"{'bytes per step (MB)':<34} {d['bytes_per_step']['total'] / 1e6:>14.1f}",
+             f"{'bandwidth efficiency':<34} {d['bandwidth_efficiency']:>14.1%}",
+             f"{'launches per decode forward':<34} {d['launches_per_forward']:>14d}"]
+    for p in r["prefill"]:
+        if "error" in p:
+            lines.append(f"{'prefill ' + str(p['tokens']):<34} {'error':>14}  {p['error'][:60]}")
+        else:
+            lines.append(f"{'prefill ' + str(p['tokens']) + ' tok/s (TFLOP/s)':<34} {p['tok_s']:>14.0f}"
+                         f"  ({p['effective_TFLOPs']:.0f})")
+    prof = d.get("profile_eager_us", {})
+    if prof:
+        lines.append("decode step by family (eager, µs): " + ", ".join(
+            f"{k} {v['us']:.0f} ({v['launches']})" for k, v in prof.items()))
+    lines.append(f"{'peak allocated / device (GiB)':<34} {r['peak_allocated_bytes'] / GiB:>8.2f} / "
+                 f"{r['peak_device_used_bytes'] / GiB:.2f}")
+    for k, v in r.get("hf", {}).items():
+        if k.endswith("ratio"):
+            lines.append(f"{'vs HF ' + k.replace('_ratio', ''):<34} {v:>13.2f}×")
+    return "\n".join(lines)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("spec", nargs="?", default="model_specs/qwen3.8-27b.yaml",
+                   help="model spec YAML; its weights are drawn on the GPU in the spec's formats (default: 27B)")
+    p.add_argument("--weights", default=None, help="an HF checkpoint directory instead of random weights")
+    p.add_argument("--prompt-tokens", type=int, default=30, help="short prompt length (default 30)")
+    p.add_argument("--output-tokens", type=int, default=1024, help="greedy tokens per request (default 1024)")
+    p.add_argument("--repeats", type=int, default=2, help="requests of the short workload (median reported)")
+    p.add_argument("--prefill", default="8192,32768", help="long prompt lengths, comma separated ('' = none)")
+    p.add_argument("--vram-budget", default="24GiB", help="memory budget, enforced on the allocator (default 24GiB)")
+    p.add_argument("--hf-json", default=None, help="bench/hf_baseline.py output for same-day ratios")
+    p.add_argument("--json", default=None, help="write the full results here")
+
+
+def cmd_bench(args) -> int:
+    result = run_bench(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    print(table(result))
+    return 0

@@ -1,0 +1,179 @@
+"""device_weights: a spec's weights on the GPU in the layouts the kernels read.
+
+- every matrix a GEMV/GEMM multiplies: packed planes (lo, hi, scales) of `weight_layout`, with each
+  MLP's gate and up fused into one `…mlp.gate_up.weight` (rows interleaved for the SiLU·mul epilogue);
+- the embedding: row-major int8 codes + fp16 scales (W8G32) or a bf16 table, as `embed` reads it;
+  a tied LM head gets its own packed copy;
+- norms and conv weights bf16 (conv as [C, width]), GDN `A_log` / `dt_bias` fp32.
+
+Two sources: host tensors (an HF checkpoint quantised at load by the spec's recipe, `from_host`), or
+`random_on_device`, which draws the whole weight set on the GPU directly in its quantised formats
+(seeded) so the 27B shape can be benchmarked without a checkpoint.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from compiler.kernels.weight_layout import FORMATS, group_of, pack_for_device, padded_rows
+from compiler.quant import QTensor
+from compiler.spec import ModelSpec, TensorInfo, format_of, tensor_table
+
+from .random_weights import _draw
+
+NON_MATRIX_ROLES = ("embed", "norm", "conv", "gdn_decay")
+# code standard deviation of a uniform draw over each format's code range (random weights at O(1) scale)
+_CODE_STD = {"q4g64": 16 / math.sqrt(12), "q5g64": 32 / math.sqrt(12), "q6g64": 64 / math.sqrt(12),
+             "w8g32": 256 / math.sqrt(12)}
+
+
+def fused_gate_up(gate_name: str) -> str:
+    return gate_name.replace("mlp.gate_proj.weight", "mlp.gate_up.weight")
+
+
+def lm_head_name(spec: ModelSpec) -> str:
+    return "embed_tokens.weight" if spec.model.tie_word_embeddings else "lm_head.weight"
+
+
+@dataclass
+class DeviceWeights:
+    spec: ModelSpec
+    matrices: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)   # name → packed planes
+    formats: dict[str, str] = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)               # norms, conv, decay params
+    embed_codes: torch.Tensor | None = None          # int8 [V, h] (w8g32) or bf16 [V, h]
+    embed_scales: torch.Tensor | None = None         # fp16 [V, h/32] (w8g32)
+
+    @property
+    def embed_format(self) -> str:
+        return "bf16" if self.embed_scales is None else "w8g32"
+
+    def matrix(self, name: str) -> dict[str, torch.Tensor]:
+        try:
+            return self.matrices[name]
+        except KeyError:
+            raise KeyError(f"weight matrix {name!r} is not on the device") from None
+
+    @property
+    def nbytes(self) -> int:
+        n = sum(t.numel() * t.element_size() for planes in self.matrices.values() for t in planes.values())
+        n += sum(t.numel() * t.element_size() for t in self.tensors.values())
+        for t in (self.embed_codes, self.embed_scales):
+            n += 0 if t is None else t.numel() * t.element_size()
+        return n
+
+
+def _matrices(spec: ModelSpec) -> list[tuple[str, list[TensorInfo]]]:
+    """(device name, source tensors) of every packed matrix, gate+up fused; the LM head of a tied model
+    is packed from the embedding."""
+    table = tensor_table(spec)
+    by_name = {t.name: t for t in table}
+    out = []
+    for t in table:
+        if t.role in NON_MATRIX_ROLES or len(t.shape) != 2 or t.name.endswith("mlp.up_proj.weight"):
+            continue
+        if t.name.endswith("mlp.gate_proj.weight"):
+            out.append((fused_gate_up(t.name), [t, by_name[t.name.replace("gate_proj", "up_proj")]]))
+        else:
+            out.append((t.name, [t]))
+    if spec.model.tie_word_embeddings:
+        out.append(("embed_tokens.weight", [by_name["embed_tokens.weight"]]))
+    return out
+
+
+def _small_tensor(info: TensorInfo, value: torch.Tensor, device) -> torch.Tensor:
+    if info.name.endswith(("A_log", "dt_bias")):
+        return value.to(device, torch.float32).contiguous()
+    if info.name.endswith("conv1d.weight"):
+        return value.reshape(value.shape[0], -1).to(device, torch.bfloat16).contiguous()
+    return value.to(device, torch.bfloat16).contiguous()
+
+
+def _progress(items, desc: str, show: bool):
+    if not show:
+        return items
+    from tqdm import tqdm
+    return tqdm(items, desc=desc, unit="tensor", leave=False)
+
+
+def from_host(spec: ModelSpec, tensors: dict, device="cuda", progress: bool = False) -> DeviceWeights:
+    """`tensors`: canonical name → QTensor or float tensor in the spec's formats (checkpoint.quantize_weights)."""
+    dw = DeviceWeights(spec)
+    for name, infos in _progress(_matrices(spec), "packing weights", progress):
+        parts = [tensors[i.name] for i in infos]
+        if isinstance(parts[0], QTensor):
+            parts = [QTensor(p.fmt, p.codes.to(device), p.scales.to(device)) for p in parts]
+            w = parts[0] if len(parts) == 1 else QTensor(parts[0].fmt, torch.cat([p.codes for p in parts]),
+                                                         torch.cat([p.scales for p in parts]))
+            fmt = w.fmt
+        else:
+            w = torch.cat([p.to(device, torch.bfloat16) for p in parts])
+            fmt = "bf16"
+        dw.matrices[name] = pack_for_device(w, gate_up=len(parts) == 2)
+        dw.formats[name] = fmt
+    for info in tensor_table(spec):
+        if info.name == "embed_tokens.weight":
+            e = tensors[info.name]
+            if isinstance(e, QTensor):
+                dw.embed_codes, dw.embed_scales = e.codes.to(device).contiguous(), e.scales.to(device).contiguous()
+            else:
+                dw.embed_codes = e.to(device, torch.bfloat16).contiguous()
+        elif info.role in NON_MATRIX_ROLES:
+            dw.tensors[info.name] = _small_tensor(info, tensors[info.name], device)
+    torch.cuda.synchronize(device) if torch.device(device).type == "cuda" else None
+    return dw
+
+
+def plane_bytes(fmt: str, n: int, k: int) -> dict[str, int]:
+    """Bytes of each packed plane of an [n, k] matrix (what `pack_for_device` produces)."""
+    bits, group = FORMATS[fmt]
+    n_pad = padded_rows(n)
+    lo = n_pad * k * (2 if fmt == "bf16" else 1 if fmt == "w8g32" else 0.5)
+    hi = {"q5g64": n_pad * k // 8, "q6g64": n_pad * k // 4}.get(fmt, 0)
+    scales = 0 if fmt == "bf16" else n_pad * (k // group) * 2
+    return {"lo": int(lo), "hi": hi, "scales": scales}
+
+
+def _random_planes(fmt: str, n: int, k: int, std: float, gen: torch.Generator, device) -> dict:
+    """Packed planes of a random [n, k] matrix in `fmt` drawn directly: every bit pattern of the code
+    planes is a valid code (uniform over the range), scales ≈ std / code std (±25 %)."""
+    if fmt == "bf16":
+        return pack_for_device((torch.randn(n, k, generator=gen, device=device) * std).to(torch.bfloat16))
+    sizes = plane_bytes(fmt, n, k)
+    planes = {name: torch.randint(0, 256, (size,), generator=gen, device=device, dtype=torch.uint8)
+              for name, size in sizes.items() if name != "scales"}
+    scale = std / _CODE_STD[fmt]
+    planes["scales"] = ((torch.rand(sizes["scales"] // 2, generator=gen, device=device) * 0.5 + 0.75)
+                        * scale).to(torch.float16)
+    return planes
+
+
+def random_on_device(spec: ModelSpec, seed: int = 0, device="cuda", progress: bool = False) -> DeviceWeights:
+    """The spec's full weight set drawn on the device in its quantised formats (seeded): matrices at
+    std 1/√K (the LM head ×2, as `random_weights`), the embedding at std 1, small tensors as
+    `random_weights` draws them (on the host, then copied)."""
+    dw = DeviceWeights(spec)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    head = lm_head_name(spec)
+    for name, infos in _progress(_matrices(spec), "drawing weights", progress):
+        n, k = sum(i.shape[0] for i in infos), infos[0].shape[1]
+        fmt = format_of(spec, infos[0])
+        std = (2.0 if name == head else 1.0) / math.sqrt(k)
+        dw.matrices[name] = _random_planes(fmt, n, k, std, gen, device)
+        dw.formats[name] = fmt
+    host_gen = torch.Generator().manual_seed(seed)
+    for info in tensor_table(spec):
+        if info.name == "embed_tokens.weight":
+            fmt = format_of(spec, info)
+            v, h = info.shape
+            if fmt == "w8g32":
+                dw.embed_codes = torch.randint(-127, 128, (v, h), generator=gen, device=device, dtype=torch.int8)
+                dw.embed_scales = torch.full((v, h // group_of(fmt)), 1.0 / _CODE_STD["w8g32"],
+                                             dtype=torch.float16, device=device)
+            else:
+                dw.embed_codes = torch.randn(v, h, generator=gen, device=device).to(torch.bfloat16)
+        elif info.role in NON_MATRIX_ROLES:
+            dw.tensors[info.name] = _small_tensor(info, _draw(info.name, info.shape, host_gen), device)
+    return dw

@@ -1,0 +1,410 @@
+"""executable: lowered Plans bound to device memory, run eagerly or replayed as one CUDA graph per bucket.
+
+Owns the device-side layouts the kernels use — `DeviceState`: per attention layer K and V pages
+[pages, Hkv, page, D] (INT8 codes + fp16 scales per 64 values, or bf16), per GDN layer the conv history
+[slots, width−1, C] bf16 and the recurrent state [slots, Hv, Dk, Dv] fp32 — one activation arena shared
+by every bucket (buckets run one after another on one stream), a workspace for split attention
+partials and GEMV split-K partials, and per bucket the step inputs the host fills before each run
+(`StepInputs`: token ids, row positions, block table, slots, key counts). Kernel arguments are packed
+once per call (`cuda_module.Launcher`); a bucket's graph is captured once and replayed.
+
+The graph's reference layouts (`trace.state_avals`) are not used here: the executable owns its state,
+and agreement with the reference interpreter is checked on outputs (logits), not on state bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from compiler.buckets import plan_bucket
+from compiler.ir import Graph, Var
+from compiler.kernels import module_of
+from compiler.kernels.qk_rope_kv import inv_freq
+from compiler.lower import Plan
+from compiler.spec import ModelSpec
+from compiler.targets import Target
+
+from .cuda_module import KernelCache
+from .device_weights import DeviceWeights, fused_gate_up
+
+TORCH = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "i32": torch.int32, "i8": torch.int8}
+ZEROED_WORKSPACE = ("tickets", "counters")    # workspace the kernels expect zero and leave zero
+
+
+class ExecutableError(RuntimeError):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------- state
+class DeviceState:
+    """KV pages and GDN state slots in the kernels' layouts."""
+
+    def __init__(self, spec: ModelSpec, num_pages: int, num_slots: int, kv_dtype: str = "int8", device="cuda"):
+        """`num_pages` usable pages plus one trash page (the last) for padded rows and warm-up runs."""
+        a, at, g = spec.model, spec.model.attention, spec.model.linear_attention
+        page = spec.runtime.page_size
+        self.num_pages, self.num_slots, self.kv_dtype = num_pages, num_slots, kv_dtype
+        self.trash_page = num_pages
+        num_pages += 1
+        self.kv: dict[str, dict[str, torch.Tensor]] = {}
+        self.conv: dict[str, torch.Tensor] = {}
+        self.ssm: dict[str, torch.Tensor] = {}
+        pages = (num_pages, at.num_kv_heads, page, at.head_dim)
+        for i, kind in enumerate(a.layers.kinds):
+            if kind == "full_attention":
+                self.kv[str(i)] = self._kv_layer(pages, kv_dtype, device)
+            else:
+                self.conv[str(i)] = torch.zeros(num_slots, g.conv_kernel - 1, g.conv_dim, dtype=torch.bfloat16,
+                                                device=device)
+                self.ssm[str(i)] = torch.zeros(num_slots, g.num_value_heads, g.key_head_dim, g.value_head_dim,
+                                               dtype=torch.float32, device=device)
+
+    @staticmethod
+    def _kv_layer(pages, kv_dtype, device) -> dict[str, torch.Tensor]:
+        if kv_dtype == "int8":
+            scales = (*pages[:3], pages[3] // 64)
+            return {"k": torch.zeros(pages, dtype=torch.int8, device=device),
+                    "v": torch.zeros(pages, dtype=torch.int8, device=device),
+                    "k_scales": torch.zeros(scales, dtype=torch.float16, device=device),
+                    "v_scales": torch.zeros(scales, dtype=torch.float16, device=device)}
+        return {"k": torch.zeros(pages, dtype=torch.bfloat16, device=device),
+                "v": torch.zeros(pages, dtype=torch.bfloat16, device=device)}
+
+    def reset_slot(self, slot: int) -> None:
+        for t in (*self.conv.values(), *self.ssm.values()):
+            t[slot].zero_()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*(t for layer in self.kv.values() for t in layer.values()), *self.conv.values(), *self.ssm.values()]
+
+    def snapshot(self) -> list[torch.Tensor]:
+        return [t.clone() for t in self.tensors()]
+
+    def restore(self, snap: list[torch.Tensor]) -> None:
+        for t, s in zip(self.tensors(), snap):
+            t.copy_(s)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+class StepInputs:
+    """One bucket's per-run values in one int32 device buffer (one host→device copy per run)."""
+
+    def __init__(self, batch: int, tokens: int, max_pages: int, trash_page: int, device):
+        self.batch, self.tokens, self.max_pages, self.trash_page = batch, tokens, max_pages, trash_page
+        rows = batch * tokens
+        self._layout = {"tokens": rows, "row_pos": rows, "pos": batch, "block_table": batch * max_pages,
+                        "slots": batch, "seq_lens": batch}
+        self.host = torch.zeros(sum(self._layout.values()), dtype=torch.int32)
+        self.device = torch.zeros_like(self.host, device=device)
+        self.views, self.host_views, at = {}, {}, 0
+        for name, n in self._layout.items():
+            self.views[name], self.host_views[name] = self.device[at:at + n], self.host[at:at + n]
+            at += n
+
+    def ptr(self, name: str) -> int:
+        return self.views[name].data_ptr()
+
+    def set(self, tokens: list[list[int]], starts: list[int], tables: list[list[int]], slots: list[int]) -> None:
+        """Rows of T tokens at positions start…start+T−1. Padded rows (fewer than `batch`) get slot −1
+        (the GDN kernels skip them), no keys, and a block table of the trash page (their KV writes land
+        there); so does the rest of every row's block table."""
+        b, t, h = self.batch, self.tokens, self.host_views
+        if len(tokens) > b or any(len(row) != t for row in tokens):
+            raise ExecutableError(f"bucket ({b}×{t}) got {len(tokens)} rows of {[len(r) for r in tokens]} tokens")
+        self.host.zero_()
+        h["slots"].fill_(-1)
+        h["block_table"].fill_(self.trash_page)
+        for r, (row, start, table, slot) in enumerate(zip(tokens, starts, tables, slots)):
+            if len(table) > self.max_pages:
+                raise ExecutableError(f"block table of {len(table)} pages exceeds the bucket's {self.max_pages}")
+            h["tokens"][r * t:(r + 1) * t] = torch.tensor(row, dtype=torch.int32)
+            h["row_pos"][r * t:(r + 1) * t] = torch.arange(start, start + t, dtype=torch.int32)
+            h["pos"][r] = start
+            h["block_table"][r * self.max_pages:r * self.max_pages + len(table)] = torch.tensor(table, dtype=torch.int32)
+            h["slots"][r] = slot
+            h["seq_lens"][r] = start + t
+        self.device.copy_(self.host)
+
+
+# ---------------------------------------------------------------------------------------------- binding
+@dataclass
+class _Values:
+    """Where each graph value lives: (kind, name or arena offset)."""
+    graph: Graph
+    plan: Plan
+    base: dict[int, tuple[int, int]] = field(default_factory=dict)   # uid → (base uid, byte offset)
+    producer: dict[int, object] = field(default_factory=dict)
+    names: dict[int, tuple[str, str]] = field(default_factory=dict)
+
+    def __post_init__(self):
+        g = self.graph
+        self.names = {v.uid: ("in", k) for k, v in g.inputs.items()}
+        self.names.update({v.uid: ("w", k) for k, v in g.weights.items()})
+        self.names.update({v.uid: ("s", k) for k, v in g.state.items()})
+        for e in g.eqns:
+            for o in e.outputs:
+                self.producer[o.uid] = e
+            if e.prim in ("reshape", "slice"):
+                src = e.inputs[0]
+                b, off = self.base.get(src.uid, (src.uid, 0))
+                if e.prim == "slice" and e.params["axis"] == 0:
+                    row = 1
+                    for d in src.shape[1:]:
+                        row *= d
+                    dtype = self.plan.dtypes.get(f"a:{b}", src.dtype)
+                    off += e.params["start"] * row * torch.tensor([], dtype=TORCH[dtype]).element_size()
+                self.base[e.outputs[0].uid] = (b, off)
+
+    def resolve(self, v: Var) -> tuple[str, object]:
+        b, off = self.base.get(v.uid, (v.uid, 0))
+        if b in self.names:
+            if off:
+                raise ExecutableError(f"offset view of a non-arena value {self.names[b]}")
+            return self.names[b]
+        return ("a", self.plan.arena[f"a:{b}"][0] + off)
+
+    def through_views(self, v: Var):
+        """The equation producing v's base value (skipping reshapes and slices)."""
+        b, _ = self.base.get(v.uid, (v.uid, 0))
+        return self.producer.get(b)
+
+
+class Bucket:
+    """One (entry, B, T) shape: its plan, its input buffers, its packed launchers, its CUDA graph."""
+
+    def __init__(self, shape: tuple[str, int, int], plan: Plan, inputs: StepInputs):
+        self.shape, self.plan, self.inputs = shape, plan, inputs
+        self.launchers: list = []
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+        self.hidden: torch.Tensor | None = None
+
+    def run(self, use_graph: bool = True) -> None:
+        if use_graph and self.graph is not None:
+            self.graph.replay()
+            return
+        for launcher in self.launchers:
+            launcher.launch()
+
+
+class Executable:
+    """Plans for one spec and target bound to one weight set, one state pool and one arena."""
+
+    def __init__(self, spec: ModelSpec, target: Target, weights: DeviceWeights, state: DeviceState,
+                 kernels: KernelCache, max_pages: int, device="cuda"):
+        self.spec, self.target, self.weights, self.state, self.kernels = spec, target, weights, state, kernels
+        self.max_pages, self.device = max_pages, torch.device(device)
+        self.rt_spec = replace(spec, runtime=replace(spec.runtime, max_context=max_pages * spec.runtime.page_size,
+                                                     kv_dtype=state.kv_dtype))
+        at = spec.model.attention
+        self.inv_freq = inv_freq(at.rope_theta, at.rotary_dim).to(self.device)
+        self.buckets: dict[tuple, Bucket] = {}
+        self.arena = torch.zeros(0, dtype=torch.uint8, device=self.device)
+        self.workspace = torch.zeros(0, dtype=torch.uint8, device=self.device)
+        self.zeroed = torch.zeros(0, dtype=torch.uint8, device=self.device)
+
+    # ------------------------------------------------------------ buckets
+    def bucket(self, entry: str, batch: int, tokens: int, all_logits: bool = False) -> Bucket:
+        """The bucket for B rows × T tokens (planned, compiled and bound on first use). Prefill
+        buckets over 32 tokens keep the last row's logits unless `all_logits`."""
+        all_logits = all_logits and entry == "prefill" and tokens > 32
+        shape = (entry, batch, tokens, all_logits)
+        if shape not in self.buckets:
+            if entry == "mtp":
+                raise ExecutableError("the MTP entry is not bound by the GPU executable yet (speculative decoding "
+                                      "is a later step); use the reference backend for MTP logits")
+            if entry == "prefill" and batch != 1:
+                raise ExecutableError("prefill runs one sequence at a time (batch 1)")
+            plan = plan_bucket(self.rt_spec, self.target, entry, batch, tokens,
+                               last_logits=False if all_logits else None)
+            self.kernels.build(plan.keys())
+            spills = [n for n in self.kernels.spilled() if n in {k.name for k in plan.keys()}]
+            if spills:
+                raise ExecutableError(f"kernels spill registers: {', '.join(spills)}")
+            inputs = StepInputs(batch, tokens, self.max_pages, self.state.trash_page, self.device)
+            bucket = Bucket(shape, plan, inputs)
+            self.buckets[shape] = bucket
+            self._fit(plan)
+            self._bind(bucket)
+        return self.buckets[shape]
+
+    def _fit(self, plan: Plan) -> None:
+        """Grow the arena / workspaces for a new plan; growing moves them, so every bucket is rebound."""
+        ws, zeroed = self._workspace_bytes(plan)
+        grow = False
+        if plan.arena_bytes > self.arena.numel():
+            self.arena, grow = torch.zeros(plan.arena_bytes, dtype=torch.uint8, device=self.device), True
+        if ws > self.workspace.numel():
+            self.workspace, grow = torch.zeros(ws, dtype=torch.uint8, device=self.device), True
+        if zeroed > self.zeroed.numel():
+            self.zeroed, grow = torch.zeros(zeroed, dtype=torch.uint8, device=self.device), True
+        if grow:
+            for b in self.buckets.values():
+                if b.plan is not plan:
+                    self._bind(b)
+
+    @staticmethod
+    def _call_workspace(key) -> dict[str, int]:
+        fn = getattr(module_of(key), "workspace", None)
+        return fn(key) if fn else {}
+
+    def _workspace_bytes(self, plan: Plan) -> tuple[int, int]:
+        ws = zeroed = 0
+        for c in plan.calls:
+            need = self._call_workspace(c.key)
+            ws = max(ws, sum(_align(v) for k, v in need.items() if k not in ZEROED_WORKSPACE))
+            zeroed = max(zeroed, sum(_align(v) for k, v in need.items() if k in ZEROED_WORKSPACE))
+        return ws, zeroed
+
+    # ------------------------------------------------------------ binding
+    def _bind(self, bucket: Bucket) -> None:
+        plan, g = bucket.plan, bucket.plan.graph
+        values = _Values(g, plan)
+        bucket.graph = None
+        bucket.launchers = []
+        for call in plan.calls:
+            args = self._args(call, g.eqns[call.eqn], values, bucket.inputs)
+            params = module_of(call.key).params(call.key)
+            missing = [p.name for p in params if p.name not in args]
+            if missing:
+                raise ExecutableError(f"{call.key.name}: no binding for parameter(s) {', '.join(missing)}")
+            bucket.launchers.append(self.kernels.bind(call.key, [args[p.name] for p in params]))
+        bucket.logits = self._view(values, g.outputs["logits"], plan)
+        bucket.hidden = self._view(values, g.outputs["hidden"], plan)
+
+    def _view(self, values: _Values, v: Var, plan: Plan) -> torch.Tensor:
+        kind, where = values.resolve(v)
+        b, _ = values.base.get(v.uid, (v.uid, 0))
+        dtype = TORCH[plan.dtypes.get(f"a:{b}", v.dtype)]
+        n = 1
+        for d in v.shape:
+            n *= d
+        size = n * torch.tensor([], dtype=dtype).element_size()
+        return self.arena[where:where + size].view(dtype).view(*v.shape)
+
+    def _ptr(self, values: _Values, v: Var, inputs: StepInputs) -> int:
+        kind, where = values.resolve(v)
+        if kind == "a":
+            return self.arena.data_ptr() + where
+        if kind == "in":
+            return inputs.ptr(where)
+        if kind == "w":
+            return self._small_weight(where).data_ptr()
+        raise ExecutableError(f"state value {where} is bound by its kernel family, not as a plain pointer")
+
+    def _small_weight(self, name: str) -> torch.Tensor:
+        try:
+            return self.weights.tensors[name]
+        except KeyError:
+            raise ExecutableError(f"weight {name!r} is not a plain device tensor") from None
+
+    def _planes(self, name: str) -> dict[str, int]:
+        p = self.weights.matrix(name)
+        return {"w_lo": p["lo"].data_ptr(), "w_hi": p["hi"].data_ptr() if p["hi"].numel() else 0,
+                "w_scales": p["scales"].data_ptr() if p["scales"].numel() else 0}
+
+    def _pages(self, state_name: str) -> dict[str, int]:
+        layer = state_name.split(".")[1]
+        kv = self.state.kv[layer]
+        return {"k_pages": kv["k"].data_ptr(), "v_pages": kv["v"].data_ptr(),
+                "k_scales": kv["k_scales"].data_ptr() if "k_scales" in kv else 0,
+                "v_scales": kv["v_scales"].data_ptr() if "v_scales" in kv else 0}
+
+    def _workspace_args(self, key) -> dict[str, int]:
+        out, at, at_zero = {}, 0, 0
+        for name, size in self._call_workspace(key).items():
+            if name in ZEROED_WORKSPACE:
+                out[name], at_zero = self.zeroed.data_ptr() + at_zero, at_zero + _align(size)
+            else:
+                out[name], at = self.workspace.data_ptr() + at, at + _align(size)
+        return out
+
+    def _args(self, call, e, values: _Values, inputs: StepInputs) -> dict[str, int]:
+        fam, key = call.key.family, call.key
+        ptr = lambda v: self._ptr(values, v, inputs)                       # noqa: E731
+        state = lambda v: values.resolve(v)[1]                             # noqa: E731
+        out = ptr(e.outputs[0]) if e.outputs else 0
+        args = self._workspace_args(key)
+        if fam in ("gemv", "gemm"):
+            wname = values.resolve(e.inputs[1])[1]
+            if e.prim == "linear_silu_mul":
+                wname = fused_gate_up(wname)
+            res = ptr(e.inputs[2]) if e.prim == "linear_residual" else 0
+            return args | {"y": out, "x": ptr(e.inputs[0]), "res": res} | self._planes(wname)
+        if fam == "embed":
+            w = self.weights
+            return args | {"y": out, "ids": ptr(e.inputs[0]), "table": w.embed_codes.data_ptr(),
+                           "scales": 0 if w.embed_scales is None else w.embed_scales.data_ptr()}
+        if fam == "rmsnorm":
+            if e.prim != "rmsnorm":
+                raise ExecutableError(f"{e.prim}: the executable binds plain rmsnorm only")
+            return args | {"y": out, "x": ptr(e.inputs[0]), "delta": 0, "w": ptr(e.inputs[1])}
+        if fam == "gated_rmsnorm":
+            return args | {"y": out, "o": ptr(e.inputs[0]), "z": ptr(e.inputs[1]), "w": ptr(e.inputs[2])}
+        if fam == "gdn_conv":
+            layer = state(e.inputs[2]).split(".")[1]
+            return args | {"y": out, "x": ptr(e.inputs[0]), "w": ptr(e.inputs[1]),
+                           "hist": self.state.conv[layer].data_ptr(), "slots": inputs.ptr("slots"),
+                           "rec": 0, "commit": 0, "prev_rec": 0}
+        if fam == "gdn_step":
+            layer = state(e.inputs[7]).split(".")[1]
+            return args | {"o": out, "qkv": ptr(e.inputs[0]), "a": ptr(e.inputs[3]), "b": ptr(e.inputs[4]),
+                           "a_log": ptr(e.inputs[5]), "dt_bias": ptr(e.inputs[6]),
+                           "state": self.state.ssm[layer].data_ptr(), "slots": inputs.ptr("slots"),
+                           "rec_k": 0, "rec_v": 0, "rec_g": 0, "commit": 0, "prev_k": 0, "prev_v": 0, "prev_g": 0}
+        if fam == "qk_rope_kv":
+            k_rope = values.through_views(e.inputs[0])                     # norm_rope(k, k_norm, positions)
+            attn = next(a for a in values.graph.eqns if a.prim in ("gated_paged_attention", "paged_attention")
+                        and a.inputs[4].uid == e.inputs[4].uid)
+            q_rope = values.through_views(attn.inputs[0])
+            return args | {"q_out": ptr(q_rope.outputs[0]), "q": ptr(q_rope.inputs[0]), "k": ptr(k_rope.inputs[0]),
+                           "v": ptr(e.inputs[1]), "q_norm": ptr(q_rope.inputs[1]), "k_norm": ptr(k_rope.inputs[1]),
+                           "inv_freq": self.inv_freq.data_ptr(), "pos": inputs.ptr("row_pos"),
+                           "block_table": inputs.ptr("block_table")} | self._pages(state(e.inputs[4]))
+        if fam in ("attn_decode", "attn_combine", "attn_prefill"):
+            if e.prim != "gated_paged_attention":
+                raise ExecutableError("the executable binds gated attention only (output_gate: true)")
+            common = {"q": ptr(e.inputs[0]), "gate_src": ptr(e.inputs[1]), "block_table": inputs.ptr("block_table"),
+                      "seq_lens": inputs.ptr("seq_lens"), "seq_len": inputs.ptr("seq_lens")}
+            common |= self._pages(state(e.inputs[4]))
+            if fam == "attn_decode":
+                split = key.splits > 1
+                ws = self._attn_partials(key) if split else {"part_o": 0, "part_ml": 0}
+                return args | common | ws | {"out": 0 if split else out}
+            if fam == "attn_combine":
+                dec = next(c.key for c in values.plan.calls if c.eqn == call.eqn and c.key.family == "attn_decode")
+                return args | common | self._attn_partials(dec) | {"out": out}
+            return args | common | {"out": out}
+        raise ExecutableError(f"no argument binding for kernel family {fam!r}")
+
+    def _attn_partials(self, dec_key) -> dict[str, int]:
+        got = self._workspace_args(dec_key)
+        if "part_o" not in got:
+            raise ExecutableError(f"{dec_key.name}: attention splits need a workspace (attn_decode.workspace)")
+        return {"part_o": got["part_o"], "part_ml": got["part_ml"]}
+
+    # ------------------------------------------------------------ graphs
+    def capture(self, bucket: Bucket) -> None:
+        """Record the bucket's launches as one CUDA graph, after one eager warm-up run on padded rows
+        only (no state slot, KV writes to the trash page), so no sequence's state changes."""
+        bucket.graph = None
+        bucket.inputs.set([], [], [], [])
+        bucket.run(use_graph=False)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            bucket.run(use_graph=False)
+        bucket.graph = graph
+
+    @property
+    def launches(self) -> dict[tuple, int]:
+        return {shape: len(b.launchers) for shape, b in self.buckets.items()}
+
+
+def _align(n: int, a: int = 256) -> int:
+    return -(-n // a) * a

@@ -1,0 +1,95 @@
+"""CPU tier for the GPU runtime's host side: every parameter of every kernel in the tiny spec's
+buckets gets an argument from the executable (with the kernel launcher replaced by a recorder, the
+only part that needs a driver), device-drawn random weights have the packed planes' exact sizes,
+step inputs fill padded rows safely, and prompts are cut into the right buckets."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from compiler.kernels import module_of
+from compiler.spec import load_spec
+from compiler.targets import lookup
+from ninfer_gen.checkpoint import quantize_weights
+from ninfer_gen.device_weights import from_host, random_on_device
+from ninfer_gen.executable import DeviceState, Executable, StepInputs
+from ninfer_gen.gpu_backend import prompt_pieces
+from ninfer_gen.random_weights import random_weights
+
+TINY = load_spec(Path(__file__).resolve().parents[1] / "model_specs/qwen3.8-tiny.yaml")
+
+
+class RecordingKernels:
+    """Stands in for KernelCache.bind: records (key, args) instead of loading a module."""
+
+    def __init__(self):
+        self.calls = []
+
+    def build(self, keys):
+        pass
+
+    def spilled(self):
+        return []
+
+    def bind(self, key, args):
+        self.calls.append((key, args))
+        return (key, args)
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return from_host(TINY, quantize_weights(TINY, random_weights(TINY)), device="cpu")
+
+
+def test_random_device_weights_have_the_packed_sizes(weights):
+    drawn = random_on_device(TINY, seed=3, device="cpu")
+    assert drawn.matrices.keys() == weights.matrices.keys()
+    for name, planes in weights.matrices.items():
+        assert drawn.formats[name] == weights.formats[name]
+        for plane, t in planes.items():
+            got = drawn.matrices[name][plane]
+            assert got.numel() * got.element_size() == t.numel() * t.element_size(), (name, plane)
+    assert drawn.tensors.keys() == weights.tensors.keys()
+    assert drawn.embed_codes.shape == weights.embed_codes.shape
+
+
+@pytest.mark.parametrize("shape", [("step", 1, 1), ("step", 2, 4), ("prefill", 1, 256), ("prefill", 1, 48)])
+def test_every_kernel_parameter_is_bound(weights, shape):
+    rec = RecordingKernels()
+    state = DeviceState(TINY, 64, 2, "int8", "cpu")
+    exe = Executable(TINY, lookup("rtx3090"), weights, state, rec, 32, "cpu")
+    bucket = exe.bucket(*shape)
+    assert len(bucket.launchers) == len(bucket.plan.calls) > 0
+    arena = range(exe.arena.data_ptr(), exe.arena.data_ptr() + exe.arena.numel())
+    for key, args in bucket.launchers:
+        params = module_of(key).params(key)
+        assert len(args) == len(params)
+        named = dict(zip((p.name for p in params), args))
+        for must in ("y", "x", "out", "q", "o", "qkv", "w_lo", "ids", "table", "hist", "state", "k_pages"):
+            if must in named and not (key.family == "attn_decode" and must == "out" and key.splits > 1):
+                assert named[must] != 0, f"{key.name}: {must} unbound"
+        if key.family in ("gemv", "gemm", "rmsnorm"):
+            assert named["y"] in arena, f"{key.name}: output outside the arena"
+    assert bucket.logits.dtype == torch.float32 and bucket.logits.shape[-1] == TINY.model.vocab_size
+
+
+def test_step_inputs_pad_rows_to_the_trash_page():
+    inputs = StepInputs(batch=2, tokens=4, max_pages=3, trash_page=9, device="cpu")
+    inputs.set([[5, 6, 7, 8]], [10], [[4, 2]], [1])
+    v = inputs.views
+    assert v["tokens"].tolist() == [5, 6, 7, 8, 0, 0, 0, 0]
+    assert v["row_pos"].tolist()[:4] == [10, 11, 12, 13]
+    assert v["block_table"].tolist() == [4, 2, 9, 9, 9, 9]
+    assert v["slots"].tolist() == [1, -1] and v["seq_lens"].tolist() == [14, 0]
+    with pytest.raises(RuntimeError, match="bucket"):
+        inputs.set([[1, 2]], [0], [[0]], [0])
+
+
+@pytest.mark.parametrize("n,chunk,expected", [
+    (30, 1024, [("prefill", 16), ("step", 4), ("step", 4), ("step", 4), ("step", 1), ("step", 1)]),
+    (2048 + 40, 1024, [("prefill", 1024), ("prefill", 1024), ("prefill", 32), ("step", 4), ("step", 4)]),
+    (3, 64, [("step", 1)] * 3),
+])
+def test_prompt_pieces(n, chunk, expected):
+    pieces = prompt_pieces(n, chunk)
+    assert pieces == expected and sum(t for _, t in pieces) == n
