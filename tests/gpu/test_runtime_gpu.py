@@ -169,3 +169,34 @@ def test_27b_buckets_bind_with_device_random_weights():
     assert peak < 24 * GiB
     del be, weights
     torch.cuda.empty_cache()
+
+
+def test_bf16_kv_cache_matches_reference():
+    """The bf16 KV pages (selectable instead of INT8) against the reference with bf16 KV."""
+    import ninfer_gen
+    from ninfer_gen.checkpoint import dequantized, load_checkpoint, quantize_weights
+    from ninfer_gen.device_weights import from_host
+    from ninfer_gen.gpu_backend import GpuBackend
+    from ninfer_gen.reference import ReferenceBackend
+
+    spec, tensors = load_checkpoint(SMALL, require_mtp=False)
+    q = quantize_weights(spec, tensors)
+    ref = ninfer_gen.api.Model(spec, ReferenceBackend(spec, dequantized(q), device="cuda", kv_dtype="bf16"), None, "")
+    gpu = ninfer_gen.api.Model(spec, GpuBackend(spec, from_host(spec, q), max_context=1024, kv_dtype="bf16"), None, "")
+    ids = _tokens(200, spec.model.vocab_size, 7)
+    _check("small bf16 KV prefill", torch.from_numpy(gpu.forward_logits(ids, chunk_size=64)),
+           torch.from_numpy(ref.forward_logits(ids)), (REL_L2, REL_L2))
+
+
+def test_cli_run_on_the_gpu_backend_streams_and_samples_reproducibly(capsys):
+    from ninfer_gen.cli import main
+
+    argv = ["run", "--backend", "gpu", "--prompt", "def fibonacci(n):", "--max-tokens", "24"]
+    assert main(argv) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("def fibonacci(n):") and "24 new tokens" in out.err and "backend: gpu" in out.err
+    sampled = []
+    for _ in range(2):
+        assert main(argv + ["--temperature", "0.8", "--top-k", "40", "--top-p", "0.9", "--seed", "3"]) == 0
+        sampled.append(capsys.readouterr().out)
+    assert sampled[0] == sampled[1], "the same seed must give the same sample"
