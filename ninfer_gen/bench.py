@@ -229,6 +229,7 @@ def run_bench(args) -> dict:
         peak.sample()
     result["launches"] = {f"{e}:{b}x{t}": n for (e, b, t, _), n in be.exe.launches.items()}
     result["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+    result["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
     result["peak_device_used_bytes"] = peak.device
     if args.hf_json:
         result["hf"] = _hf_ratios(json.loads(Path(args.hf_json).read_text()), result)
@@ -273,8 +274,8 @@ def table(r: dict) -> str:
     if prof:
         lines.append("decode step by family (eager, µs): " + ", ".join(
             f"{k} {v['us']:.0f} ({v['launches']})" for k, v in prof.items()))
-    lines.append(f"{'peak allocated / device (GiB)':<34} {r['peak_allocated_bytes'] / GiB:>8.2f} / "
-                 f"{r['peak_device_used_bytes'] / GiB:.2f}")
+    lines.append(f"{'peak alloc / reserved / device GiB':<34} {r['peak_allocated_bytes'] / GiB:>6.2f} / "
+                 f"{r['peak_reserved_bytes'] / GiB:.2f} / {r['peak_device_used_bytes'] / GiB:.2f}")
     for k, v in r.get("hf", {}).items():
         if k.endswith("ratio"):
             lines.append(f"{'vs HF ' + k.replace('_ratio', ''):<34} {v:>13.2f}×")
