@@ -174,12 +174,46 @@ class _Values:
         return self.producer.get(b)
 
 
+def concurrent_groups(plan: Plan, has_workspace=lambda key: False, width: int = 4) -> list[list[int]]:
+    """The plan's calls in order, cut into groups that may run at once: runs of consecutive GEMVs (a
+    layer's input projections all read the same normed activations) where no call reads or writes
+    bytes another writes, at most one uses the shared workspace, and at most `width` per group.
+    Every other call is a group of one."""
+    def spans(names):
+        return [plan.arena[n] for n in names if n in plan.arena]
+
+    def overlap(xs, ys):
+        return any(a < b + m and b < a + n for a, n in xs for b, m in ys)
+
+    def independent(c, d) -> bool:
+        if set(c.inputs) & set(d.outputs) or set(d.inputs) & set(c.outputs) or set(c.outputs) & set(d.outputs):
+            return False
+        if overlap(spans(c.outputs), spans(d.inputs) + spans(d.outputs)) or overlap(spans(d.outputs), spans(c.inputs)):
+            return False
+        return not (has_workspace(c.key) and has_workspace(d.key))
+
+    groups: list[list[int]] = []
+    for i, c in enumerate(plan.calls):
+        cur = groups[-1] if groups else None
+        if (cur and c.key.family == "gemv" and len(cur) < width and all(plan.calls[j].key.family == "gemv"
+                                                                         for j in cur)
+                and all(independent(c, plan.calls[j]) for j in cur)):
+            cur.append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
 class Bucket:
-    """One (entry, B, T) shape: its plan, its input buffers, its packed launchers, its CUDA graph."""
+    """One (entry, B, T) shape: its plan, its input buffers, its packed launchers, its CUDA graph.
+    Groups of independent calls run on side streams (forked from and joined back into the current
+    stream with events), so a captured graph has parallel branches there."""
 
     def __init__(self, shape: tuple[str, int, int], plan: Plan, inputs: StepInputs):
         self.shape, self.plan, self.inputs = shape, plan, inputs
         self.launchers: list = []
+        self.groups: list[list[int]] = []
+        self.side_streams: list = []
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         self.hidden: torch.Tensor | None = None
@@ -188,15 +222,31 @@ class Bucket:
         if use_graph and self.graph is not None:
             self.graph.replay()
             return
-        for launcher in self.launchers:
-            launcher.launch()
+        main = torch.cuda.current_stream()
+        for group in self.groups or [[i] for i in range(len(self.launchers))]:
+            if len(group) == 1 or not self.side_streams:
+                for i in group:
+                    self.launchers[i].launch()
+                continue
+            fork = torch.cuda.Event()
+            fork.record(main)
+            sides = self.side_streams[:len(group) - 1]
+            for side, i in zip(sides, group[1:]):
+                side.wait_event(fork)
+                self.launchers[i].launch(side.cuda_stream)
+            self.launchers[group[0]].launch(main.cuda_stream)
+            for side in sides:
+                join = torch.cuda.Event()
+                join.record(side)
+                main.wait_event(join)
 
 
 class Executable:
     """Plans for one spec and target bound to one weight set, one state pool and one arena."""
 
     def __init__(self, spec: ModelSpec, target: Target, weights: DeviceWeights, state: DeviceState,
-                 kernels: KernelCache, max_pages: int, device="cuda"):
+                 kernels: KernelCache, max_pages: int, device="cuda", concurrency: int = 4):
+        """`concurrency`: how many independent GEMVs may run at once (1 = strictly one after another)."""
         self.spec, self.target, self.weights, self.state, self.kernels = spec, target, weights, state, kernels
         self.max_pages, self.device = max_pages, torch.device(device)
         self.rt_spec = replace(spec, runtime=replace(spec.runtime, max_context=max_pages * spec.runtime.page_size,
@@ -207,6 +257,8 @@ class Executable:
         self.arena = torch.zeros(0, dtype=torch.uint8, device=self.device)
         self.workspace = torch.zeros(0, dtype=torch.uint8, device=self.device)
         self.zeroed = torch.zeros(0, dtype=torch.uint8, device=self.device)
+        self.concurrency = concurrency if self.device.type == "cuda" else 1
+        self.side_streams = [torch.cuda.Stream(self.device) for _ in range(self.concurrency - 1)]
 
     # ------------------------------------------------------------ buckets
     def bucket(self, entry: str, batch: int, tokens: int, all_logits: bool = False) -> Bucket:
@@ -274,6 +326,9 @@ class Executable:
             if missing:
                 raise ExecutableError(f"{call.key.name}: no binding for parameter(s) {', '.join(missing)}")
             bucket.launchers.append(self.kernels.bind(call.key, [args[p.name] for p in params]))
+        if self.concurrency > 1:
+            bucket.groups = concurrent_groups(plan, lambda key: bool(self._call_workspace(key)), self.concurrency)
+            bucket.side_streams = self.side_streams
         bucket.logits = self._view(values, g.outputs["logits"], plan)
         bucket.hidden = self._view(values, g.outputs["hidden"], plan)
 

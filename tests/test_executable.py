@@ -93,3 +93,22 @@ def test_step_inputs_pad_rows_to_the_trash_page():
 def test_prompt_pieces(n, chunk, expected):
     pieces = prompt_pieces(n, chunk)
     assert pieces == expected and sum(t for _, t in pieces) == n
+
+
+def test_concurrent_groups_are_the_independent_input_projections():
+    from compiler.buckets import plan_bucket
+    from ninfer_gen.executable import concurrent_groups
+
+    plan = plan_bucket(TINY, lookup("rtx3090"), "step", 2, 4)
+    groups = concurrent_groups(plan)
+    assert sorted(i for g in groups for i in g) == list(range(len(plan.calls)))
+    multi = [g for g in groups if len(g) > 1]
+    kinds = TINY.model.layers.kinds
+    assert len(multi) == len(kinds)            # per layer: GDN qkv/z/a/b or attention q/k/v
+    for g in multi:
+        calls = [plan.calls[i] for i in g]
+        assert all(c.key.family == "gemv" for c in calls)
+        assert len({c.inputs[0] for c in calls}) == 1          # the same normed activations
+        written = {o for c in calls for o in c.outputs}
+        assert not written & {x for c in calls for x in c.inputs}
+    assert concurrent_groups(plan, has_workspace=lambda key: True) == [[i] for i in range(len(plan.calls))]
