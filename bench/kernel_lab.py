@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from compiler.kernels import argmax, attn_decode, attn_prefill, gdn_conv, gdn_step, gemm, gemv, qk_rope_kv, rmsnorm
-from compiler.kernels.cases import make_case
+from compiler.kernels.cases import gemv_workspace, make_case
 from compiler.kernels.weight_layout import device_bytes, pack_for_device, random_qmatrix
 from compiler.targets import lookup
 from ninfer_gen.cuda_module import KernelCache
@@ -61,33 +61,45 @@ def copy_bandwidth(iters: int) -> float:
 
 def gemv_runs(fmt, n, k, ms, epilogue, out, target, l2, configs=None) -> list:
     """Thunks, one per M (or per (M, config) in `configs`: the sweep; a config is a dict of key
-    fields to replace, e.g. {"warps": 8, "tiles": 2}), sharing one packed weight set (rotated copies
-    when smaller than 2×L2)."""
+    fields to replace, e.g. {"warps": 8, "splits": 3}), sharing one packed weight set (rotated copies
+    when smaller than 2×L2). Each thunk carries its `key` (built in parallel before timing)."""
     shared = {}
 
     def weights():
         if not shared:
             g = torch.Generator(device=DEVICE).manual_seed(0)
-            copies = max(1, min(16, -(-2 * l2 // device_bytes(fmt, n, k))))
+            copies = max(1, min(64, -(-2 * l2 // device_bytes(fmt, n, k))))
             shared["w"] = [pack_for_device(random_qmatrix(fmt, n, k, g), gate_up=epilogue == "silu_mul")
                            for _ in range(copies)]
         return shared["w"]
 
-    def one(m, cfg=None):
+    def make(m, cfg=None):
         key = gemv.make_key(fmt, n, k, m, target, epilogue, out)
-        key = replace(key, **cfg) if cfg else key
+        if not cfg:
+            return key
+        return replace(key, **cfg)
+
+    def one(key):
+        m = key.m
         x = torch.randn(m, k, device=DEVICE).bfloat16()
         res = torch.randn(m, n, device=DEVICE).bfloat16() if epilogue == "residual" else None
         n_out = n // 2 if epilogue == "silu_mul" else n
         y = torch.empty(m, n_out, device=DEVICE, dtype=torch.float32 if out == "f32" else torch.bfloat16)
+        ws, tickets = gemv_workspace(key, DEVICE)          # one workspace serves every rotated copy
         nz = lambda t: t if t.numel() else None                           # noqa: E731
-        runs = [[KERNELS.bind(key, [y, x, w["lo"], nz(w["hi"]), nz(w["scales"]), res])] for w in weights()]
+        runs = [[KERNELS.bind(key, [y, x, w["lo"], nz(w["hi"]), nz(w["scales"]), res, ws, tickets])]
+                for w in weights()]
         moved = device_bytes(fmt, n, k) + x.numel() * 2 + y.numel() * y.element_size() + \
             (res.numel() * 2 if res is not None else 0)
         return key, runs, moved, 2 * m * n * k
-    if configs:
-        return [lambda m=m, c=c: one(m, c) for m in ms for c in configs]
-    return [lambda m=m: one(m) for m in ms]
+
+    keys = [make(m, c) for m in ms for c in configs] if configs else [make(m) for m in ms]
+    thunks = []
+    for key in dict.fromkeys(keys):
+        thunk = lambda key=key: one(key)                                  # noqa: E731
+        thunk.key = key
+        thunks.append(thunk)
+    return thunks
 
 
 def case_runs(key, l2, **options):
@@ -97,7 +109,13 @@ def case_runs(key, l2, **options):
         copies = max(1, min(32, -(-2 * l2 // max(first.bytes, 1))))
         cases = [first] + [make_case(key, DEVICE, i, **options) for i in range(1, copies)]
         return key, [[KERNELS.bind(k, a) for k, a in c.launches] for c in cases], first.bytes, first.flops
+    build.key = key
     return build
+
+
+# The other decode projections of the 27B spec (N = 5120 / 6144 / 12288 and the MTP's W8 down).
+SMALL_GEMV = [("q5g64", 6144, 5120, "none"), ("q5g64", 5120, 6144, "residual"), ("q4g64", 12288, 5120, "none"),
+              ("w8g32", 5120, 17408, "residual"), ("q4g64", 1024, 5120, "none")]
 
 
 def plan(target):
@@ -108,6 +126,8 @@ def plan(target):
     yield "gemv", gemv_runs("w8g32", 248320, 5120, (1, 4, 32), "none", "f32", target, l2)
     yield "gemv", gemv_runs("q5g64", 5120, 17408, (1, 8, 32), "residual", "bf16", target, l2)
     yield "gemv", gemv_runs("q4g64", 10240, 5120, (1, 8, 32), "none", "bf16", target, l2)
+    for fmt, n, k, epi in SMALL_GEMV:
+        yield "gemv", gemv_runs(fmt, n, k, (1, 8, 32), epi, "bf16", target, l2)
     steps = [gdn_step.make_key(16, 48, 128, 128, b, t, mode, target)
              for b, t, mode in ((1, 1, "step"), (8, 1, "step"), (1, 4, "record"), (8, 4, "record"), (8, 4, "fold"),
                                 (1, 4, "commit_record"), (8, 4, "commit_record"))]
@@ -122,10 +142,19 @@ def plan(target):
                (gemm.make_key("q5g64", 5120, 17408, 1024, target, "residual"), {}),
                (attn_prefill.make_key(24, 4, 256, 1024, "int8", 512, target), {"ctx": 8192})]
     yield "prefill", [case_runs(k, l2, **opt) for k, opt in prefill]
-    # (warps, tiles) of the decode GEMM; warps fixes the reduction order: per shape, never per M
-    sweep = [{"warps": w, "tiles": t} for w, t in ((4, 1), (8, 1), (4, 2), (8, 2))]
-    yield "sweep", gemv_runs("q4g64", 34816, 5120, (1, 8, 32), "silu_mul", "bf16", target, l2, sweep)
-    yield "sweep", gemv_runs("q5g64", 5120, 17408, (1, 8), "residual", "bf16", target, l2, sweep)
+    # v1 (splits = 1) in the same run for every decode GEMM shape, and the neighbours of the split
+    # choice; splits and warps fix the reduction order: chosen per shape, never per M
+    v1 = {"splits": 1}
+    yield "sweep", gemv_runs("q4g64", 34816, 5120, ms, "silu_mul", "bf16", target, l2, [v1, {"splits": 5}])
+    yield "sweep", gemv_runs("q4g64", 248320, 5120, ms, "none", "f32", target, l2, [v1])
+    yield "sweep", gemv_runs("w8g32", 248320, 5120, (1, 4, 32), "none", "f32", target, l2, [v1])
+    yield "sweep", gemv_runs("q5g64", 5120, 17408, (1, 8, 32), "residual", "bf16", target, l2,
+                             [v1, {"splits": 3}, {"splits": 9}, {"splits": 17}])
+    yield "sweep", gemv_runs("q4g64", 10240, 5120, (1, 8, 32), "none", "bf16", target, l2, [v1, {"splits": 5}])
+    for fmt, n, k, epi in SMALL_GEMV:
+        yield "sweep", gemv_runs(fmt, n, k, (1, 8, 32), epi, "bf16", target, l2, [v1])
+    yield "sweep", gemv_runs("w8g32", 5120, 17408, (1, 8, 32), "residual", "bf16", target, l2,
+                             [{"splits": 5}, {"splits": 9}])
     misc = [rmsnorm.Key(5120, 1, True, "bf16", 1e-6, target.arch), rmsnorm.Key(5120, 32, True, "bf16", 1e-6, target.arch),
             qk_rope_kv.Key(24, 4, 256, 64, 8, 4, "int8", 64, 512, 1e-6, target.arch), argmax.Key(248320, 8, target.arch)]
     yield "misc", [case_runs(k, l2) for k in misc]
@@ -165,13 +194,16 @@ def main(argv=None):
     target = lookup(f"sm_{major}{minor}")
     copy_gbs = copy_bandwidth(args.iters)
     rows, t0 = [], time.time()
-    for label, items in plan(target):
-        if args.only and label not in args.only.split(","):
-            continue
+    groups = [(label, items) for label, items in plan(target) if not args.only or label in args.only.split(",")]
+    try:                                            # all cores, once; a failure shows again per kernel below
+        KERNELS.build([t.key for _, items in groups for t in items if hasattr(t, "key")])
+    except Exception as err:
+        print(f"prebuild failed: {type(err).__name__}: {err}", flush=True)
+    for label, items in groups:
         rows += measure(label, items, args.iters, copy_gbs)
-    out = {"device": torch.cuda.get_device_name(), "target": target.name, "copy_gbps": copy_gbs,
-           "iters": args.iters, "seconds": time.time() - t0, "results": rows}
-    Path(args.out).write_text(json.dumps(out, indent=1))
+        out = {"device": torch.cuda.get_device_name(), "target": target.name, "copy_gbps": copy_gbs,
+               "iters": args.iters, "seconds": time.time() - t0, "results": rows}
+        Path(args.out).write_text(json.dumps(out, indent=1))           # after every group: partial runs count
     print(f"\ndevice {out['device']}  copy {copy_gbs:.0f} GB/s  (median of {args.iters}; JSON: {args.out})")
     print(f"{'kernel':<62} {'us':>9} {'GB/s':>8} {'copy%':>6} {'TFLOP/s':>8}")
     for r in rows:

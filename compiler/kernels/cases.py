@@ -62,10 +62,25 @@ def _gemv(key: gemv.Key, g) -> Case:
     y = torch.empty(key.m, n_out, device=dev, dtype=torch.float32 if key.out_dtype == "f32" else torch.bfloat16)
     nz = lambda t: t if t.numel() else None                               # noqa: E731
     args = [y, x, packed["lo"], nz(packed["hi"]), nz(packed["scales"]), res]
+    inplace, expect = {}, {}
+    if key.family == "gemv":                        # split-K workspace; the tickets must come back zero
+        ws, tickets = gemv_workspace(key, dev)
+        args += [ws, tickets]
+        if tickets is not None:
+            inplace["tickets"], expect["tickets"] = tickets, torch.zeros_like(tickets)
     moved = device_bytes(key.fmt, key.n, key.k) + x.numel() * 2 + y.numel() * y.element_size() + \
         (res.numel() * 2 if res is not None else 0)
-    return Case([(key, args)], {"y": y}, {}, lambda: {"y": gemv.reference(key, x, w, res)},
-                {"y": key.out_dtype}, moved, 2 * key.m * key.n * key.k)
+    return Case([(key, args)], {"y": y}, inplace, lambda: {"y": gemv.reference(key, x, w, res), **expect},
+                {"y": key.out_dtype, "tickets": "exact"}, moved, 2 * key.m * key.n * key.k)
+
+
+def gemv_workspace(key: gemv.Key, device) -> tuple:
+    """(ws, tickets) for a gemv launch: an f32 buffer and zeroed int32 counters, or (None, None)."""
+    sizes = gemv.workspace(key)
+    if not sizes:
+        return None, None
+    return (torch.empty(sizes["ws"] // 4, device=device, dtype=torch.float32),
+            torch.zeros(sizes["tickets"] // 4, device=device, dtype=torch.int32))
 
 
 def _rmsnorm(key: rmsnorm.Key, g) -> Case:

@@ -1,6 +1,7 @@
 """gemm: the quantised prefill GEMM (M = a prefill chunk), mma.sync with the gemv weight layout.
 
-Same arguments, epilogues and reference as gemv; tiles of 64 weight rows × 64 tokens per block.
+Same first six arguments (no split-K workspace), epilogues and reference as gemv; tiles of 64 weight
+rows × 64 tokens per block.
 Its K order differs from gemv (no split over warps), so prefill and decode agree to rounding only.
 """
 from __future__ import annotations
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ..targets import Target
-from . import KernelKey, Launch, ceil_div
+from . import KernelKey, Launch, Param, ceil_div
 from . import gemv
 from .weight_layout import FORMATS, group_of
 
@@ -47,7 +48,14 @@ def launch(key: Key, target: Target | None = None) -> Launch:
     return Launch((ceil_div(key.m, BM), ceil_div(ceil_div(key.n, 16), ROWS_PER_BLOCK // 16), 1), (128, 1, 1), 0)
 
 
-params = gemv.params
+def params(key: Key) -> list[Param]:
+    """gemv's first six arguments (no split-K workspace)."""
+    return [Param("y", "ptr", "out [m, n] (n/2 for silu_mul), bf16 or f32; may alias res"),
+            Param("x", "ptr", "activations [m, k] bf16, contiguous"),
+            Param("w_lo", "ptr", "packed plane 'lo' (weight_layout.pack_for_device)"),
+            Param("w_hi", "ptr", "packed plane 'hi' (q5g64/q6g64; else 0)"),
+            Param("w_scales", "ptr", "packed scales (0 for bf16)"),
+            Param("res", "ptr", "residual [m, n] bf16 for epilogue 'residual' (else 0)")]
 
 
 def reference(key: Key, x, w, res=None):

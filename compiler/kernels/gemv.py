@@ -1,8 +1,13 @@
 """gemv: the quantised skinny GEMM family (decode, verify and cohorts, M ≤ 32) on mma.sync.
 
 y[M, N_out] = epilogue(x[M, K] · W[N, K]ᵀ) with W in a weight_layout format. The config that fixes the
-reduction order (`warps`, the K split) depends on (fmt, N, K, target) only, never on M: that is what
-makes decode, verify and every cohort produce identical bits per row.
+reduction order (`warps`, `splits`: the K split over warps and over blocks) depends on (fmt, N, K,
+target) only, never on M: that is what makes decode, verify and every cohort produce identical bits
+per row.
+
+splits > 1 needs a workspace (`workspace(key)`: an fp32 [splits, m, n] buffer and one u32 ticket per
+row tile, zero before the first launch); the kernel leaves the tickets at zero, so one allocation
+serves every launch and graph replay.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ class Key(KernelKey):
     warps: int             # warps per block, each owning units u ≡ warp (mod warps): fixes the order
     tiles: int             # 16-row tiles per block
     arch: str
+    splits: int = 1        # K slices over blocks (whole load batches), summed in slice order by the last block
 
     def __post_init__(self):
         if self.fmt not in FORMATS:
@@ -43,32 +49,68 @@ class Key(KernelKey):
             raise ValueError(f"gemv: bad epilogue/out_dtype {self.epilogue!r}/{self.out_dtype!r}")
         if self.epilogue == "silu_mul" and (self.n % 16):
             raise ValueError("gemv: silu_mul needs n = 2·F with F a multiple of 8")
+        if not 1 <= self.splits <= load_batches(self.fmt, self.k, self.warps):
+            raise ValueError(f"gemv: splits = {self.splits} outside 1..{load_batches(self.fmt, self.k, self.warps)} "
+                             "(every slice needs a whole load batch)")
 
     def _name_parts(self):
         parts = [self.fmt, f"n{self.n}", f"k{self.k}", f"m{self.m}"]
         parts += [] if self.epilogue == "none" else [{"residual": "res", "silu_mul": "silu"}[self.epilogue]]
         parts += ["f32"] if self.out_dtype == "f32" else []
-        return parts + [f"w{self.warps}t{self.tiles}"]
+        return parts + [f"w{self.warps}t{self.tiles}"] + ([f"s{self.splits}"] if self.splits > 1 else [])
 
 
-def config(fmt: str, n: int, k: int, m: int, target: Target) -> tuple[int, int]:
-    """(warps, tiles). `warps` fixes the reduction order, so it reads the shape and the card only,
-    never M (batch invariance); `tiles` (row tiles per block, reusing activations) may follow M."""
+def load_batches(fmt: str, k: int, warps: int) -> int:
+    """Load batches along K per block (each warp loads PD units, then runs their mma): templates/gemv.cu.j2."""
+    pd = 2 if fmt == "bf16" else 4
+    return ceil_div(k // group_of(fmt), warps * pd)
+
+
+def split_count(fmt: str, n: int, k: int, warps: int, target: Target) -> int:
+    """Blocks per row-tile group along K (reads the shape and the card, never M).
+
+    Measured on the H200 (bench/kernel_lab_notes.md, v6): a split costs every block a partial write,
+    a fence, an atomic and a barrier, which the one-block-per-tile kernel, occupancy/latency-bound at
+    ~36 warps per SM, pays in throughput (the LM head lost 9 points at S = 2, gate/up 7). It pays only
+    where one block per tile gives less than a wave of blocks and each block walks a long K (Q5 down
+    39 → 48 % at S = 6, W8 down 42 → 61 % at S = 7). So: split when there is less than one wave of
+    tiles (≈ 36 resident warps per SM) and K has ≥ 8 load batches, or when there are fewer tiles than
+    SMs; then take the largest even cut of the batches (⌈nb / b⌉ for b batches per block) that keeps
+    the grid within two waves."""
+    nb, row_tiles = load_batches(fmt, k, warps), ceil_div(n, 16)
+    wave = target.sms * (36 // warps)
+    if row_tiles >= wave or (nb < 8 and row_tiles >= target.sms):
+        return 1
+    cuts = {ceil_div(nb, b) for b in range(1, nb + 1)}
+    return max(s for s in cuts if s == 1 or row_tiles * s <= 2 * wave)
+
+
+def config(fmt: str, n: int, k: int, m: int, target: Target) -> tuple[int, int, int]:
+    """(warps, tiles, splits). `warps` and `splits` fix the reduction order, so they read the shape and
+    the card only, never M (batch invariance); `tiles` (row tiles per block, reusing activations) may
+    follow M."""
     row_tiles = ceil_div(n, 16)
     units = k // group_of(fmt)
     warps = 8 if row_tiles < 2 * target.sms and units >= 32 else 4
     tiles = 2 if m > 8 and row_tiles >= 16 * target.sms else 1
-    return warps, tiles
+    return warps, tiles, split_count(fmt, n, k, warps, target)
 
 
 def make_key(fmt: str, n: int, k: int, m: int, target: Target, epilogue: str = "none",
              out_dtype: str = "bf16") -> Key:
-    warps, tiles = config(fmt, n, k, m, target)
-    return Key(fmt, n, k, m, epilogue, out_dtype, warps, tiles, target.arch)
+    warps, tiles, splits = config(fmt, n, k, m, target)
+    return Key(fmt, n, k, m, epilogue, out_dtype, warps, tiles, target.arch, splits)
 
 
 def launch(key: Key, target: Target | None = None) -> Launch:
-    return Launch((ceil_div(ceil_div(key.n, 16), key.tiles), 1, 1), (32 * key.warps, 1, 1), 0)
+    return Launch((ceil_div(ceil_div(key.n, 16), key.tiles) * key.splits, 1, 1), (32 * key.warps, 1, 1), 0)
+
+
+def workspace(key: Key) -> dict[str, int]:
+    """Bytes of each workspace argument (by parameter name); {} when splits == 1."""
+    if key.splits == 1:
+        return {}
+    return {"ws": 4 * key.splits * key.m * key.n, "tickets": 4 * ceil_div(key.n, 16)}
 
 
 def params(key: Key) -> list[Param]:
@@ -77,7 +119,10 @@ def params(key: Key) -> list[Param]:
             Param("w_lo", "ptr", "packed plane 'lo' (weight_layout.pack_for_device)"),
             Param("w_hi", "ptr", "packed plane 'hi' (q5g64/q6g64; else 0)"),
             Param("w_scales", "ptr", "packed scales (0 for bf16)"),
-            Param("res", "ptr", "residual [m, n] bf16 for epilogue 'residual' (else 0)")]
+            Param("res", "ptr", "residual [m, n] bf16 for epilogue 'residual' (else 0)"),
+            Param("ws", "ptr", "f32 workspace [splits, m, n] (splits > 1, else 0)"),
+            Param("tickets", "ptr", "u32 [row tiles] arrival counters: zero before the first launch, left zero "
+                  "(splits > 1, else 0)")]
 
 
 def reference(key: Key, x: torch.Tensor, w, res: torch.Tensor | None = None) -> torch.Tensor:
