@@ -177,8 +177,9 @@ class _Values:
 def concurrent_groups(plan: Plan, has_workspace=lambda key: False, width: int = 4) -> list[list[int]]:
     """The plan's calls in order, cut into groups that may run at once: runs of consecutive GEMVs (a
     layer's input projections all read the same normed activations) where no call reads or writes
-    bytes another writes, at most one uses the shared workspace, and at most `width` per group.
-    Every other call is a group of one."""
+    bytes another writes, and at most `width` per group. Every other call is a group of one. The
+    executable gives each call of a group its own workspace lane; `has_workspace` marks calls that
+    must not share one (for a caller with a single workspace)."""
     def spans(names):
         return [plan.arena[n] for n in names if n in plan.arena]
 
@@ -306,12 +307,13 @@ class Executable:
         return fn(key) if fn else {}
 
     def _workspace_bytes(self, plan: Plan) -> tuple[int, int]:
+        """(scratch, zeroed) bytes for all lanes: each of the `concurrency` lanes has its own region."""
         ws = zeroed = 0
         for c in plan.calls:
             need = self._call_workspace(c.key)
             ws = max(ws, sum(_align(v) for k, v in need.items() if k not in ZEROED_WORKSPACE))
             zeroed = max(zeroed, sum(_align(v) for k, v in need.items() if k in ZEROED_WORKSPACE))
-        return ws, zeroed
+        return ws * self.concurrency, zeroed * self.concurrency
 
     # ------------------------------------------------------------ binding
     def _bind(self, bucket: Bucket) -> None:
@@ -319,16 +321,16 @@ class Executable:
         values = _Values(g, plan)
         bucket.graph = None
         bucket.launchers = []
-        for call in plan.calls:
-            args = self._args(call, g.eqns[call.eqn], values, bucket.inputs)
+        bucket.groups = concurrent_groups(plan, width=self.concurrency) if self.concurrency > 1 else []
+        bucket.side_streams = self.side_streams
+        lane = {i: n for group in bucket.groups for n, i in enumerate(group)}
+        for i, call in enumerate(plan.calls):
+            args = self._args(call, g.eqns[call.eqn], values, bucket.inputs, lane.get(i, 0))
             params = module_of(call.key).params(call.key)
             missing = [p.name for p in params if p.name not in args]
             if missing:
                 raise ExecutableError(f"{call.key.name}: no binding for parameter(s) {', '.join(missing)}")
             bucket.launchers.append(self.kernels.bind(call.key, [args[p.name] for p in params]))
-        if self.concurrency > 1:
-            bucket.groups = concurrent_groups(plan, lambda key: bool(self._call_workspace(key)), self.concurrency)
-            bucket.side_streams = self.side_streams
         bucket.logits = self._view(values, g.outputs["logits"], plan)
         bucket.hidden = self._view(values, g.outputs["hidden"], plan)
 
@@ -370,8 +372,10 @@ class Executable:
                 "k_scales": kv["k_scales"].data_ptr() if "k_scales" in kv else 0,
                 "v_scales": kv["v_scales"].data_ptr() if "v_scales" in kv else 0}
 
-    def _workspace_args(self, key) -> dict[str, int]:
-        out, at, at_zero = {}, 0, 0
+    def _workspace_args(self, key, lane: int = 0) -> dict[str, int]:
+        """Pointers into lane `lane`'s region of the workspaces (calls that run at once use different lanes)."""
+        out = {}
+        at, at_zero = lane * (self.workspace.numel() // self.concurrency), lane * (self.zeroed.numel() // self.concurrency)
         for name, size in self._call_workspace(key).items():
             if name in ZEROED_WORKSPACE:
                 out[name], at_zero = self.zeroed.data_ptr() + at_zero, at_zero + _align(size)
@@ -379,17 +383,18 @@ class Executable:
                 out[name], at = self.workspace.data_ptr() + at, at + _align(size)
         return out
 
-    def _args(self, call, e, values: _Values, inputs: StepInputs) -> dict[str, int]:
+    def _args(self, call, e, values: _Values, inputs: StepInputs, lane: int = 0) -> dict[str, int]:
         fam, key = call.key.family, call.key
         ptr = lambda v: self._ptr(values, v, inputs)                       # noqa: E731
         state = lambda v: values.resolve(v)[1]                             # noqa: E731
         out = ptr(e.outputs[0]) if e.outputs else 0
-        args = self._workspace_args(key)
+        args = self._workspace_args(key, lane)
         if fam in ("gemv", "gemm"):
             wname = values.resolve(e.inputs[1])[1]
             if e.prim == "linear_silu_mul":
                 wname = fused_gate_up(wname)
             res = ptr(e.inputs[2]) if e.prim == "linear_residual" else 0
+            args = {"ws": 0, "tickets": 0} | args                         # split-K workspace, when split
             return args | {"y": out, "x": ptr(e.inputs[0]), "res": res} | self._planes(wname)
         if fam == "embed":
             w = self.weights
@@ -429,16 +434,16 @@ class Executable:
             common |= self._pages(state(e.inputs[4]))
             if fam == "attn_decode":
                 split = key.splits > 1
-                ws = self._attn_partials(key) if split else {"part_o": 0, "part_ml": 0}
+                ws = self._attn_partials(key, lane) if split else {"part_o": 0, "part_ml": 0}
                 return args | common | ws | {"out": 0 if split else out}
             if fam == "attn_combine":
                 dec = next(c.key for c in values.plan.calls if c.eqn == call.eqn and c.key.family == "attn_decode")
-                return args | common | self._attn_partials(dec) | {"out": out}
+                return args | common | self._attn_partials(dec, lane) | {"out": out}
             return args | common | {"out": out}
         raise ExecutableError(f"no argument binding for kernel family {fam!r}")
 
-    def _attn_partials(self, dec_key) -> dict[str, int]:
-        got = self._workspace_args(dec_key)
+    def _attn_partials(self, dec_key, lane: int = 0) -> dict[str, int]:
+        got = self._workspace_args(dec_key, lane)
         if "part_o" not in got:
             raise ExecutableError(f"{dec_key.name}: attention splits need a workspace (attn_decode.workspace)")
         return {"part_o": got["part_o"], "part_ml": got["part_ml"]}
