@@ -11,13 +11,16 @@ import json
 import os
 import statistics
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from compiler.kernels import Launch, ceil_div
 from compiler.kernels import argmax, attn_decode, attn_prefill, gdn_conv, gdn_step, gemm, gemv, qk_rope_kv, rmsnorm
+from compiler.kernels import catalog
 from compiler.kernels.cases import gemv_workspace, make_case
+from compiler.spec import load_spec
 from compiler.kernels.weight_layout import device_bytes, pack_for_device, random_qmatrix
 from compiler.targets import lookup
 from ninfer_gen.cuda_module import KernelCache
@@ -118,6 +121,39 @@ SMALL_GEMV = [("q5g64", 6144, 5120, "none"), ("q5g64", 5120, 6144, "residual"), 
               ("w8g32", 5120, 17408, "residual"), ("q4g64", 1024, 5120, "none")]
 
 
+@dataclass(frozen=True)
+class GemmV1Key(gemm.Key):
+    """The archived v1 prefill GEMM (templates/gemm_v1.cu.j2: 4 warps × 16 rows × 64 tokens, weights
+    straight from global), built beside v2 for same-run comparisons. Its tiling fields are unused."""
+    template = "gemm_v1.cu.j2"
+
+    def _name_parts(self):
+        return super()._name_parts()[:-1] + ["v1"]
+
+
+def v1_key(key: gemm.Key) -> GemmV1Key:
+    return GemmV1Key(key.fmt, key.n, key.k, key.m, key.epilogue, key.out_dtype, 2, 1, 4, 2, key.arch)
+
+
+def gemm_v1_runs(key: gemm.Key, l2):
+    """Like case_runs, for the v1 kernel of `key`'s shape (its own launch config)."""
+    v1 = v1_key(key)
+    cfg = Launch((ceil_div(key.m, 64), ceil_div(ceil_div(key.n, 16), 4), 1), (128, 1, 1), 0)
+
+    def build():
+        first = make_case(key, DEVICE, 0)
+        copies = max(1, min(32, -(-2 * l2 // max(first.bytes, 1))))
+        cases = [first] + [make_case(key, DEVICE, i) for i in range(1, copies)]
+        kernel = KERNELS.get(v1)
+        return v1, [[kernel.bind(gemm.params(v1), a, cfg) for _, a in c.launches] for c in cases], \
+            first.bytes, first.flops
+    build.key = v1
+    return build
+
+
+GEMM_SHAPES = (("q4g64", 34816, 5120, "silu_mul"), ("q5g64", 5120, 17408, "residual"), ("q4g64", 10240, 5120, "none"))
+
+
 def plan(target):
     """(label, [thunk → (key, runs, bytes, flops)]) at the 27B shapes."""
     l2, ms = target.l2_bytes, (1, 4, 8, 16, 32)
@@ -138,10 +174,22 @@ def plan(target):
             for b, t, dt, ctx in ((1, 1, "int8", 4096), (1, 1, "int8", 32768), (1, 4, "int8", 4096),
                                   (8, 1, "int8", 4096), (1, 1, "bf16", 4096), (1, 1, "bf16", 32768))]
     yield "attn_decode", [case_runs(k, l2, ctx=ctx) for k, ctx in attn]
-    prefill = [(gemm.make_key("q4g64", 34816, 5120, 1024, target, "silu_mul"), {}),
-               (gemm.make_key("q5g64", 5120, 17408, 1024, target, "residual"), {}),
-               (attn_prefill.make_key(24, 4, 256, 1024, "int8", 512, target), {"ctx": 8192})]
-    yield "prefill", [case_runs(k, l2, **opt) for k, opt in prefill]
+    gemms = [gemm.make_key(fmt, n, k, 1024, target, epi) for fmt, n, k, epi in GEMM_SHAPES]
+    prefill = [(k, {}) for k in gemms] + [(attn_prefill.make_key(24, 4, 256, 1024, "int8", 512, target), {"ctx": 8192})]
+    v1 = [gemm_v1_runs(k, l2) for k in gemms]
+    yield "prefill", [case_runs(k, l2, **opt) for k, opt in prefill] + v1
+    # prefill GEMM tilings (wr, wc, nt, stages) around the config's choice, per shape
+    tilings = {34816: [(4, 1, 8, 3), (8, 1, 8, 4), (4, 1, 6, 4), (4, 1, 4, 4), (4, 2, 8, 4)],
+               5120: [(4, 1, 6, 4), (4, 1, 4, 4), (8, 1, 8, 4)],
+               10240: [(4, 1, 6, 4), (4, 1, 4, 4), (8, 1, 8, 4)]}
+    sweep = [replace(k, wr=wr, wc=wc, nt=nt, stages=st) for k in gemms for wr, wc, nt, st in tilings[k.n]
+             if (wr, wc, nt, st) != (k.wr, k.wc, k.nt, k.stages)
+             and st * gemm.stage_bytes(k.fmt, wr, wc, nt) <= target.smem_per_block]
+    yield "gemm_sweep", [case_runs(k, l2) for k in sweep]
+    # every prefill GEMM of a 27B chunk (per distinct shape), v2 then v1: the chunk-level saving
+    spec = load_spec(Path(__file__).resolve().parent.parent / "model_specs/qwen3.8-27b.yaml")
+    chunk = [k for k in catalog.prefill_keys(spec, target) if k.family == "gemm"]
+    yield "gemm_27b", [case_runs(k, l2) for k in chunk] + [gemm_v1_runs(k, l2) for k in chunk]
     # v1 (splits = 1) in the same run for every decode GEMM shape, and the neighbours of the split
     # choice; splits and warps fix the reduction order: chosen per shape, never per M
     v1 = {"splits": 1}
@@ -188,7 +236,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="kernel_lab.json")
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--only", default="", help="comma-separated labels: gemv,gdn_step,gdn_conv,attn_decode,prefill,sweep,misc")
+    ap.add_argument("--only", default="", help="comma-separated labels: gemv,gdn_step,gdn_conv,attn_decode,prefill,gemm_sweep,gemm_27b,sweep,misc")
     args = ap.parse_args(argv)
     major, minor = torch.cuda.get_device_capability()
     target = lookup(f"sm_{major}{minor}")

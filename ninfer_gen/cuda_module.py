@@ -120,7 +120,9 @@ class KernelCache:
         if (key.name, ptx) not in self._loaded:
             self.build([key], ptx)
             built = self._built[(key.name, ptx)]
-            self._loaded[(key.name, ptx)] = Kernel.load(built.ptx if ptx else built.cubin, key.name)
+            from compiler.kernels import module_of
+            smem = module_of(key).launch(key).smem          # > 48 KiB needs the opt-in attribute
+            self._loaded[(key.name, ptx)] = Kernel.load(built.ptx if ptx else built.cubin, key.name, smem)
         return self._loaded[(key.name, ptx)]
 
     def bind(self, key, args, ptx: bool = False) -> Launcher:

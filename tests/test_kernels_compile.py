@@ -9,7 +9,7 @@ import pytest
 
 from compiler import codegen
 from compiler.build_cache import KernelCacheMiss, build_kernels
-from compiler.kernels import FAMILY_MODULES, catalog, gemv, module_of, rmsnorm
+from compiler.kernels import FAMILY_MODULES, catalog, gemm, gemv, module_of, rmsnorm
 from compiler.kernels.cases import make_case
 from compiler.spec import load_spec
 from compiler.targets import TargetError, lookup, resolve
@@ -48,6 +48,30 @@ def test_every_kernel_compiles_without_spills(build_root, arch):
     for b in cold.built:           # launch configs fit the card's limits
         cfg = module_of(b.key).launch(b.key, lookup(arch))
         assert cfg.block[0] * cfg.block[1] * cfg.block[2] <= 1024 and b.meta["smem_bytes"] <= 48 * 1024
+        assert b.meta["smem_bytes"] + cfg.smem <= lookup(arch).smem_per_block, b.key.name
+
+
+def gemm_variants(key, warps=None):
+    """Every tiling gemm.config may pick on `key`'s shape (only those of `warps` warps when given),
+    stage counts cycled over 2–4 (they do not change registers)."""
+    return [replace(key, wr=wr, wc=wc, nt=nt, stages=2 + i % 3) for i, (wr, wc, nt) in enumerate(gemm.TILINGS)
+            if warps is None or wr * wc in warps]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_90"])
+def test_every_gemm_tiling_compiles_without_spills(build_root, arch):
+    """No tiling the prefill GEMM config may pick spills. q6g64 (two hi words: the most
+    registers) everywhere, all tilings on sm_86/sm_90; w8g32 and bf16 (four A words per lane) there too."""
+    target = lookup(arch)
+    key = lambda fmt: gemm.make_key(fmt, 5120, 17408, 1024, target, "residual")   # noqa: E731
+    if arch in ("sm_86", "sm_90"):
+        keys = gemm_variants(key("q6g64")) + gemm_variants(key("w8g32"), {4}) + gemm_variants(key("bf16"), {4})
+    else:
+        keys = gemm_variants(key("q6g64"), {4, 8})
+    summary = build_kernels(keys, jobs=2, root=build_root, progress=False)
+    spilled = [b.key.name for b in summary.built if b.meta["spill_stores"] or b.meta["spill_loads"]]
+    assert not spilled and summary.spills == 0, f"spills in {spilled}"
 
 
 @pytest.mark.slow

@@ -1,8 +1,10 @@
 """gemm: the quantised prefill GEMM (M = a prefill chunk), mma.sync with the gemv weight layout.
 
-Same first six arguments (no split-K workspace), epilogues and reference as gemv; tiles of 64 weight
-rows × 64 tokens per block.
-Its K order differs from gemv (no split over warps), so prefill and decode agree to rounding only.
+Same first six arguments as gemv (no split-K workspace), same epilogues and reference. A block is
+wr × wc warps, each owning 32 weight rows × 8·nt tokens; activations and weight fragments go through
+a `stages`-deep cp.async ring in dynamic shared memory (templates/gemm.cu.j2). The tile comes from
+(fmt, n, k, m, target): prefill results need not be M-invariant. Its K order differs from gemv (no
+split over warps), so prefill and decode agree to rounding only.
 """
 from __future__ import annotations
 
@@ -14,7 +16,14 @@ from . import KernelKey, Launch, Param, ceil_div
 from . import gemv
 from .weight_layout import FORMATS, group_of
 
-BM, ROWS_PER_BLOCK = 64, 64      # must match templates/gemm.cu.j2
+TR = 2                  # row tiles (16 rows) per warp: must match templates/gemm.cu.j2
+MAX_STAGES = 4
+# (wr, wc, nt): rows per block = 32·wr, tokens = 8·nt·wc. nt ≤ 8: wider warp tiles (nt = 10, 12 at
+# up to 96 accumulators) sit at 255 registers and spill on some arch/format/stage combinations; odd nt
+# measured slower than the wave count suggests (gemm v2 notes: down at nt = 7 −7 % against nt = 8).
+TILINGS = tuple((wr, wc, nt) for wr, wc in ((4, 1), (8, 1), (4, 2), (2, 2)) for nt in (8, 6, 4, 2))
+UNIT_OVERHEAD = 4.3     # a warp's per-unit cost outside its mma, in n8 tiles (H200 sweep, gemm v2 notes)
+REGS = 256              # ptxas allocates ~210–255 registers at nt ≥ 5, < 170 below
 
 
 @dataclass(frozen=True)
@@ -26,6 +35,10 @@ class Key(KernelKey):
     m: int                 # tokens per call (the prefill chunk)
     epilogue: str
     out_dtype: str
+    wr: int                # warps along weight rows (32 rows each)
+    wc: int                # warps along tokens
+    nt: int                # n8 token tiles per warp
+    stages: int            # cp.async ring depth (units of G columns)
     arch: str
 
     def __post_init__(self):
@@ -33,19 +46,71 @@ class Key(KernelKey):
             raise ValueError(f"gemm: bad key {self}")
         if self.epilogue not in gemv.EPILOGUES or self.out_dtype not in gemv.OUT_DTYPES:
             raise ValueError(f"gemm: bad epilogue/out_dtype {self.epilogue!r}/{self.out_dtype!r}")
+        if self.epilogue == "silu_mul" and self.n % 16:
+            raise ValueError("gemm: silu_mul needs n = 2·F with F a multiple of 8")
+        if not (1 <= self.wr * self.wc <= 16 and self.nt >= 1 and self.stages >= 2):
+            raise ValueError(f"gemm: bad tiling {self}")
 
     def _name_parts(self):
         parts = [self.fmt, f"n{self.n}", f"k{self.k}", f"m{self.m}"]
         parts += [] if self.epilogue == "none" else [{"residual": "res", "silu_mul": "silu"}[self.epilogue]]
-        return parts + (["f32"] if self.out_dtype == "f32" else [])
+        parts += ["f32"] if self.out_dtype == "f32" else []
+        return parts + [f"r{self.wr}c{self.wc}n{self.nt}s{self.stages}"]
+
+
+def stage_bytes(fmt: str, wr: int, wc: int, nt: int) -> int:
+    """Shared memory of one ring stage (the template's STAGE): activations + weight planes."""
+    g = group_of(fmt)
+    row = 144 if g == 64 else 64
+    lo = 4 * 512 if fmt == "bf16" else 512
+    hi = {"q5g64": 128, "q6g64": 256}.get(fmt, 0)
+    sc = 0 if fmt == "bf16" else 32
+    return 8 * nt * wc * row + wr * TR * (lo + hi + sc)
+
+
+def _regs(nt: int) -> int:
+    return REGS if nt >= 5 else 168
+
+
+def _cost(fmt, n, k, m, tiling, stages, target: Target) -> float:
+    """Relative time of one call on the busiest SM: its blocks run `resident` at a time, each round
+    taking a block's padded work ÷ the SM's speed. Speed: a warp's mma share nt / (UNIT_OVERHEAD + nt)
+    of its per-unit time; a lone block loses ~13 % to its barrier bubbles (H200: 8 warps × 256 × 64 =
+    278 TFLOP/s, 2 blocks × 4 warps × 128 × 64 = 319); fewer than 8 warps lose issue slots."""
+    wr, wc, nt = tiling
+    bm, bn, warps = 32 * wr, 8 * nt * wc, wr * wc
+    resident = max(1, min(65536 // (32 * warps * _regs(nt)), 32 // warps,
+                          target.smem_per_sm // (stages * stage_bytes(fmt, *tiling))))
+    load = ceil_div(ceil_div(m, bn) * ceil_div(ceil_div(n, 16), TR * wr), target.sms)
+    running = min(load, resident)
+    speed = nt / (UNIT_OVERHEAD + nt) * (1.0 if running > 1 else 0.87) * min(1.0, running * warps / 8)
+    return ceil_div(load, resident) * running * bm * bn / speed
+
+
+def config(fmt: str, n: int, k: int, m: int, target: Target) -> tuple[int, int, int, int]:
+    """(wr, wc, nt, stages): the cheapest tiling and ring depth (2–4 stages) that fit the card's shared
+    memory (ties: the earlier in TILINGS, then more stages)."""
+    best = None
+    for tiling in TILINGS:
+        fit = target.smem_per_block // stage_bytes(fmt, *tiling)
+        for stages in range(min(MAX_STAGES, fit), 1, -1):
+            cost = _cost(fmt, n, k, m, tiling, stages, target)
+            if best is None or cost < best[0]:
+                best = (cost, (*tiling, stages))
+    return best[1]
 
 
 def make_key(fmt, n, k, m, target: Target, epilogue="none", out_dtype="bf16") -> Key:
-    return Key(fmt, n, k, m, epilogue, out_dtype, target.arch)
+    return Key(fmt, n, k, m, epilogue, out_dtype, *config(fmt, n, k, m, target), target.arch)
+
+
+def smem_bytes(key: Key) -> int:
+    return key.stages * stage_bytes(key.fmt, key.wr, key.wc, key.nt)
 
 
 def launch(key: Key, target: Target | None = None) -> Launch:
-    return Launch((ceil_div(key.m, BM), ceil_div(ceil_div(key.n, 16), ROWS_PER_BLOCK // 16), 1), (128, 1, 1), 0)
+    grid = (ceil_div(key.m, 8 * key.nt * key.wc), ceil_div(ceil_div(key.n, 16), TR * key.wr), 1)
+    return Launch(grid, (32 * key.wr * key.wc, 1, 1), smem_bytes(key))
 
 
 def params(key: Key) -> list[Param]:

@@ -2,12 +2,13 @@
 (tiny and 27B shapes, outputs poisoned), batch invariance, ReplaySSM fold == sequential steps bit for
 bit, graph replay == eager, and the compute_86 PTX running on this GPU.
 Run: pytest -m gpu tests/gpu -q   (test ids name the family and the shape)."""
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from compiler.kernels import catalog, gdn_conv, gdn_step, gemv
+from compiler.kernels import catalog, gdn_conv, gdn_step, gemm, gemv
 from compiler.kernels.cases import gemv_workspace, make_case
 from compiler.kernels.cases_seq import gdn_inputs
 from compiler.kernels.weight_layout import pack_for_device, random_qmatrix
@@ -39,7 +40,19 @@ def _keys(spec, big: bool):
     return keys
 
 
-CASES = [(k, 0) for k in _keys(TINY, False)] + [(k, 1) for k in _keys(BIG, True)]
+# Prefill GEMM edge shapes: M a multiple of 16 but not of the token tile, N not of the row tile.
+GEMM_ODD = [gemm.make_key(*shape, TARGET, epi, out) for *shape, epi, out in (
+    ("q4g64", 1040, 256, 16, "silu_mul", "bf16"), ("q4g64", 1040, 256, 48, "silu_mul", "bf16"),
+    ("q4g64", 1040, 256, 1040, "silu_mul", "bf16"), ("q5g64", 200, 320, 48, "residual", "bf16"),
+    ("q5g64", 5120, 17408, 1040, "residual", "bf16"), ("q6g64", 72, 128, 1040, "none", "bf16"),
+    ("w8g32", 1000, 96, 48, "none", "bf16"), ("w8g32", 4112, 512, 1040, "none", "f32"),
+    ("bf16", 96, 192, 1040, "none", "f32"), ("q4g64", 12, 64, 16, "none", "f32"))]
+# Every tiling the config may pick (rings of 2–4 stages), on one ragged residual shape.
+GEMM_TILINGS = [replace(gemm.make_key("q6g64", 200, 320, 80, TARGET, "residual"), wr=wr, wc=wc, nt=nt, stages=st)
+                for i, (wr, wc, nt) in enumerate(gemm.TILINGS) for st in (2 + i % 3, 4 - i % 3)]
+
+CASES = [(k, 0) for k in _keys(TINY, False)] + [(k, 1) for k in _keys(BIG, True)] + \
+    [(k, 2) for k in GEMM_ODD + GEMM_TILINGS]
 
 
 @pytest.fixture(scope="session")
@@ -78,6 +91,27 @@ def test_gemv_batch_invariance(h, fmt, n, k):
     outs = {m: y for m, (y, _) in outs.items()}
     assert h.same_bits(outs[1][0], outs[32][0]), f"{fmt} {n}x{k}: row 0 differs between M=1 and M=32"
     assert h.same_bits(outs[4], outs[32][:4]), f"{fmt} {n}x{k}: rows 0-3 differ between M=4 and M=32"
+
+
+def test_gemm_output_may_alias_residual(h):
+    """y = res (in-place residual add), as the runtime launches the down projection."""
+    key = gemm.make_key("q5g64", 1040, 512, 1040, TARGET, "residual")
+    case = make_case(key, "cuda", 4)
+    y, x, lo, hi, sc, res = case.launches[0][1]
+    expected = gemm.reference(key, x, _unpacked(case), res.clone())
+    h.KERNELS.bind(key, [res, x, lo, hi, sc, res]).launch()
+    torch.cuda.synchronize()
+    h._check_close(key.name + " (y aliases res)", res, expected, "bf16")
+
+
+def _unpacked(case):
+    """The logical weight a gemv/gemm case packed (read back from its planes)."""
+    from compiler.kernels.weight_layout import unpack_from_device
+    key, (y, x, lo, hi, sc, res) = case.launches[0]
+    empty = torch.zeros(0, dtype=torch.uint8, device="cuda")
+    planes = {"lo": lo, "hi": hi if hi is not None else empty,
+              "scales": sc if sc is not None else torch.zeros(0, dtype=torch.float16, device="cuda")}
+    return unpack_from_device(planes, key.fmt, key.n, key.k, gate_up=key.epilogue == "silu_mul")
 
 
 def _launch(h, key, mod, args):
