@@ -203,6 +203,16 @@ def plan(target):
         yield "sweep", gemv_runs(fmt, n, k, (1, 8, 32), epi, "bf16", target, l2, [v1])
     yield "sweep", gemv_runs("w8g32", 5120, 17408, (1, 8, 32), "residual", "bf16", target, l2,
                              [{"splits": 5}, {"splits": 9}])
+    # load depth (units in flight per warp) and warps per block on the decode shapes
+    depth = [{}, {"depth": 8}, {"warps": 8}, {"warps": 8, "depth": 8}]
+    for fmt, n, k, epi, out in (("q4g64", 34816, 5120, "silu_mul", "bf16"), ("q4g64", 10240, 5120, "none", "bf16"),
+                                ("q4g64", 12288, 5120, "none", "bf16"), ("q5g64", 6144, 5120, "none", "bf16"),
+                                ("q5g64", 5120, 6144, "residual", "bf16"), ("q5g64", 5120, 17408, "residual", "bf16"),
+                                ("q4g64", 248320, 5120, "none", "f32"), ("w8g32", 248320, 5120, "none", "f32")):
+        fit = [c | {"splits": min(gemv.make_key(fmt, n, k, 1, target, epi, out).splits,
+                                   gemv.load_batches(fmt, k, c.get("warps", 4), c.get("depth", 0)))}
+               if gemv.make_key(fmt, n, k, 1, target, epi, out).splits > 1 else c for c in depth]
+        yield "depth", gemv_runs(fmt, n, k, (1, 8), epi, out, target, l2, fit)
     misc = [rmsnorm.Key(5120, 1, True, "bf16", 1e-6, target.arch), rmsnorm.Key(5120, 32, True, "bf16", 1e-6, target.arch),
             qk_rope_kv.Key(24, 4, 256, 64, 8, 4, "int8", 64, 512, 1e-6, target.arch), argmax.Key(248320, 8, target.arch)]
     yield "misc", [case_runs(k, l2) for k in misc]
@@ -236,7 +246,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="kernel_lab.json")
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--only", default="", help="comma-separated labels: gemv,gdn_step,gdn_conv,attn_decode,prefill,gemm_sweep,gemm_27b,sweep,misc")
+    ap.add_argument("--only", default="", help="comma-separated labels: gemv,gdn_step,gdn_conv,attn_decode,prefill,gemm_sweep,gemm_27b,sweep,depth,misc")
     args = ap.parse_args(argv)
     major, minor = torch.cuda.get_device_capability()
     target = lookup(f"sm_{major}{minor}")

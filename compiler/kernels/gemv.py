@@ -37,6 +37,8 @@ class Key(KernelKey):
     tiles: int             # 16-row tiles per block
     arch: str
     splits: int = 1        # K slices over blocks (whole load batches), summed in slice order by the last block
+    depth: int = 0         # units each warp loads per batch (0: the format's default, 2 for bf16, else 4);
+                           # the order units are summed in does not change with it
 
     def __post_init__(self):
         if self.fmt not in FORMATS:
@@ -49,21 +51,27 @@ class Key(KernelKey):
             raise ValueError(f"gemv: bad epilogue/out_dtype {self.epilogue!r}/{self.out_dtype!r}")
         if self.epilogue == "silu_mul" and (self.n % 16):
             raise ValueError("gemv: silu_mul needs n = 2·F with F a multiple of 8")
-        if not 1 <= self.splits <= load_batches(self.fmt, self.k, self.warps):
-            raise ValueError(f"gemv: splits = {self.splits} outside 1..{load_batches(self.fmt, self.k, self.warps)} "
+        if not 1 <= self.splits <= load_batches(self.fmt, self.k, self.warps, self.depth):
+            raise ValueError(f"gemv: splits = {self.splits} outside "
+                             f"1..{load_batches(self.fmt, self.k, self.warps, self.depth)} "
                              "(every slice needs a whole load batch)")
 
     def _name_parts(self):
         parts = [self.fmt, f"n{self.n}", f"k{self.k}", f"m{self.m}"]
         parts += [] if self.epilogue == "none" else [{"residual": "res", "silu_mul": "silu"}[self.epilogue]]
         parts += ["f32"] if self.out_dtype == "f32" else []
-        return parts + [f"w{self.warps}t{self.tiles}"] + ([f"s{self.splits}"] if self.splits > 1 else [])
+        return (parts + [f"w{self.warps}t{self.tiles}"] + ([f"s{self.splits}"] if self.splits > 1 else [])
+                + ([f"d{self.depth}"] if self.depth else []))
 
 
-def load_batches(fmt: str, k: int, warps: int) -> int:
+def load_depth(fmt: str, depth: int = 0) -> int:
+    """Units per warp per load batch (PD in templates/gemv.cu.j2)."""
+    return depth or (2 if fmt == "bf16" else 4)
+
+
+def load_batches(fmt: str, k: int, warps: int, depth: int = 0) -> int:
     """Load batches along K per block (each warp loads PD units, then runs their mma): templates/gemv.cu.j2."""
-    pd = 2 if fmt == "bf16" else 4
-    return ceil_div(k // group_of(fmt), warps * pd)
+    return ceil_div(k // group_of(fmt), warps * load_depth(fmt, depth))
 
 
 def split_count(fmt: str, n: int, k: int, warps: int, target: Target) -> int:
@@ -93,7 +101,13 @@ def config(fmt: str, n: int, k: int, m: int, target: Target) -> tuple[int, int, 
     units = k // group_of(fmt)
     warps = 8 if row_tiles < 2 * target.sms and units >= 32 else 4
     tiles = 2 if m > 8 and row_tiles >= 16 * target.sms else 1
-    return warps, tiles, split_count(fmt, n, k, warps, target)
+    splits = split_count(fmt, n, k, warps, target)
+    # Under 3 waves of 4-warp blocks and unsplit (H200 sweep, bench/kernel_lab_notes.md "depth"):
+    # 8 warps gave Q5 6144×5120 35.8 → 39.2 % and Q5 5120×6144 32.3 → 35.3 %; split shapes lost.
+    if warps == 4 and splits == 1 and row_tiles < 3 * target.sms and units >= 64:
+        warps = 8
+        splits = split_count(fmt, n, k, warps, target)
+    return warps, tiles, splits
 
 
 def make_key(fmt: str, n: int, k: int, m: int, target: Target, epilogue: str = "none",
