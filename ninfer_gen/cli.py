@@ -127,6 +127,9 @@ def cmd_run(args) -> int:
     from .sampling import SamplingParams
 
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)  # validate before loading
+    if args.backend == "auto":
+        import torch
+        args.backend = "gpu" if torch.cuda.is_available() and args.device in (None, "cuda") else "reference"
     if args.backend == "gpu":
         from .memory_plan import parse_bytes
         model = ninfer_gen.load(args.weights, backend="gpu", max_context=args.max_context,
@@ -211,9 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--top-k", type=int, default=0)
     r.add_argument("--top-p", type=float, default=1.0)
     r.add_argument("--seed", type=int, default=None)
-    r.add_argument("--backend", choices=("reference", "gpu"), default="reference",
-                   help="reference: the graph interpreter in torch (any device); gpu: the compiled kernels "
-                   "with CUDA graphs (weights always in the spec's quantised formats)")
+    r.add_argument("--backend", choices=("auto", "reference", "gpu"), default="auto",
+                   help="gpu: the compiled kernels with CUDA graphs (weights always in the spec's quantised "
+                   "formats); reference: the graph interpreter in torch (any device); auto (default): gpu "
+                   "when a CUDA device is visible, else reference")
     r.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="reference activations")
     r.add_argument("--quantize", action="store_true", help="reference: apply the spec's weight quantisation recipe")
     r.add_argument("--device", default=None, help="reference: cpu or cuda (default: cuda when available)")

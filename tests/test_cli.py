@@ -33,7 +33,7 @@ def test_run_on_a_spec_streams_a_completion(capsys):
 @pytest.mark.parametrize("argv,message", [
     (["check", "missing.yaml"], "spec file not found"),
     (["run", "--weights", "no/such/dir.yaml", "--prompt", "x"], "spec file not found"),
-    (["run", "--weights", TINY, "--prompt", "x", "--random-weights"], "use it with --backend gpu"),
+    (["run", "--weights", TINY, "--prompt", "x", "--random-weights", "--backend", "reference"], "use it with --backend gpu"),
     (["run", "--weights", TINY, "--prompt", "x", "--top-p", "0"], "top_p"),
     (["build", TINY, "--target", "gtx1080"], "unknown target 'gtx1080'"),
     (["build", TINY, "--arch", "sm_75"], "unsupported arch 'sm_75'"),
