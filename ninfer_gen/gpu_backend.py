@@ -11,6 +11,7 @@ remainder rounded down to 16 (the prefill attention tiles 16 queries), then 4- a
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -73,8 +74,10 @@ class GpuBackend:
         self.target = device_target(self.device)
         self.state = DeviceState(spec, pages, cohorts, kv_dtype, self.device)
         self.weights = weights
-        self.kernels = KernelCache(build_root, jobs=jobs)
-        self.exe = Executable(spec, self.target, weights, self.state, self.kernels, per_seq, self.device)
+        self.kernels = KernelCache(build_root or os.environ.get("NINFER_BUILD_DIR"), jobs=jobs)
+        concurrency = int(os.environ.get("NINFER_CONCURRENCY", "4"))
+        self.exe = Executable(spec, self.target, weights, self.state, self.kernels, per_seq, self.device,
+                              concurrency=max(1, concurrency))
         self.blocks = BlockManager(pages, rt.page_size)
         self.slots = SlotAllocator(cohorts)
         self._step4: bool | None = None
