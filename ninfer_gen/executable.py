@@ -411,7 +411,7 @@ class Executable:
             return args | {"y": out, "x": ptr(e.inputs[0]), "w": ptr(e.inputs[1]),
                            "hist": self.state.conv[layer].data_ptr(), "slots": inputs.ptr("slots"),
                            "rec": 0, "commit": 0, "prev_rec": 0}
-        if fam == "gdn_step":
+        if fam in ("gdn_step", "gdn_chunk"):            # gdn_chunk: the chunked prefill, same arguments
             layer = state(e.inputs[7]).split(".")[1]
             return args | {"o": out, "qkv": ptr(e.inputs[0]), "a": ptr(e.inputs[3]), "b": ptr(e.inputs[4]),
                            "a_log": ptr(e.inputs[5]), "dt_bias": ptr(e.inputs[6]),
