@@ -164,5 +164,5 @@ def _load_gpu(path_or_spec, kv_dtype, max_context, random_weights, vram_budget, 
         weights = from_host(spec, quantize_weights(spec, tensors), progress=progress)
         del tensors
     backend = GpuBackend(spec, weights, max_context=max_context, kv_dtype=kv_dtype, vram_budget=budget,
-                         use_graphs=use_graphs)
+                         use_graphs=use_graphs, progress=progress)
     return Model(spec, backend, folder, source)

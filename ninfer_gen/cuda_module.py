@@ -98,9 +98,10 @@ class Launcher:
 class KernelCache:
     """Kernels by key for one build root: compiles on a miss (unless no_jit) and loads each once."""
 
-    def __init__(self, root=None, jobs: int | None = None, no_jit: bool = False):
+    def __init__(self, root=None, jobs: int | None = None, no_jit: bool = False, progress: bool = False):
+        """`progress`: show the build's progress bar when kernels must be compiled (first runs)."""
         from compiler.build_cache import DEFAULT_ROOT
-        self.root, self.jobs, self.no_jit = Path(root or DEFAULT_ROOT), jobs, no_jit
+        self.root, self.jobs, self.no_jit, self.progress = Path(root or DEFAULT_ROOT), jobs, no_jit, progress
         self._built: dict = {}
         self._loaded: dict = {}
 
@@ -109,7 +110,7 @@ class KernelCache:
         todo = [k for k in dict.fromkeys(keys) if (k.name, ptx) not in self._built]
         if todo:
             summary = build_kernels(todo, jobs=self.jobs, root=self.root, ptx=ptx, no_jit=self.no_jit,
-                                    progress=False)
+                                    progress=self.progress)
             self._built.update({(b.key.name, ptx): b for b in summary.built})
 
     def spilled(self) -> list[str]:

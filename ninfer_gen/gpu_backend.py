@@ -61,7 +61,7 @@ class GpuBackend:
     def __init__(self, spec: ModelSpec, weights: DeviceWeights, *, max_context: int | None = None,
                  cohorts: int = 1, kv_dtype: str | None = None, vram_budget: int = 24 * GiB,
                  use_graphs: bool = True, build_root=None, jobs: int | None = None, device="cuda",
-                 memory: MemoryPlan | None = None):
+                 memory: MemoryPlan | None = None, progress: bool = False):
         self.spec, self.device, self.use_graphs = spec, torch.device(device), use_graphs
         rt = spec.runtime
         kv_dtype = kv_dtype or rt.kv_dtype
@@ -74,7 +74,7 @@ class GpuBackend:
         self.target = device_target(self.device)
         self.state = DeviceState(spec, pages, cohorts, kv_dtype, self.device)
         self.weights = weights
-        self.kernels = KernelCache(build_root or os.environ.get("NINFER_BUILD_DIR"), jobs=jobs)
+        self.kernels = KernelCache(build_root or os.environ.get("NINFER_BUILD_DIR"), jobs=jobs, progress=progress)
         concurrency = int(os.environ.get("NINFER_CONCURRENCY", "4"))
         self.exe = Executable(spec, self.target, weights, self.state, self.kernels, per_seq, self.device,
                               concurrency=max(1, concurrency))
