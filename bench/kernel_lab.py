@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from compiler.kernels import Launch, ceil_div
-from compiler.kernels import argmax, attn_decode, attn_prefill, gdn_conv, gdn_step, gemm, gemv, qk_rope_kv, rmsnorm
+from compiler.kernels import argmax, attn_decode, attn_prefill, gdn_chunk, gdn_conv, gdn_step, gemm, gemv, qk_rope_kv, rmsnorm
 from compiler.kernels import catalog
 from compiler.kernels.cases import gemv_workspace, make_case
 from compiler.spec import load_spec
@@ -168,6 +168,10 @@ def plan(target):
              for b, t, mode in ((1, 1, "step"), (8, 1, "step"), (1, 4, "record"), (8, 4, "record"), (8, 4, "fold"),
                                 (1, 4, "commit_record"), (8, 4, "commit_record"))]
     yield "gdn_step", [case_runs(k, l2) for k in steps]
+    # chunked prefill vs the sequential step over one 1024-token chunk (27B shape, batch 1)
+    chunked = [gdn_step.make_key(16, 48, 128, 128, 1, 1024, "step", target)] + \
+        list(dict.fromkeys(gdn_chunk.make_key(16, 48, 128, 128, 1024, target, chunk=c) for c in (32, 64)))
+    yield "gdn_chunk", [case_runs(k, l2) for k in chunked]
     convs = [gdn_conv.Key(10240, 1, 1, 4, "update", target.arch), gdn_conv.Key(10240, 8, 4, 4, "record", target.arch)]
     yield "gdn_conv", [case_runs(k, l2) for k in convs]
     attn = [(attn_decode.make_key(24, 4, 256, b, t, dt, 512, target), ctx)
@@ -246,7 +250,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="kernel_lab.json")
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--only", default="", help="comma-separated labels: gemv,gdn_step,gdn_conv,attn_decode,prefill,gemm_sweep,gemm_27b,sweep,depth,misc")
+    ap.add_argument("--only", default="", help="comma-separated labels: gemv,gdn_step,gdn_chunk,gdn_conv,attn_decode,prefill,gemm_sweep,gemm_27b,sweep,depth,misc")
     args = ap.parse_args(argv)
     major, minor = torch.cuda.get_device_capability()
     target = lookup(f"sm_{major}{minor}")

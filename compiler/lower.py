@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .ir import Eqn, Graph, Var
-from .kernels import (Launch, attn_combine, attn_decode, attn_prefill, embed, gated_rmsnorm, gdn_conv, gdn_step,
-                      gemm, gemv, module_of, qk_rope_kv, rmsnorm)
+from .kernels import (Launch, attn_combine, attn_decode, attn_prefill, catalog, embed, gated_rmsnorm, gdn_conv,
+                      gdn_step, gemm, gemv, module_of, qk_rope_kv, rmsnorm)
 from .spec import ModelSpec, format_of, tensor_table
 from .targets import Target
 
@@ -128,7 +128,10 @@ def _gdn_conv(ctx, e):
 
 
 def _gdn_step(ctx, e):
+    """Prefill chunks of ≥ 64 tokens (one sequence) take the chunked WY kernel, the rest the sequential step."""
     q, _, v = e.inputs[:3]
+    if ctx.graph.params["entry"] == "prefill" and ctx.b == 1 and ctx.t >= 64:
+        return [catalog.prefill_gdn_key(q.shape[2], v.shape[2], q.shape[3], v.shape[3], ctx.t, ctx.target)]
     return [gdn_step.make_key(q.shape[2], v.shape[2], q.shape[3], v.shape[3], ctx.b, ctx.t, "step", ctx.target)]
 
 
@@ -224,7 +227,7 @@ def kernel_dtype(keys) -> str | None:
     for key in keys:
         if key.family in ("gemv", "gemm") and key.out_dtype == "f32":
             return "f32"
-        if key.family == "gdn_step":
+        if key.family in ("gdn_step", "gdn_chunk"):
             return "f32"
     return None
 

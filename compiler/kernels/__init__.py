@@ -43,7 +43,7 @@ class KernelKey:
         parse_arch(self.arch)
 
 
-FAMILY_MODULES = ("gemv", "gemm", "rmsnorm", "gated_rmsnorm", "embed", "argmax", "gdn_conv", "gdn_step",
+FAMILY_MODULES = ("gemv", "gemm", "rmsnorm", "gated_rmsnorm", "embed", "argmax", "gdn_conv", "gdn_step", "gdn_chunk",
                   "qk_rope_kv", "attn_decode", "attn_combine", "attn_prefill")
 
 

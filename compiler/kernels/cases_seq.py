@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from . import attn_combine, attn_decode, attn_prefill, gdn_conv, gdn_step, qk_rope_kv
+from . import attn_combine, attn_decode, attn_prefill, gdn_chunk, gdn_conv, gdn_step, qk_rope_kv
 from .cases import Case, randn
 
 
@@ -99,6 +99,24 @@ def _gdn_step(key: gdn_step.Key, g) -> Case:
                 6 * b * t * key.hv * key.dk * key.dv, {n: slots >= 0 for n in outputs})
 
 
+def _gdn_chunk(key: gdn_chunk.Key, g) -> Case:
+    """One sequence of t tokens (batch 1) from a random slot of a pool of 3, against gdn_step's reference."""
+    inp = gdn_inputs(gdn_chunk.step_key(key), g)
+    qkv, a, b = (inp[n][0] for n in ("qkv", "a", "b"))
+    slots = inp["slots"][:1].contiguous()
+    s0 = inp["state"].clone()
+    o = torch.empty(key.t, key.hv, key.dv, device=g.device)
+    args = [o, qkv, a, b, inp["a_log"], inp["dt_bias"], inp["state"], slots]
+
+    def ref():
+        o_r, s_r = gdn_chunk.reference(key, s0, slots, qkv, a, b, inp["a_log"], inp["dt_bias"])
+        return {"o": o_r, "state": s_r}
+    state_bytes = key.hv * key.dk * key.dv * 4
+    moved = 2 * state_bytes + key.t * (qkv.shape[-1] * 2 + key.hv * key.dv * 4 + key.hv * 8)
+    return Case([(key, args)], {"o": o}, {"state": inp["state"]}, ref, {"o": "f32", "state": "state"}, moved,
+                6 * key.t * key.hv * key.dk * key.dv)
+
+
 def _pages(n_pages, hkv, page, d, kv_dtype, g):
     shape = (n_pages, hkv, page, d)
     if kv_dtype == "bf16":
@@ -190,5 +208,5 @@ def _attn_prefill(key: attn_prefill.Key, g, ctx: int | None = None) -> Case:
                 int(n * per_token + q.numel() * 2 * 3), 4 * key.hq * key.d * causal)
 
 
-BUILDERS = {"gdn_conv": _gdn_conv, "gdn_step": _gdn_step, "qk_rope_kv": _rope_kv, "attn_decode": _attn,
+BUILDERS = {"gdn_conv": _gdn_conv, "gdn_step": _gdn_step, "gdn_chunk": _gdn_chunk, "qk_rope_kv": _rope_kv, "attn_decode": _attn,
             "attn_prefill": _attn_prefill}

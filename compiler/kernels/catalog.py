@@ -7,8 +7,8 @@ then this list drives `build_kernels` in tests and the kernel lab.
 from __future__ import annotations
 
 from ..targets import Target
-from . import (argmax, attn_combine, attn_decode, attn_prefill, embed, gated_rmsnorm, gdn_conv, gdn_step, gemm,
-               gemv, qk_rope_kv, rmsnorm)
+from . import (argmax, attn_combine, attn_decode, attn_prefill, embed, gated_rmsnorm, gdn_chunk, gdn_conv, gdn_step,
+               gemm, gemv, qk_rope_kv, rmsnorm)
 
 
 def buckets(cohorts, draft: int) -> list[tuple[int, int]]:
@@ -73,11 +73,18 @@ def _bucket_keys(spec, b: int, t: int, target: Target) -> list:
     return keys + [dec] + ([attn_combine.for_decode(dec)] if dec.splits > 1 else [])
 
 
+def prefill_gdn_key(hk, hv, dk, dv, t: int, target: Target):
+    """The GDN recurrence of a prefill chunk of t tokens: chunked from 64 tokens, else sequential."""
+    if t >= 64 and t % 16 == 0:
+        return gdn_chunk.make_key(hk, hv, dk, dv, t, target)
+    return gdn_step.make_key(hk, hv, dk, dv, 1, t, "step", target)
+
+
 def prefill_keys(spec, target: Target) -> list:
     """Keys of one prefill chunk (M = chunk tokens of one sequence): the prefill GEMMs (the vocab
-    projection only runs at M = 1), norms, GDN conv and the sequential GDN step over the whole chunk
-    (the same state bits as decode), RoPE + KV append and the flash-style prefill attention.
-    Chunked (WY) GDN is not written yet."""
+    projection only runs at M = 1), norms, GDN conv and the chunked (WY) GDN recurrence over the whole
+    chunk (gdn_chunk; the sequential gdn_step below 64 tokens), RoPE + KV append and the flash-style
+    prefill attention."""
     a, rt, arch = spec.model, spec.runtime, target.arch
     g, at, chunk = a.linear_attention, a.attention, rt.prefill_chunk
     max_pages = -(-rt.max_context // rt.page_size)
@@ -87,8 +94,7 @@ def prefill_keys(spec, target: Target) -> list:
     keys += [embed.Key(spec.quantization.embed, a.hidden_size, chunk, arch),
              gated_rmsnorm.Key(g.num_value_heads, g.value_head_dim, chunk, a.rms_norm_eps, arch),
              gdn_conv.Key(g.conv_dim, 1, chunk, g.conv_kernel, "update", arch),
-             gdn_step.make_key(g.num_key_heads, g.num_value_heads, g.key_head_dim, g.value_head_dim, 1, chunk,
-                               "step", target),
+             prefill_gdn_key(g.num_key_heads, g.num_value_heads, g.key_head_dim, g.value_head_dim, chunk, target),
              qk_rope_kv.Key(at.num_heads, at.num_kv_heads, at.head_dim, at.rotary_dim, 1, chunk, rt.kv_dtype,
                             rt.page_size, max_pages, a.rms_norm_eps, arch)]
     keys.append(attn_prefill.make_key(at.num_heads, at.num_kv_heads, at.head_dim, chunk, rt.kv_dtype, max_pages,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from compiler.kernels import catalog, gdn_conv, gdn_step, gemm, gemv
+from compiler.kernels import catalog, gdn_chunk, gdn_conv, gdn_step, gemm, gemv
 from compiler.kernels.cases import gemv_workspace, make_case
 from compiler.kernels.cases_seq import gdn_inputs
 from compiler.kernels.weight_layout import pack_for_device, random_qmatrix
@@ -51,8 +51,13 @@ GEMM_ODD = [gemm.make_key(*shape, TARGET, epi, out) for *shape, epi, out in (
 GEMM_TILINGS = [replace(gemm.make_key("q6g64", 200, 320, 80, TARGET, "residual"), wr=wr, wc=wc, nt=nt, stages=st)
                 for i, (wr, wc, nt) in enumerate(gemm.TILINGS) for st in (2 + i % 3, 4 - i % 3)]
 
+# Chunked GDN prefill: one chunk, many chunks, a ragged last chunk (t = 1040), both chunk sizes.
+GDN_CHUNK = list(dict.fromkeys(
+    [gdn_chunk.make_key(*shape, t, TARGET, chunk=c) for shape in ((2, 6, 32, 32), (16, 48, 128, 128))
+     for t in (64, 1024, 1040) for c in (32, 64)]))
+
 CASES = [(k, 0) for k in _keys(TINY, False)] + [(k, 1) for k in _keys(BIG, True)] + \
-    [(k, 2) for k in GEMM_ODD + GEMM_TILINGS]
+    [(k, 2) for k in GEMM_ODD + GEMM_TILINGS] + [(k, 3) for k in GDN_CHUNK]
 
 
 @pytest.fixture(scope="session")
