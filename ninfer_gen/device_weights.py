@@ -122,7 +122,8 @@ def from_host(spec: ModelSpec, tensors: dict, device="cuda", progress: bool = Fa
                 dw.embed_codes = e.to(device, torch.bfloat16).contiguous()
         elif info.role in NON_MATRIX_ROLES:
             dw.tensors[info.name] = _small_tensor(info, tensors[info.name], device)
-    torch.cuda.synchronize(device) if torch.device(device).type == "cuda" else None
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
     return dw
 
 
