@@ -23,6 +23,7 @@ from compiler.kernels.cases import gemv_workspace, make_case
 from compiler.spec import load_spec
 from compiler.kernels.weight_layout import device_bytes, pack_for_device, random_qmatrix
 from compiler.targets import lookup
+from ninfer_gen.bench import copy_bandwidth
 from ninfer_gen.cuda_module import KernelCache
 
 KERNELS = KernelCache(os.environ.get("NINFER_BUILD_DIR"), jobs=os.cpu_count())
@@ -43,23 +44,6 @@ def time_launches(runs, iters: int, warmup: int = 10) -> list[float]:
         end.record()
     torch.cuda.synchronize()
     return [s.elapsed_time(e) * 1e3 for s, e in events]
-
-
-def copy_bandwidth(iters: int) -> float:
-    """GB/s of a device-to-device copy of 1 GiB (read + write counted)."""
-    src = torch.randn(256 * 2**20, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(5):
-        dst.copy_(src)
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        dst.copy_(src)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e-3)
-    return 2 * src.numel() * 4 / statistics.median(times) / 1e9
 
 
 def gemv_runs(fmt, n, k, ms, epilogue, out, target, l2, configs=None) -> list:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 
 import torch
 
@@ -21,20 +20,10 @@ from compiler.targets import Target, resolve
 
 from .cuda_module import KernelCache, primary_context
 from .device_weights import DeviceWeights
-from .executable import DeviceState, Executable, ExecutableError
-from .kv import BlockManager, BlockTable
+from .device_state import DeviceState
+from .executable import Executable, ExecutableError
 from .memory_plan import GiB, MemoryPlan, plan_memory
-from .state import SlotAllocator
-
-
-@dataclass
-class Sequence:
-    slot: int
-    table: BlockTable
-
-    @property
-    def length(self) -> int:
-        return self.table.length
+from .sequences import Sequence, SequencePool
 
 
 def prompt_pieces(n: int, chunk: int, step4: bool = True) -> list[tuple[str, int]]:
@@ -57,7 +46,7 @@ def device_target(device: torch.device) -> Target:
     return resolve(arch=f"sm_{major}{minor}")
 
 
-class GpuBackend:
+class GpuBackend(SequencePool):
     def __init__(self, spec: ModelSpec, weights: DeviceWeights, *, max_context: int | None = None,
                  cohorts: int = 1, kv_dtype: str | None = None, vram_budget: int = 24 * GiB,
                  use_graphs: bool = True, build_root=None, jobs: int | None = None, device="cuda",
@@ -68,7 +57,6 @@ class GpuBackend:
         ctx = max_context or rt.max_context
         self.memory = memory or plan_memory(spec, cohorts, ctx, vram_budget, kv_dtype=kv_dtype)
         per_seq = math.ceil(ctx / rt.page_size)
-        self.max_context = per_seq * rt.page_size
         pages = min(self.memory.kv_pages, cohorts * per_seq)
         primary_context(self.device.index)
         self.target = device_target(self.device)
@@ -78,24 +66,11 @@ class GpuBackend:
         concurrency = int(os.environ.get("NINFER_CONCURRENCY", "4"))
         self.exe = Executable(spec, self.target, weights, self.state, self.kernels, per_seq, self.device,
                               concurrency=max(1, concurrency))
-        self.blocks = BlockManager(pages, rt.page_size)
-        self.slots = SlotAllocator(cohorts)
+        super().__init__(cohorts, pages, rt.page_size, per_seq * rt.page_size)
         self._step4: bool | None = None
 
-    # ------------------------------------------------------------ sequences
-    def new_sequence(self) -> Sequence:
-        slot = self.slots.allocate()
+    def _reset_slot(self, slot: int) -> None:
         self.state.reset_slot(slot)
-        return Sequence(slot, BlockTable())
-
-    def release(self, seq: Sequence) -> None:
-        self.slots.free(seq.slot)
-        self.blocks.free(seq.table)
-
-    def _reserve(self, seq: Sequence, length: int) -> None:
-        if length > self.max_context:
-            raise ValueError(f"sequence of {length} tokens exceeds the context limit {self.max_context}")
-        self.blocks.reserve(seq.table, length)
 
     # ------------------------------------------------------------ entry points
     def bucket(self, entry: str, batch: int, tokens: int, all_logits: bool = False):

@@ -7,7 +7,6 @@ numerical oracle of the GPU backend and the backend of machines with no GPU.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 
@@ -16,24 +15,12 @@ from compiler.reference_ops import TORCH_DTYPES
 from compiler.spec import ModelSpec
 from compiler.trace import StatePools, state_avals, trace
 
-from .kv import BlockManager, BlockTable
-from .state import SlotAllocator
+from .sequences import Sequence, SequencePool
 
 ACT_DTYPES = {"float32": "f32", "bfloat16": "bf16", "f32": "f32", "bf16": "bf16"}
 
 
-@dataclass
-class Sequence:
-    """One sequence's resources: its GDN state slot and its KV block table (pages, tokens held)."""
-    slot: int
-    table: BlockTable = field(default_factory=BlockTable)
-
-    @property
-    def length(self) -> int:
-        return self.table.length
-
-
-class ReferenceBackend:
+class ReferenceBackend(SequencePool):
     def __init__(self, spec: ModelSpec, weights: dict, device: str = "cpu", dtype: str = "float32",
                  kv_dtype: str | None = None, max_sequences: int = 2, max_context: int | None = None):
         if dtype not in ACT_DTYPES:
@@ -44,12 +31,10 @@ class ReferenceBackend:
         per_seq = math.ceil(ctx / rt.page_size)
         self.pools = StatePools(num_pages=per_seq * max_sequences, num_slots=max_sequences,
                                 pages_per_seq=per_seq, page_size=rt.page_size, kv_dtype=kv_dtype or self.act)
-        self.max_context = per_seq * rt.page_size
+        super().__init__(max_sequences, self.pools.num_pages, rt.page_size, per_seq * rt.page_size)
         self.weights = {k: self._place(k, v) for k, v in weights.items()}
         self.state = {name: torch.zeros(shape, dtype=TORCH_DTYPES[dt], device=self.device)
                       for name, (shape, dt) in state_avals(spec, self.pools).items()}
-        self.slots = SlotAllocator(max_sequences)
-        self.blocks = BlockManager(self.pools.num_pages, rt.page_size)
         self._graphs: dict = {}
 
     def _place(self, name: str, w: torch.Tensor) -> torch.Tensor:
@@ -63,21 +48,10 @@ class ReferenceBackend:
         return self._graphs[key]
 
     # ------------------------------------------------------------ sequences
-    def new_sequence(self) -> Sequence:
-        slot = self.slots.allocate()
+    def _reset_slot(self, slot: int) -> None:
         for name, t in self.state.items():
             if name.startswith("gdn."):
                 t[slot].zero_()
-        return Sequence(slot=slot)
-
-    def release(self, seq: Sequence) -> None:
-        self.slots.free(seq.slot)
-        self.blocks.free(seq.table)
-
-    def _reserve(self, seq: Sequence, length: int) -> None:
-        if length > self.max_context:
-            raise ValueError(f"sequence of {length} tokens exceeds the context limit {self.max_context}")
-        self.blocks.reserve(seq.table, length)
 
     def _block_table(self, seqs: list[Sequence]) -> torch.Tensor:
         rows = [s.table.pages + [0] * (self.pools.pages_per_seq - len(s.table.pages)) for s in seqs]

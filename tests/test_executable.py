@@ -12,7 +12,8 @@ from compiler.spec import load_spec
 from compiler.targets import lookup
 from ninfer_gen.checkpoint import quantize_weights
 from ninfer_gen.device_weights import from_host, random_on_device
-from ninfer_gen.executable import DeviceState, Executable, StepInputs
+from ninfer_gen.device_state import DeviceState, StepInputs
+from ninfer_gen.executable import Executable
 from ninfer_gen.gpu_backend import prompt_pieces
 from ninfer_gen.random_weights import random_weights
 

@@ -114,13 +114,8 @@ def launch(key: Key, target: Target | None = None) -> Launch:
 
 
 def params(key: Key) -> list[Param]:
-    """gemv's first six arguments (no split-K workspace)."""
-    return [Param("y", "ptr", "out [m, n] (n/2 for silu_mul), bf16 or f32; may alias res"),
-            Param("x", "ptr", "activations [m, k] bf16, contiguous"),
-            Param("w_lo", "ptr", "packed plane 'lo' (weight_layout.pack_for_device)"),
-            Param("w_hi", "ptr", "packed plane 'hi' (q5g64/q6g64; else 0)"),
-            Param("w_scales", "ptr", "packed scales (0 for bf16)"),
-            Param("res", "ptr", "residual [m, n] bf16 for epilogue 'residual' (else 0)")]
+    """gemv's arguments without the split-K workspace."""
+    return list(gemv.MATMUL_PARAMS)
 
 
 def reference(key: Key, x, w, res=None):

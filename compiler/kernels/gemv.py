@@ -127,13 +127,17 @@ def workspace(key: Key) -> dict[str, int]:
     return {"ws": 4 * key.splits * key.m * key.n, "tickets": 4 * ceil_div(key.n, 16)}
 
 
+# The arguments every quantised matrix multiply takes (gemv, and gemm, which has no split-K workspace).
+MATMUL_PARAMS = (Param("y", "ptr", "out [m, n] (n/2 for silu_mul), bf16 or f32; may alias res"),
+                 Param("x", "ptr", "activations [m, k] bf16, contiguous"),
+                 Param("w_lo", "ptr", "packed plane 'lo' (weight_layout.pack_for_device)"),
+                 Param("w_hi", "ptr", "packed plane 'hi' (q5g64/q6g64; else 0)"),
+                 Param("w_scales", "ptr", "packed scales (0 for bf16)"),
+                 Param("res", "ptr", "residual [m, n] bf16 for epilogue 'residual' (else 0)"))
+
+
 def params(key: Key) -> list[Param]:
-    return [Param("y", "ptr", "out [m, n] (n/2 for silu_mul), bf16 or f32; may alias res"),
-            Param("x", "ptr", "activations [m, k] bf16, contiguous"),
-            Param("w_lo", "ptr", "packed plane 'lo' (weight_layout.pack_for_device)"),
-            Param("w_hi", "ptr", "packed plane 'hi' (q5g64/q6g64; else 0)"),
-            Param("w_scales", "ptr", "packed scales (0 for bf16)"),
-            Param("res", "ptr", "residual [m, n] bf16 for epilogue 'residual' (else 0)"),
+    return [*MATMUL_PARAMS,
             Param("ws", "ptr", "f32 workspace [splits, m, n] (splits > 1, else 0)"),
             Param("tickets", "ptr", "u32 [row tiles] arrival counters: zero before the first launch, left zero "
                   "(splits > 1, else 0)")]

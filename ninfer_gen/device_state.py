@@ -1,0 +1,111 @@
+"""device_state: the buffers the kernels read and write across calls, in the kernels' layouts —
+`DeviceState` (per attention layer K and V pages [pages, Hkv, page, D]: INT8 codes + fp16 scales per
+64 values, or bf16; per GDN layer the conv history [slots, width−1, C] bf16 and the recurrent state
+[slots, Hv, Dk, Dv] fp32; one trash page for padded rows) — and `StepInputs`, one bucket's per-run
+values (token ids, row positions, block table, slots, key counts) in one int32 device buffer.
+
+The graph's reference layouts (`trace.state_avals`) are not used here: agreement with the reference
+interpreter is checked on outputs (logits), not on state bytes.
+"""
+from __future__ import annotations
+
+import torch
+
+from compiler.spec import ModelSpec
+
+
+class ExecutableError(RuntimeError):
+    pass
+
+
+class DeviceState:
+    """KV pages and GDN state slots in the kernels' layouts."""
+
+    def __init__(self, spec: ModelSpec, num_pages: int, num_slots: int, kv_dtype: str = "int8", device="cuda"):
+        """`num_pages` usable pages plus one trash page (the last) for padded rows and warm-up runs."""
+        a, at, g = spec.model, spec.model.attention, spec.model.linear_attention
+        page = spec.runtime.page_size
+        self.num_pages, self.num_slots, self.kv_dtype = num_pages, num_slots, kv_dtype
+        self.trash_page = num_pages
+        num_pages += 1
+        self.kv: dict[str, dict[str, torch.Tensor]] = {}
+        self.conv: dict[str, torch.Tensor] = {}
+        self.ssm: dict[str, torch.Tensor] = {}
+        pages = (num_pages, at.num_kv_heads, page, at.head_dim)
+        for i, kind in enumerate(a.layers.kinds):
+            if kind == "full_attention":
+                self.kv[str(i)] = self._kv_layer(pages, kv_dtype, device)
+            else:
+                self.conv[str(i)] = torch.zeros(num_slots, g.conv_kernel - 1, g.conv_dim, dtype=torch.bfloat16,
+                                                device=device)
+                self.ssm[str(i)] = torch.zeros(num_slots, g.num_value_heads, g.key_head_dim, g.value_head_dim,
+                                               dtype=torch.float32, device=device)
+
+    @staticmethod
+    def _kv_layer(pages, kv_dtype, device) -> dict[str, torch.Tensor]:
+        if kv_dtype == "int8":
+            scales = (*pages[:3], pages[3] // 64)
+            return {"k": torch.zeros(pages, dtype=torch.int8, device=device),
+                    "v": torch.zeros(pages, dtype=torch.int8, device=device),
+                    "k_scales": torch.zeros(scales, dtype=torch.float16, device=device),
+                    "v_scales": torch.zeros(scales, dtype=torch.float16, device=device)}
+        return {"k": torch.zeros(pages, dtype=torch.bfloat16, device=device),
+                "v": torch.zeros(pages, dtype=torch.bfloat16, device=device)}
+
+    def reset_slot(self, slot: int) -> None:
+        for t in (*self.conv.values(), *self.ssm.values()):
+            t[slot].zero_()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*(t for layer in self.kv.values() for t in layer.values()), *self.conv.values(), *self.ssm.values()]
+
+    def snapshot(self) -> list[torch.Tensor]:
+        return [t.clone() for t in self.tensors()]
+
+    def restore(self, snap: list[torch.Tensor]) -> None:
+        for t, s in zip(self.tensors(), snap):
+            t.copy_(s)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+class StepInputs:
+    """One bucket's per-run values in one int32 device buffer (one host→device copy per run)."""
+
+    def __init__(self, batch: int, tokens: int, max_pages: int, trash_page: int, device):
+        self.batch, self.tokens, self.max_pages, self.trash_page = batch, tokens, max_pages, trash_page
+        rows = batch * tokens
+        self._layout = {"tokens": rows, "row_pos": rows, "pos": batch, "block_table": batch * max_pages,
+                        "slots": batch, "seq_lens": batch}
+        self.host = torch.zeros(sum(self._layout.values()), dtype=torch.int32)
+        self.device = torch.zeros_like(self.host, device=device)
+        self.views, self.host_views, at = {}, {}, 0
+        for name, n in self._layout.items():
+            self.views[name], self.host_views[name] = self.device[at:at + n], self.host[at:at + n]
+            at += n
+
+    def ptr(self, name: str) -> int:
+        return self.views[name].data_ptr()
+
+    def set(self, tokens: list[list[int]], starts: list[int], tables: list[list[int]], slots: list[int]) -> None:
+        """Rows of T tokens at positions start…start+T−1. Padded rows (fewer than `batch`) get slot −1
+        (the GDN kernels skip them), no keys, and a block table of the trash page (their KV writes land
+        there); so does the rest of every row's block table."""
+        b, t, h = self.batch, self.tokens, self.host_views
+        if len(tokens) > b or any(len(row) != t for row in tokens):
+            raise ExecutableError(f"bucket ({b}×{t}) got {len(tokens)} rows of {[len(r) for r in tokens]} tokens")
+        self.host.zero_()
+        h["slots"].fill_(-1)
+        h["block_table"].fill_(self.trash_page)
+        for r, (row, start, table, slot) in enumerate(zip(tokens, starts, tables, slots)):
+            if len(table) > self.max_pages:
+                raise ExecutableError(f"block table of {len(table)} pages exceeds the bucket's {self.max_pages}")
+            h["tokens"][r * t:(r + 1) * t] = torch.tensor(row, dtype=torch.int32)
+            h["row_pos"][r * t:(r + 1) * t] = torch.arange(start, start + t, dtype=torch.int32)
+            h["pos"][r] = start
+            h["block_table"][r * self.max_pages:r * self.max_pages + len(table)] = torch.tensor(table, dtype=torch.int32)
+            h["slots"][r] = slot
+            h["seq_lens"][r] = start + t
+        self.device.copy_(self.host)

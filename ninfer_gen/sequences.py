@@ -1,0 +1,44 @@
+"""sequences: what every backend does to a sequence's resources — a GDN state slot and a KV block
+table — allocating, growing within the context limit, and releasing. Pure Python (no CUDA); the
+backend says how a slot's state is cleared (`_reset_slot`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .kv import BlockManager, BlockTable
+from .state import SlotAllocator
+
+
+@dataclass
+class Sequence:
+    """One sequence's resources: its GDN state slot and its KV block table (pages, tokens held)."""
+    slot: int
+    table: BlockTable = field(default_factory=BlockTable)
+
+    @property
+    def length(self) -> int:
+        return self.table.length
+
+
+class SequencePool:
+    def __init__(self, num_slots: int, num_pages: int, page_size: int, max_context: int):
+        self.slots = SlotAllocator(num_slots)
+        self.blocks = BlockManager(num_pages, page_size)
+        self.max_context = max_context
+
+    def _reset_slot(self, slot: int) -> None:
+        raise NotImplementedError
+
+    def new_sequence(self) -> Sequence:
+        slot = self.slots.allocate()
+        self._reset_slot(slot)
+        return Sequence(slot)
+
+    def release(self, seq: Sequence) -> None:
+        self.slots.free(seq.slot)
+        self.blocks.free(seq.table)
+
+    def _reserve(self, seq: Sequence, length: int) -> None:
+        if length > self.max_context:
+            raise ValueError(f"sequence of {length} tokens exceeds the context limit {self.max_context}")
+        self.blocks.reserve(seq.table, length)
