@@ -1,6 +1,8 @@
 """kernel_lab: per-family timings at the 27B shapes on the GPU, with bytes and FLOPs counted and the
 fraction of a device-to-device copy measured in the same run (CUDA events, median of 50 after warm-up,
-inputs rotated over copies bigger than L2). Writes JSON to --out and prints a short table last.
+inputs rotated over copies bigger than L2), and per launch in a back-to-back chain (`time_chain`: how
+kernels run in a decode step, overlapping under programmatic launch on sm_90+). Writes JSON to --out
+and prints a short table last.
 
   python -m bench.kernel_lab --out lab.json [--only gemv,gdn_step] [--iters 50]   (from the repo root)
 """
@@ -44,6 +46,21 @@ def time_launches(runs, iters: int, warmup: int = 10) -> list[float]:
         end.record()
     torch.cuda.synchronize()
     return [s.elapsed_time(e) * 1e3 for s, e in events]
+
+
+def time_chain(runs, iters: int) -> float:
+    """Microseconds per iteration when `iters` iterations run back to back between one pair of events:
+    how a kernel runs inside a decode step, where (on sm_90+, cuda_module.pdl_enabled) each launch may
+    overlap its predecessor's tail; `time_launches` puts an event between launches, which stops that."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(100_000_000)
+    start.record()
+    for i in range(iters):
+        for launcher in runs[i % len(runs)]:
+            launcher.launch()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters
 
 
 def gemv_runs(fmt, n, k, ms, epilogue, out, target, l2, configs=None) -> list:
@@ -215,6 +232,7 @@ def measure(label, thunks, iters: int, copy_gbs: float) -> list[dict]:
             key, runs, moved, flops = thunk()
             name = key.name
             us = time_launches(runs, iters)
+            chain = time_chain(runs, iters)
         except Exception as err:
             rows.append({"label": label, "name": name, "error": f"{type(err).__name__}: {err}"})
             print(f"  {name}: FAILED {type(err).__name__}: {err}", flush=True)
@@ -223,8 +241,9 @@ def measure(label, thunks, iters: int, copy_gbs: float) -> list[dict]:
         rows.append({"label": label, "name": key.name, "family": key.family, "key": key.fields(),
                      "bytes": moved, "flops": flops, "us_median": med, "us_min": min(us),
                      "gbps": moved / med / 1e3, "frac_copy": moved / med / 1e3 / copy_gbs,
-                     "tflops": flops / med / 1e6, "launches": len(runs[0])})
-        print(f"  {key.name}: {med:.1f} us", flush=True)
+                     "tflops": flops / med / 1e6, "launches": len(runs[0]),
+                     "us_chain": chain, "frac_copy_chain": moved / chain / 1e3 / copy_gbs})
+        print(f"  {key.name}: {med:.1f} us, chained {chain:.1f} us", flush=True)
         del runs
         torch.cuda.empty_cache()
     return rows
@@ -251,13 +270,13 @@ def main(argv=None):
                "iters": args.iters, "seconds": time.time() - t0, "results": rows}
         Path(args.out).write_text(json.dumps(out, indent=1))           # after every group: partial runs count
     print(f"\ndevice {out['device']}  copy {copy_gbs:.0f} GB/s  (median of {args.iters}; JSON: {args.out})")
-    print(f"{'kernel':<62} {'us':>9} {'GB/s':>8} {'copy%':>6} {'TFLOP/s':>8}")
+    print(f"{'kernel':<62} {'us':>9} {'GB/s':>8} {'copy%':>6} {'TFLOP/s':>8} {'chain us':>9} {'copy%':>6}")
     for r in rows:
         if "error" in r:
             print(f"{r['name'][:62]:<62} FAILED: {r['error'][:120]}")
             continue
         print(f"{r['name'][:62]:<62} {r['us_median']:>9.1f} {r['gbps']:>8.0f} {100 * r['frac_copy']:>6.1f} "
-              f"{r['tflops']:>8.2f}")
+              f"{r['tflops']:>8.2f} {r['us_chain']:>9.1f} {100 * r['frac_copy_chain']:>6.1f}")
 
 
 if __name__ == "__main__":

@@ -2,11 +2,15 @@
 launches them on torch's current stream, so launches are captured by `torch.cuda.graph`.
 
 Arguments are packed once per `Launcher` (device addresses as uint64, ints as int32, floats as fp32).
-Import order matters (CUDA.md): torch first, then cuda.bindings. Never compiles.
+Kernels built for sm_90 or newer are launched with programmatic stream serialisation (programmatic
+dependent launch): each may start while its predecessor finishes, and waits for it in `pdl_entry()`
+(templates/common/ptx.cuh), which every template calls before touching another kernel's data.
+`NINFER_PDL=0` turns it off. Import order matters (CUDA.md): torch first, then cuda.bindings. Never compiles.
 """
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,11 +66,17 @@ class Kernel:
             check(cu.cuFuncSetAttribute(fn, attr, dynamic_smem), f"cuFuncSetAttribute({entry})")
         return cls(entry, module, fn)
 
-    def bind(self, params, args, launch) -> "Launcher":
-        return Launcher(self, params, args, launch)
+    def bind(self, params, args, launch, pdl: bool = False) -> "Launcher":
+        return Launcher(self, params, args, launch, pdl)
 
     def __call__(self, params, args, launch, stream: int | None = None) -> None:
         self.bind(params, args, launch).launch(stream)
+
+
+def pdl_enabled(arch: str) -> bool:
+    """Whether kernels built for `arch` are launched programmatically: sm_90 or newer (where the
+    templates' pdl_entry() is compiled in) unless NINFER_PDL=0."""
+    return int(arch.split("_")[1]) >= 90 and os.environ.get("NINFER_PDL", "1") != "0"
 
 
 def _value(arg):
@@ -79,18 +89,34 @@ def _value(arg):
 
 
 class Launcher:
-    """One kernel with its arguments packed once (a void*[] of ctypes values); launch() is cheap."""
+    """One kernel with its arguments packed once (a void*[] of ctypes values); launch() is cheap.
+    `pdl`: launch with programmatic stream serialisation (only for kernels that call pdl_entry())."""
 
-    def __init__(self, kernel: Kernel, params, args, launch):
+    def __init__(self, kernel: Kernel, params, args, launch, pdl: bool = False):
         if len(params) != len(args):
             raise ValueError(f"{kernel.name}: {len(params)} parameters, {len(args)} arguments")
-        self.kernel, self.launch_cfg = kernel, launch
+        self.kernel, self.launch_cfg, self.pdl = kernel, launch, pdl
         self._values = [_CTYPES[p.kind](_value(a)) for p, a in zip(params, args)]
         self._ptrs = (ctypes.c_void_p * len(self._values))(*[ctypes.addressof(v) for v in self._values])
+        self._config = None
+        if pdl:
+            attr = cu.CUlaunchAttribute()
+            attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            cfg = cu.CUlaunchConfig()
+            (cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ), (cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ) = \
+                launch.grid, launch.block
+            cfg.sharedMemBytes, cfg.attrs, cfg.numAttrs = launch.smem, [attr], 1
+            self._config = cfg
 
     def launch(self, stream: int | None = None) -> None:
-        g, b, smem = self.launch_cfg.grid, self.launch_cfg.block, self.launch_cfg.smem
         stream = torch.cuda.current_stream().cuda_stream if stream is None else stream
+        if self._config is not None:
+            self._config.hStream = stream
+            check(cu.cuLaunchKernelEx(self._config, self.kernel.function, ctypes.addressof(self._ptrs), 0),
+                  f"cuLaunchKernelEx({self.kernel.name})")
+            return
+        g, b, smem = self.launch_cfg.grid, self.launch_cfg.block, self.launch_cfg.smem
         check(cu.cuLaunchKernel(self.kernel.function, *g, *b, smem, stream, ctypes.addressof(self._ptrs), 0),
               f"cuLaunchKernel({self.kernel.name})")
 
@@ -130,4 +156,4 @@ class KernelCache:
         """A launcher for `key` with `args` in the family's parameter order and its launch config."""
         from compiler.kernels import module_of
         mod = module_of(key)
-        return self.get(key, ptx).bind(mod.params(key), args, mod.launch(key))
+        return self.get(key, ptx).bind(mod.params(key), args, mod.launch(key), pdl_enabled(key.arch))

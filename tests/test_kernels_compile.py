@@ -139,3 +139,11 @@ def test_every_key_has_matching_params_and_args():
             continue
         for k, args in make_case(key, "cpu").launches:
             assert len(args) == len(module_of(k).params(k)), k.name
+
+
+def test_every_kernel_body_waits_for_its_predecessor():
+    """The runtime launches sm_90+ kernels programmatically (cuda_module.pdl_enabled): each kernel may
+    start before its predecessor ends, so every kernel body must call pdl_entry() (common/ptx.cuh)."""
+    for key in dict.fromkeys(_spec_keys("sm_90")):
+        body = codegen.render(key, "13.0").source.split("KERNEL_NAME(", 1)[1]
+        assert body.count("pdl_entry();") == 1, key.name
