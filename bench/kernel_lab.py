@@ -155,6 +155,25 @@ def gemm_v1_runs(key: gemm.Key, l2):
 GEMM_SHAPES = (("q4g64", 34816, 5120, "silu_mul"), ("q5g64", 5120, 17408, "residual"), ("q4g64", 10240, 5120, "none"))
 
 
+# (fmt, n, k, epilogue, out) of the 27B decode GEMVs that matter most
+DECODE_GEMV = (("q4g64", 34816, 5120, "silu_mul", "bf16"), ("q4g64", 10240, 5120, "none", "bf16"),
+               ("q4g64", 12288, 5120, "none", "bf16"), ("q5g64", 6144, 5120, "none", "bf16"),
+               ("q5g64", 5120, 6144, "residual", "bf16"), ("q5g64", 5120, 17408, "residual", "bf16"),
+               ("q4g64", 248320, 5120, "none", "f32"), ("w8g32", 248320, 5120, "none", "f32"))
+
+
+def tune_configs(fmt, n, k, epi, out, target) -> list[dict]:
+    """The shipped config and its neighbours: warps 4/8 × row tiles 1/2 × every valid K split up to 8."""
+    base = gemv.make_key(fmt, n, k, 1, target, epi, out)
+    configs = [{}]
+    for warps in (4, 8):
+        for tiles in (1, 2):
+            for splits in range(1, min(8, gemv.load_batches(fmt, k, warps)) + 1):
+                if (warps, tiles, splits) != (base.warps, base.tiles, base.splits):
+                    configs.append({"warps": warps, "tiles": tiles, "splits": splits})
+    return configs
+
+
 def plan(target):
     """(label, [thunk → (key, runs, bytes, flops)]) at the 27B shapes."""
     l2, ms = target.l2_bytes, (1, 4, 8, 16, 32)
@@ -210,14 +229,14 @@ def plan(target):
                              [{"splits": 5}, {"splits": 9}])
     # load depth (units in flight per warp) and warps per block on the decode shapes
     depth = [{}, {"depth": 8}, {"warps": 8}, {"warps": 8, "depth": 8}]
-    for fmt, n, k, epi, out in (("q4g64", 34816, 5120, "silu_mul", "bf16"), ("q4g64", 10240, 5120, "none", "bf16"),
-                                ("q4g64", 12288, 5120, "none", "bf16"), ("q5g64", 6144, 5120, "none", "bf16"),
-                                ("q5g64", 5120, 6144, "residual", "bf16"), ("q5g64", 5120, 17408, "residual", "bf16"),
-                                ("q4g64", 248320, 5120, "none", "f32"), ("w8g32", 248320, 5120, "none", "f32")):
+    for fmt, n, k, epi, out in DECODE_GEMV:
         fit = [c | {"splits": min(gemv.make_key(fmt, n, k, 1, target, epi, out).splits,
                                    gemv.load_batches(fmt, k, c.get("warps", 4), c.get("depth", 0)))}
                if gemv.make_key(fmt, n, k, 1, target, epi, out).splits > 1 else c for c in depth]
         yield "depth", gemv_runs(fmt, n, k, (1, 8), epi, out, target, l2, fit)
+    # config neighbours (warps, row tiles per block, K splits) of every decode GEMV shape, timed chained
+    for fmt, n, k, epi, out in DECODE_GEMV[:6]:
+        yield "tune", gemv_runs(fmt, n, k, (1,), epi, out, target, l2, tune_configs(fmt, n, k, epi, out, target))
     misc = [rmsnorm.Key(5120, 1, True, "bf16", 1e-6, target.arch), rmsnorm.Key(5120, 32, True, "bf16", 1e-6, target.arch),
             qk_rope_kv.Key(24, 4, 256, 64, 8, 4, "int8", 64, 512, 1e-6, target.arch), argmax.Key(248320, 8, target.arch)]
     yield "misc", [case_runs(k, l2) for k in misc]
@@ -253,7 +272,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="kernel_lab.json")
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--only", default="", help="comma-separated labels: gemv,gdn_step,gdn_chunk,gdn_conv,attn_decode,prefill,gemm_sweep,gemm_27b,sweep,depth,misc")
+    ap.add_argument("--only", default="", help="comma-separated labels: gemv,gdn_step,gdn_chunk,gdn_conv,attn_decode,prefill,gemm_sweep,gemm_27b,sweep,depth,tune,misc")
     args = ap.parse_args(argv)
     major, minor = torch.cuda.get_device_capability()
     target = lookup(f"sm_{major}{minor}")

@@ -135,6 +135,39 @@ def profile_bucket(bucket, repeats: int = 3) -> dict[str, dict]:
             sorted(per.items(), key=lambda kv: -statistics.median(kv[1]))}
 
 
+class _Omitted:
+    """A launcher that launches nothing (omission_profile)."""
+
+    def launch(self, stream=None) -> None:
+        pass
+
+
+def _call_label(key) -> str:
+    """A call's group in omission_profile: its family, and for GEMVs its weight format and shape."""
+    return f"gemv {key.fmt} {key.n}x{key.k}" if key.family == "gemv" else key.family
+
+
+def omission_profile(bucket, iters: int = 30) -> dict[str, dict]:
+    """Per call group (_call_label): how much shorter a graph replay of the bucket gets when the group's
+    launches are left out (outputs are garbage, only the time counts). Unlike eager events this sees
+    what graph branches and programmatic launch overlap: it is each group's share of the critical path."""
+    from collections import Counter
+
+    base = statistics.median(time_replays(bucket, iters))
+    labels = [_call_label(c.key) for c in bucket.plan.calls]
+    launchers, graph, out = bucket.launchers, bucket.graph, {}
+    try:
+        for label, count in Counter(labels).most_common():
+            bucket.launchers = [_Omitted() if lb == label else ln for lb, ln in zip(labels, launchers)]
+            bucket.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(bucket.graph):
+                bucket.run(use_graph=False)
+            out[label] = {"launches": count, "saved_us": (base - statistics.median(time_replays(bucket, iters))) * 1e3}
+    finally:
+        bucket.launchers, bucket.graph = launchers, graph
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["saved_us"]))
+
+
 def run_bench(args) -> dict:
     import ninfer_gen
     from .memory_plan import plan_memory
@@ -207,6 +240,7 @@ def run_bench(args) -> dict:
         "bandwidth_GBps": moved["total"] / (best["step_replay_ms"] * 1e-3) / 1e9,
         "launches_per_forward": len(step_plan.calls),
         "profile_eager_us": profile_bucket(be.exe.bucket("step", 1, 1)),
+        "profile_omitted_us": omission_profile(be.exe.bucket("step", 1, 1)),
     }
     decode["bandwidth_efficiency"] = decode["bandwidth_GBps"] / copy_gbs
     result["decode"] = decode
@@ -275,6 +309,10 @@ def table(r: dict) -> str:
     if prof:
         lines.append("decode step by family (eager, µs): " + ", ".join(
             f"{k} {v['us']:.0f} ({v['launches']})" for k, v in prof.items()))
+    omitted = d.get("profile_omitted_us", {})
+    if omitted:
+        lines.append("decode step, µs saved by leaving a group out of the graph: " + ", ".join(
+            f"{k} {v['saved_us']:.0f} ({v['launches']})" for k, v in omitted.items()))
     lines.append(f"{'peak alloc / reserved / device GiB':<34} {r['peak_allocated_bytes'] / GiB:>6.2f} / "
                  f"{r['peak_reserved_bytes'] / GiB:.2f} / {r['peak_device_used_bytes'] / GiB:.2f}")
     for k, v in r.get("hf", {}).items():

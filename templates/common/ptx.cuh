@@ -69,7 +69,7 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 // by every kernel: read nothing another kernel writes and write nothing before pdl_entry(); then
 // pdl_entry() waits for the predecessor grid to finish (its writes visible) and only after that lets
 // the successor launch. So at most two grids overlap, and the later one only in its prologue (the
-// quantised GEMVs load their first batch of weights there: constants, written by no kernel).
+// quantised GEMVs and the norms load weights there: constants, written by no kernel).
 __device__ __forceinline__ void pdl_entry() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
