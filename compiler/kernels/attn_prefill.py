@@ -41,8 +41,14 @@ def make_key(hq, hkv, d, t, kv_dtype, max_pages, target: Target, gate=True, page
     return Key(hq, hkv, d, t, kv_dtype, page, max_pages, gate, target.arch)
 
 
+def smem_bytes(key: Key) -> int:
+    """Dynamic shared memory: the block's Q rows (16 per query head) and one K and one V tile of 32 keys,
+    bf16 rows padded by 8 values (templates/attn_prefill.cu.j2)."""
+    return (key.hq // key.hkv * 16 + 2 * 32) * (key.d + 8) * 2
+
+
 def launch(key: Key, target: Target | None = None) -> Launch:
-    return Launch((key.t // 16, key.hkv, 1), (32 * (key.hq // key.hkv), 1, 1), 0)
+    return Launch((key.t // 16, key.hkv, 1), (32 * (key.hq // key.hkv), 1, 1), smem_bytes(key))
 
 
 def params(key: Key) -> list[Param]:

@@ -3,7 +3,7 @@
 // the row's length, so the result does not depend on B or T. Short contexts use fewer splits.
 #pragma once
 
-constexpr int MIN_PPS = 2;   // two pages (128 tokens) per split at least: fewer partials at 4K
+constexpr int MIN_PPS = 1;   // one page per split at short context: a block walks its pages serially
 
 __device__ __forceinline__ int pages_per_split(int pages, int splits) {
   const int pps = (pages + splits - 1) / splits;

@@ -36,6 +36,12 @@ __device__ __forceinline__ uint2 ld_stream_u2(const void* p) {
   return v;
 }
 
+// Byte i (0..3, a constant after unrolling) of a word of int8 codes already XORed with 0x80808080, as
+// fp32, exactly, on full-rate instructions instead of I2F: 0x4B0000uu reads 2^23 + code + 128.
+__device__ __forceinline__ float biased_s8_as_f32(uint32_t biased, int i) {
+  return __uint_as_float(__byte_perm(biased, 0x4B000000u, 0x7650 | i)) - 8388736.f;
+}
+
 __device__ __forceinline__ uint4 ld_u4(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 
 __device__ __forceinline__ float bf16_to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
@@ -51,6 +57,13 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int byt
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
+
+// Four 8×8 b16 matrices from shared memory: lane l gives the row address of matrix l/8.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem_row) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem_row);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
+}
 
 // Four 8×8 b16 matrices from shared memory, transposed: lane l gives the row address of matrix l/8.
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem_row) {
