@@ -57,19 +57,33 @@ class Model:
 
     def stream(self, token_ids: list[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                stop_tokens: set[int] | None = None) -> Iterator[int]:
-        """Yields new tokens one by one: prefill, then one `step` (B=1, T=1) per token."""
+        """Yields new tokens one by one: prefill, then one `step` (B=1, T=1) per token. Greedy decoding
+        on a backend with a device loop (`greedy`, the GPU) runs the steps in windows of
+        GREEDY_WINDOW tokens with one host round trip per window; a stop token ends the stream at
+        once (the rest of its window was computed and is dropped with the sequence)."""
+        if max_new_tokens <= 0:
+            return
         sample = Sampler(sampling)
         seq = self.backend.new_sequence()
+        device_loop = sampling.greedy and hasattr(self.backend, "greedy")
         try:
             logits, _ = self.backend.prefill(seq, list(token_ids))
-            for _ in range(max_new_tokens):
-                token = sample(logits[-1])
-                yield token
-                if stop_tokens and token in stop_tokens:
+            token, produced = sample(logits[-1]), 1
+            yield token
+            while produced < max_new_tokens and not (stop_tokens and token in stop_tokens):
+                room = self.backend.max_context - seq.length
+                if room <= 0:
                     return
-                if seq.length + 1 > self.backend.max_context:
-                    return
-                logits, _ = self.backend.run("step", [seq], [[token]])
+                if device_loop:
+                    window = self.backend.greedy(seq, token, min(GREEDY_WINDOW, max_new_tokens - produced, room))
+                else:
+                    logits, _ = self.backend.run("step", [seq], [[token]])
+                    window = [sample(logits[-1])]
+                for token in window:
+                    produced += 1
+                    yield token
+                    if stop_tokens and token in stop_tokens:
+                        return
         finally:
             self.backend.release(seq)
 
@@ -79,6 +93,9 @@ class Model:
         """The new tokens only. Stops early only at `stop_tokens` (none by default)."""
         params = SamplingParams(0.0 if greedy else temperature, top_k, top_p, seed)
         return list(self.stream(token_ids, max_new_tokens, params, stop_tokens))
+
+
+GREEDY_WINDOW = 16      # greedy tokens per host round trip on backends with a device loop
 
 
 def _eos_ids(folder: Path | None) -> set[int]:

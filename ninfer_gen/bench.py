@@ -1,7 +1,8 @@
 """bench: `ninfer-gen bench` — the reference workload on the GPU backend, with every figure measured
 in the same run as a device-to-device copy so speed is reported as bandwidth efficiency.
 
-Phases: (1) copy bandwidth; (2) ~30-token prompts, greedy, `--output-tokens` (1024) new tokens, one
+Phases: (1) copy bandwidth; (2) ~30-token prompts, greedy (device-loop windows as `Model.stream`
+decodes), `--output-tokens` (1024) new tokens, one
 request: TTFT, end-to-end and decode tok/s, and the decode step alone (CUDA-event timed graph
 replays) with the bytes it must move (weights streamed + GDN state read/written + KV read at the
 mean context) → bandwidth efficiency; (3) long prompts (8K, 32K): prefill tok/s and effective
@@ -22,6 +23,7 @@ import torch
 from compiler.kernels.weight_layout import device_bytes
 from compiler.spec import ModelSpec, load_spec
 
+from .api import GREEDY_WINDOW
 from .memory_plan import GiB, parse_bytes
 
 MiB = 2 ** 20
@@ -214,9 +216,11 @@ def run_bench(args) -> dict:
         logits, _ = be.prefill(seq, prompt)
         token = int(torch.argmax(logits[-1]))
         first = _sync_time()
-        for _ in range(args.output_tokens - 1):
-            logits, _ = be.run("step", [seq], [[token]])
-            token = int(torch.argmax(logits[-1]))
+        left = args.output_tokens - 1
+        while left:                      # as Model.stream decodes greedily: device-loop windows
+            window = min(GREEDY_WINDOW, left)
+            token = be.greedy(seq, token, window)[-1]
+            left -= window
         end = _sync_time()
         context = seq.length
         step = be.exe.bucket("step", 1, 1)

@@ -68,6 +68,9 @@ class GpuBackend(SequencePool):
                               concurrency=max(1, concurrency))
         super().__init__(cohorts, pages, rt.page_size, per_seq * rt.page_size)
         self._step4: bool | None = None
+        self._greedy_out: torch.Tensor | None = None       # greedy(): tokens chosen on the device
+        self._greedy_index: torch.Tensor | None = None
+        self._advance: torch.cuda.CUDAGraph | None = None
 
     def _reset_slot(self, slot: int) -> None:
         self.state.reset_slot(slot)
@@ -91,6 +94,60 @@ class GpuBackend(SequencePool):
         for s, p in zip(seqs, starts):
             s.table.length = p + T
         return bucket.logits.clone(), bucket.hidden.clone()
+
+    def greedy(self, seq: Sequence, token: int, n: int) -> list[int]:
+        """n greedy decode steps for one sequence with no host round trip between them: feeds `token`
+        (the last one chosen) and returns the n tokens chosen after it; the sequence advances by n.
+        Each step replays the (1, 1) step graph and then a captured 'advance' graph that takes the
+        argmax of the logits as the next step's input token and moves the positions on by one, all
+        in device buffers; the host queues the n pairs and reads the tokens back once. The pages for
+        all n tokens are reserved first. Tokens equal those of n host-driven steps with argmax."""
+        if n <= 0:
+            return []
+        bucket = self.bucket("step", 1, 1)
+        start = seq.length
+        self._reserve(seq, start + n)
+        bucket.inputs.set([[token]], [start], [seq.table.pages], [seq.slot])
+        advance = self._advance_graph(bucket, n)
+        self._greedy_index.zero_()
+        for _ in range(n):
+            bucket.run(self.use_graphs)
+            advance.replay()
+        seq.table.length = start + n
+        return self._greedy_out[:n].tolist()
+
+    def _advance_graph(self, bucket, n: int) -> torch.cuda.CUDAGraph:
+        """The captured 'advance' of `greedy` for the (1, 1) step bucket: next token = argmax of the
+        logits, appended to the output buffer; row_pos, pos and seq_lens + 1."""
+        if self._greedy_out is None or self._greedy_out.numel() < n:
+            size = max(n, 1024)
+            self._greedy_out = torch.zeros(size, dtype=torch.int64, device=self.device)
+            self._greedy_index = torch.zeros(1, dtype=torch.int64, device=self.device)
+            self._advance = None
+        if self._advance is None:
+            views = bucket.inputs.views
+
+            def advance():                      # only tensors that outlive the graph (or made inside it)
+                nxt = torch.argmax(bucket.logits[-1]).reshape(1)
+                views["tokens"].copy_(nxt)
+                for name in ("row_pos", "pos", "seq_lens"):
+                    views[name].add_(1)
+                self._greedy_out.index_copy_(0, self._greedy_index, nxt)
+                self._greedy_index.add_(1)
+
+            side = torch.cuda.Stream(self.device)          # torch's recipe: warm up off the capture stream
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            saved = bucket.inputs.device.clone()
+            with torch.cuda.stream(side):
+                advance()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            bucket.inputs.device.copy_(saved)
+            self._greedy_index.zero_()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                advance()
+            self._advance = graph
+        return self._advance
 
     def pieces(self, n: int, chunk: int) -> list[tuple[str, int]]:
         if self._step4 is None:
