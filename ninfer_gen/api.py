@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "models" / "qwen3.8-small-py"
 TINY_SPEC = REPO / "model_specs" / "qwen3.8-tiny.yaml"
 BACKENDS = ("reference", "gpu")
+GREEDY_WINDOW = 16      # greedy tokens per host round trip on backends with a device loop (Model.stream)
 
 
 class Model:
@@ -93,9 +94,6 @@ class Model:
         """The new tokens only. Stops early only at `stop_tokens` (none by default)."""
         params = SamplingParams(0.0 if greedy else temperature, top_k, top_p, seed)
         return list(self.stream(token_ids, max_new_tokens, params, stop_tokens))
-
-
-GREEDY_WINDOW = 16      # greedy tokens per host round trip on backends with a device loop
 
 
 def _eos_ids(folder: Path | None) -> set[int]:
