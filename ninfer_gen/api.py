@@ -76,7 +76,8 @@ class Model:
                 if room <= 0:
                     return
                 if device_loop:
-                    window = self.backend.greedy(seq, token, min(GREEDY_WINDOW, max_new_tokens - produced, room))
+                    n = min(GREEDY_WINDOW, max_new_tokens - produced, room)
+                    window = self.backend.greedy(seq, token, n)
                 else:
                     logits, _ = self.backend.run("step", [seq], [[token]])
                     window = [sample(logits[-1])]

@@ -164,7 +164,8 @@ def omission_profile(bucket, iters: int = 30) -> dict[str, dict]:
             bucket.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(bucket.graph):
                 bucket.run(use_graph=False)
-            out[label] = {"launches": count, "saved_us": (base - statistics.median(time_replays(bucket, iters))) * 1e3}
+            without = statistics.median(time_replays(bucket, iters))
+            out[label] = {"launches": count, "saved_us": (base - without) * 1e3}
     finally:
         bucket.launchers, bucket.graph = launchers, graph
     return dict(sorted(out.items(), key=lambda kv: -kv[1]["saved_us"]))
