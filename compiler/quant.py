@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
+from ._torch import torch
 
 FP16_MAX = 65504.0
 # Bounds the int64 working set of pack/unpack to a few tens of MiB whatever the matrix size.
@@ -35,7 +35,7 @@ FORMATS: dict[str, QuantFormat] = {
     "q6g64": QuantFormat("q6g64", bits=6, group=64, qmax=31, lo=-32, hi=31),
     "w8g32": QuantFormat("w8g32", bits=8, group=32, qmax=127, lo=-127, hi=127),
 }
-FLOAT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+FLOAT_FORMATS = ("bf16", "fp32")      # unquantised weight formats (torch dtypes of the same names)
 # pack_codes only knows a width; each width belongs to exactly one format, which gives its offset.
 _FORMAT_BY_BITS = {f.bits: f for f in FORMATS.values()}
 
@@ -109,21 +109,22 @@ def quantize(w: torch.Tensor, fmt: str) -> QTensor:
     return QTensor(fmt, codes.reshape(n, k).to(torch.int8), scales)
 
 
-def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """w = scale × code, computed in fp32 (exact: an fp16 scale times a ≤ 8-bit code fits fp32)."""
+def dequantize(q: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """w = scale × code, computed in fp32 (exact: an fp16 scale times a ≤ 8-bit code fits fp32);
+    returned in `dtype` (default fp32)."""
     n, k = q.shape
     g = q.format.group
     w = q.codes.to(torch.float32).reshape(n, k // g, g) * q.scales.to(torch.float32).unsqueeze(-1)
-    return w.reshape(n, k).to(dtype)
+    return w.reshape(n, k).to(dtype or torch.float32)
 
 
 def convert(w: torch.Tensor, fmt: str) -> QTensor | torch.Tensor:
     """A tensor in weight format `fmt`: a QTensor for quantised formats, else the tensor cast to bf16/fp32."""
-    if fmt in FLOAT_DTYPES:
-        return w.detach().to(FLOAT_DTYPES[fmt])
+    if fmt in FLOAT_FORMATS:
+        return w.detach().to({"bf16": torch.bfloat16, "fp32": torch.float32}[fmt])
     if fmt not in FORMATS:
         raise ValueError(f"unknown weight format {fmt!r} (expected one of: "
-                         f"{', '.join([*FORMATS, *FLOAT_DTYPES])})")
+                         f"{', '.join([*FORMATS, *FLOAT_FORMATS])})")
     return quantize(w, fmt)
 
 

@@ -7,17 +7,20 @@ padding and are skipped.
 """
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from ._torch import F, torch
 
-TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "i32": torch.int32,
-                "i8": torch.int8}
+_DTYPE_NAMES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "i32": "int32", "i8": "int8"}
+
+
+def torch_dtype(name: str) -> "torch.dtype":
+    """The torch dtype of an IR dtype name (f32, bf16, f16, i32, i8)."""
+    return getattr(torch, _DTYPE_NAMES[name])
 GDN_CHUNK = 64
 KV_GROUP = 64
 
 
 def embed(ids, table, *, dtype):
-    return table[ids.long()].to(TORCH_DTYPES[dtype])
+    return table[ids.long()].to(torch_dtype(dtype))
 
 
 def linear(x, w):

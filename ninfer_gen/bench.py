@@ -326,19 +326,6 @@ def table(r: dict) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(p) -> None:
-    p.add_argument("spec", nargs="?", default="model_specs/qwen3.8-27b.yaml",
-                   help="model spec YAML; its weights are drawn on the GPU in the spec's formats (default: 27B)")
-    p.add_argument("--weights", default=None, help="an HF checkpoint directory instead of random weights")
-    p.add_argument("--prompt-tokens", type=int, default=30, help="short prompt length (default 30)")
-    p.add_argument("--output-tokens", type=int, default=1024, help="greedy tokens per request (default 1024)")
-    p.add_argument("--repeats", type=int, default=2, help="requests of the short workload (median reported)")
-    p.add_argument("--prefill", default="8192,32768", help="long prompt lengths, comma separated ('' = none)")
-    p.add_argument("--vram-budget", default="24GiB", help="memory budget, enforced on the allocator (default 24GiB)")
-    p.add_argument("--hf-json", default=None, help="bench/hf_baseline.py output for same-day ratios")
-    p.add_argument("--json", default=None, help="write the full results here")
-
-
 def cmd_bench(args) -> int:
     result = run_bench(args)
     if args.json:

@@ -227,14 +227,31 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--vram-budget", default="24GiB", help="gpu: memory budget (default 24GiB = RTX 3090)")
     r.add_argument("--no-graphs", action="store_true", help="gpu: launch kernels one by one (no CUDA graphs)")
     r.set_defaults(func=cmd_run)
-    from .bench import add_arguments, cmd_bench
     bn = sub.add_parser("bench", help="GPU benchmark: TTFT, decode and prefill speed, bandwidth efficiency, memory",
                         description="Runs the reference workload on the GPU backend: ~30-token prompts with "
                         "1024 greedy output tokens (one request), then long prompts (8K, 32K). Prints a table "
                         "and writes JSON; bandwidth efficiency is against a copy measured in the same run.")
-    add_arguments(bn)
+    _bench_arguments(bn)
     bn.set_defaults(func=cmd_bench)
     return p
+
+
+def _bench_arguments(p) -> None:
+    p.add_argument("spec", nargs="?", default="model_specs/qwen3.8-27b.yaml",
+                   help="model spec YAML; its weights are drawn on the GPU in the spec's formats (default: 27B)")
+    p.add_argument("--weights", default=None, help="an HF checkpoint directory instead of random weights")
+    p.add_argument("--prompt-tokens", type=int, default=30, help="short prompt length (default 30)")
+    p.add_argument("--output-tokens", type=int, default=1024, help="greedy tokens per request (default 1024)")
+    p.add_argument("--repeats", type=int, default=2, help="requests of the short workload (median reported)")
+    p.add_argument("--prefill", default="8192,32768", help="long prompt lengths, comma separated ('' = none)")
+    p.add_argument("--vram-budget", default="24GiB", help="memory budget, enforced on the allocator (default 24GiB)")
+    p.add_argument("--hf-json", default=None, help="bench/hf_baseline.py output for same-day ratios")
+    p.add_argument("--json", default=None, help="write the full results here")
+
+
+def cmd_bench(args) -> int:
+    from .bench import cmd_bench as run_bench_command
+    return run_bench_command(args)
 
 
 def main(argv: list[str] | None = None) -> int:

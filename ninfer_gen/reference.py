@@ -11,7 +11,7 @@ import math
 import torch
 
 from compiler.interpret import run_graph
-from compiler.reference_ops import TORCH_DTYPES
+from compiler.reference_ops import torch_dtype
 from compiler.spec import ModelSpec
 from compiler.trace import StatePools, state_avals, trace
 
@@ -33,7 +33,7 @@ class ReferenceBackend(SequencePool):
                                 pages_per_seq=per_seq, page_size=rt.page_size, kv_dtype=kv_dtype or self.act)
         super().__init__(max_sequences, self.pools.num_pages, rt.page_size, per_seq * rt.page_size)
         self.weights = {k: self._place(k, v) for k, v in weights.items()}
-        self.state = {name: torch.zeros(shape, dtype=TORCH_DTYPES[dt], device=self.device)
+        self.state = {name: torch.zeros(shape, dtype=torch_dtype(dt), device=self.device)
                       for name, (shape, dt) in state_avals(spec, self.pools).items()}
         self._graphs: dict = {}
 

@@ -9,7 +9,7 @@ import torch
 from compiler.interpret import run_graph
 from compiler.ir import AVal, Eqn, Var
 from compiler.passes import PIPELINE, dead_code, run_pipeline
-from compiler.reference_ops import TORCH_DTYPES
+from compiler.reference_ops import torch_dtype
 from compiler.spec import load_spec
 from compiler.trace import StatePools, state_avals, trace
 from ninfer_gen.random_weights import random_weights
@@ -23,7 +23,7 @@ def _state(seed):
     out = {}
     for name, (shape, dt) in state_avals(SPEC, POOLS).items():
         t = torch.randn(shape, generator=gen) if dt == "f32" else torch.zeros(shape)
-        out[name] = t.to(TORCH_DTYPES[dt])
+        out[name] = t.to(torch_dtype(dt))
     return out
 
 

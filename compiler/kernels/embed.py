@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
+from .._torch import torch
 
 from ..targets import Target
 from . import KernelKey, Launch, Param

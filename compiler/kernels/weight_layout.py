@@ -20,7 +20,7 @@ fused [gate; up] weight so each tile holds 8 gate rows then the same 8 up rows (
 """
 from __future__ import annotations
 
-import torch
+from .._torch import torch
 
 from ..quant import QTensor
 from ..quant import dequantize as _dequantize_q
