@@ -59,3 +59,20 @@ def test_console_script_help_explains_commands():
                          cwd=ROOT, check=True).stdout
     for word in ("check", "inspect", "run", "examples"):
         assert word in out
+
+
+def test_compile_only_commands_do_not_import_torch():
+    """check, plan and inspect (and build, which traces and lowers the same way) run without torch:
+    `import torch` would be most of a warm `ninfer-gen build` (compiler/_torch.py)."""
+    code = ("import sys; from ninfer_gen.cli import main; "
+            "assert main(['check', 'model_specs/qwen3.8-27b.yaml']) == 0; "
+            "assert main(['plan', 'model_specs/qwen3.8-27b.yaml', '--cohorts', '8', "
+            "'--max-context', '16384']) == 0; "
+            "assert main(['inspect', 'model_specs/qwen3.8-tiny.yaml', '--entry', 'step', '--batch', '2', "
+            "'--tokens', '4']) == 0; "
+            "from compiler.buckets import plan_all; from compiler.spec import load_spec; "
+            "from compiler.targets import lookup; "
+            "plan_all(load_spec('model_specs/qwen3.8-tiny.yaml'), lookup('rtx3090')); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
