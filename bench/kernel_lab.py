@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from compiler.kernels import Launch, ceil_div
-from compiler.kernels import argmax, attn_decode, attn_prefill, gdn_chunk, gdn_conv, gdn_step, gemm, gemv, qk_rope_kv, rmsnorm
+from compiler.kernels import (argmax, attn_decode, attn_prefill, gdn_chunk, gdn_conv, gdn_step, gemm, gemm_wg, gemv,
+                              qk_rope_kv, rmsnorm)
 from compiler.kernels import catalog
 from compiler.kernels.cases import gemv_workspace, make_case
 from compiler.spec import load_spec
@@ -132,6 +133,17 @@ class GemmV1Key(gemm.Key):
         return super()._name_parts()[:-1] + ["v1"]
 
 
+@dataclass(frozen=True)
+class WgProbeKey(gemm_wg.Key):
+    """gemm_wg with one part left out, to place time inside the kernel (results are wrong on purpose):
+    probe bits 1 = no activation staging in the loop, 2 = no rescale, 4 = no dequantisation (raw
+    codes), 8 = no wgmma."""
+    probe: int = 0
+
+    def _name_parts(self):
+        return super()._name_parts() + [f"probe{self.probe}"]
+
+
 def v1_key(key: gemm.Key) -> GemmV1Key:
     return GemmV1Key(key.fmt, key.n, key.k, key.m, key.epilogue, key.out_dtype, 2, 1, 4, 2, key.arch)
 
@@ -212,8 +224,24 @@ def plan(target):
     yield "gemm_sweep", [case_runs(k, l2) for k in sweep]
     # every prefill GEMM of a 27B chunk (per distinct shape), v2 then v1: the chunk-level saving
     spec = load_spec(Path(__file__).resolve().parent.parent / "model_specs/qwen3.8-27b.yaml")
-    chunk = [k for k in catalog.prefill_keys(spec, target) if k.family == "gemm"]
+    chunk = [gemm.make_key(k.fmt, k.n, k.k, k.m, target, k.epilogue, k.out_dtype)
+             for k in catalog.prefill_keys(spec, target) if k.family in ("gemm", "gemm_wg")]
     yield "gemm_27b", [case_runs(k, l2) for k in chunk] + [gemm_v1_runs(k, l2) for k in chunk]
+    if gemm_wg.arch_supported(target.arch):
+        # the warpgroup GEMM: the config's pick for every prefill shape of a 27B chunk, then its tilings
+        # and ring depths on the three big shapes (the mma.sync gemm of the same shapes is in "gemm_27b")
+        wg = [gemm_wg.make_key(k.fmt, k.n, k.k, k.m, target, k.epilogue, k.out_dtype) for k in chunk
+              if gemm_wg.eligible(k.fmt, k.k, k.m, target)]
+        yield "wg_27b", [case_runs(k, l2) for k in wg]
+        picks = [gemm_wg.make_key(fmt, n, k, 1024, target, epi) for fmt, n, k, epi in GEMM_SHAPES]
+        sweep = [replace(k, wgs=w, rt=r, bn=b, stages=st) for k in picks for w, r, b in gemm_wg.TILINGS
+                 for st in (4, 6) if (w, r, b, st) != (k.wgs, k.rt, k.bn, k.stages)
+                 and gemm_wg.shared_bytes(k.fmt, w, r, b, st) <= target.smem_per_block]
+        yield "wg_sweep", [case_runs(k, l2) for k in sweep]
+        best = [replace(picks[0], wgs=2, rt=1, bn=256, stages=4), replace(picks[1], wgs=2, rt=1, bn=128, stages=4)]
+        probes = [WgProbeKey(*[getattr(k, f) for f in k.fields()], probe=p) for k in best
+                  for p in (1, 2, 4, 8, 3, 7, 14)]
+        yield "wg_probe", [case_runs(k, l2) for k in probes]
     # v1 (splits = 1) in the same run for every decode GEMM shape, and the neighbours of the split
     # choice; splits and warps fix the reduction order: chosen per shape, never per M
     v1 = {"splits": 1}
@@ -272,7 +300,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="kernel_lab.json")
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--only", default="", help="comma-separated labels: gemv,gdn_step,gdn_chunk,gdn_conv,attn_decode,prefill,gemm_sweep,gemm_27b,sweep,depth,tune,misc")
+    ap.add_argument("--only", default="", help="comma-separated labels: gemv,gdn_step,gdn_chunk,gdn_conv,attn_decode,prefill,gemm_sweep,gemm_27b,wg_27b,wg_sweep,wg_probe,sweep,depth,tune,misc")
     args = ap.parse_args(argv)
     major, minor = torch.cuda.get_device_capability()
     target = lookup(f"sm_{major}{minor}")

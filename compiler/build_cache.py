@@ -71,7 +71,7 @@ def _job(rendered: codegen.Rendered, out: Path, ptx: bool) -> dict:
     meta = {"name": key.name, "family": key.family, "key": key.fields(), "hash": rendered.hash,
             "arch": key.arch, "template": rendered.template, "nvrtc_version": nvrtc.version(),
             "nvrtc_options": list(rendered.options)}
-    return {"name": key.name, "arch": key.arch, "source": rendered.source, "options": list(rendered.options),
+    return {"name": key.name, "arch": key.compile_arch, "source": rendered.source, "options": list(rendered.options),
             "include_options": nvrtc.include_options(codegen.TEMPLATE_DIR), "out_dir": str(out),
             "ptx": ptx, "meta": meta}
 

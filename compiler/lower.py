@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .ir import Eqn, Graph, Var
-from .kernels import (Launch, attn_combine, attn_decode, attn_prefill, catalog, embed, gated_rmsnorm, gdn_conv,
-                      gdn_step, gemm, gemv, module_of, qk_rope_kv, rmsnorm)
+from .kernels import (MATMUL_FAMILIES, Launch, attn_combine, attn_decode, attn_prefill, catalog, embed, gated_rmsnorm,
+                      gdn_conv, gdn_step, module_of, qk_rope_kv, rmsnorm)
 from .spec import ModelSpec, format_of, tensor_table
 from .targets import Target
 
@@ -93,9 +93,7 @@ class _Ctx:
 def _matmul(ctx: _Ctx, x: Var, w: Var, n: int, epilogue: str = "none", out: str = "bf16"):
     """Skinny GEMV for up to 32 rows (decode, verify, cohorts, the prefill's last-token head),
     the tensor-core GEMM above."""
-    rows = x.shape[0]
-    make = gemv.make_key if rows <= 32 else gemm.make_key
-    return [make(ctx.weight_format[w.uid], n, w.shape[1], rows, ctx.target, epilogue, out)]
+    return [catalog.matmul_key(ctx.weight_format[w.uid], n, w.shape[1], x.shape[0], ctx.target, epilogue, out)]
 
 
 def _linear(ctx, e):
@@ -225,7 +223,7 @@ def _nbytes(v: Var, dtype: str | None = None) -> int:
 def kernel_dtype(keys) -> str | None:
     """The dtype the kernels of one equation write to its output, where it differs from the graph's."""
     for key in keys:
-        if key.family in ("gemv", "gemm") and key.out_dtype == "f32":
+        if key.family in MATMUL_FAMILIES and key.out_dtype == "f32":
             return "f32"
         if key.family in ("gdn_step", "gdn_chunk"):
             return "f32"

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from compiler.kernels import MATMUL_FAMILIES
 from compiler.kernels.weight_layout import device_bytes
 from compiler.spec import ModelSpec, load_spec
 
@@ -52,7 +53,7 @@ def step_bytes(spec: ModelSpec, plan, context: int, kv_dtype: str) -> dict[str, 
     """Bytes one decode step must move: packed weights of every GEMV, the embedding row, GDN state
     read + written and conv history, KV of `context` tokens read per attention layer."""
     a, g, at = spec.model, spec.model.linear_attention, spec.model.attention
-    weights = sum(device_bytes(c.key.fmt, c.key.n, c.key.k) for c in plan.calls if c.key.family in ("gemv", "gemm"))
+    weights = sum(device_bytes(c.key.fmt, c.key.n, c.key.k) for c in plan.calls if c.key.family in MATMUL_FAMILIES)
     n_gdn = sum(k == "linear_attention" for k in a.layers.kinds)
     n_attn = a.layers.count - n_gdn
     b = plan.graph.params["batch"]

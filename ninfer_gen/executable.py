@@ -15,7 +15,7 @@ import torch
 
 from compiler.buckets import plan_bucket
 from compiler.ir import Graph, Var
-from compiler.kernels import module_of
+from compiler.kernels import MATMUL_FAMILIES, module_of
 from compiler.kernels.qk_rope_kv import inv_freq
 from compiler.lower import DTYPE_BYTES, VIEWS, Plan
 from compiler.spec import ModelSpec
@@ -281,7 +281,7 @@ class Executable:
         state = lambda v: values.resolve(v)[1]                             # noqa: E731
         out = ptr(e.outputs[0]) if e.outputs else 0
         args = self._workspace_args(key, lane)
-        if fam in ("gemv", "gemm"):
+        if fam in MATMUL_FAMILIES:
             wname = values.resolve(e.inputs[1])[1]
             if e.prim == "linear_silu_mul":
                 wname = fused_gate_up(wname)

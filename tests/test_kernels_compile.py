@@ -9,7 +9,7 @@ import pytest
 
 from compiler import codegen
 from compiler.build_cache import KernelCacheMiss, build_kernels
-from compiler.kernels import FAMILY_MODULES, catalog, gemm, gemv, module_of, rmsnorm
+from compiler.kernels import FAMILY_MODULES, catalog, gemm, gemm_wg, gemv, module_of, rmsnorm
 from compiler.kernels.cases import make_case
 from compiler.spec import load_spec
 from compiler.targets import TargetError, lookup, resolve
@@ -36,7 +36,7 @@ def build_root(tmp_path_factory):
 @pytest.mark.parametrize("arch", ["sm_86", "sm_90"])
 def test_every_kernel_compiles_without_spills(build_root, arch):
     keys = _spec_keys(arch)
-    assert {k.family for k in keys} == set(FAMILY_MODULES)
+    assert {k.family for k in keys} == set(FAMILY_MODULES) - ({"gemm_wg"} if arch != "sm_90" else set())
     assert {k.m for k in keys if k.family == "gemv"} == {1, 2, 4, 8, 16, 32}
     cold = build_kernels(keys, jobs=2, root=build_root, progress=False)
     spilled = [b.key.name for b in cold.built if b.meta["spill_stores"] or b.meta["spill_loads"]]
@@ -75,12 +75,47 @@ def test_every_gemm_tiling_compiles_without_spills(build_root, arch):
 
 
 @pytest.mark.slow
+def test_every_gemm_wg_tiling_compiles_without_spills_or_serialised_wgmma(build_root):
+    """Every tiling gemm_wg.config may pick, on q6g64 (the most registers), and the default tiling of
+    the other formats: no spills, fits shared memory, and ptxas keeps the wgmma asynchronous (it
+    serialises them, warning C7513, when a branch or an input definition sits under one in flight)."""
+    target = lookup("sm_90")
+    key = lambda fmt: gemm_wg.make_key(fmt, 5120, 17408, 1024, target, "residual")   # noqa: E731
+    keys = [replace(key("q6g64"), wgs=w, rt=r, bn=b, stages=3) for w, r, b in gemm_wg.TILINGS]
+    keys += [key(fmt) for fmt in gemm_wg.FMTS]
+    summary = build_kernels(keys, jobs=2, root=build_root, progress=False)
+    for b in summary.built:
+        assert not (b.meta["spill_stores"] or b.meta["spill_loads"]), f"spills in {b.key.name}"
+        assert "C7513" not in (b.dir / "nvrtc.log").read_text(), f"ptxas serialised the wgmma of {b.key.name}"
+        assert gemm_wg.launch(b.key).smem <= target.smem_per_block, b.key.name
+
+
+def test_prefill_matmul_dispatch():
+    """Up to 32 rows the gemv; above, gemm_wg on sm_90 for group-64 formats, else the mma.sync gemm."""
+    h200, rtx = lookup("h200"), lookup("rtx3090")
+    assert catalog.matmul_key("q4g64", 1024, 512, 32, h200).family == "gemv"
+    assert catalog.matmul_key("q4g64", 1024, 512, 1024, h200).family == "gemm_wg"
+    assert catalog.matmul_key("bf16", 96, 512, 64, h200).family == "gemm_wg"
+    assert catalog.matmul_key("q4g64", 1024, 512, 48, h200).family == "gemm"      # below gemm_wg.MIN_M
+    assert catalog.matmul_key("w8g32", 1024, 512, 1024, h200).family == "gemm"    # group 32
+    assert catalog.matmul_key("q4g64", 1024, 512, 1024, rtx).family == "gemm"
+    k = catalog.matmul_key("q5g64", 5120, 17408, 1024, h200, "residual")
+    assert k.compile_arch == "sm_90a" and k.arch == "sm_90" and k.name.endswith("_sm90")
+    with pytest.raises(ValueError, match="needs sm_90"):
+        replace(k, arch="sm_86").check_arch()
+    for m in (64, 100, 1024, 4096):     # the chosen tiling always fits the card
+        for fmt in gemm_wg.FMTS:
+            key = gemm_wg.make_key(fmt, 34816, 5120, m, h200, "silu_mul")
+            assert gemm_wg.launch(key).smem <= h200.smem_per_block and key.stages >= 3
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["sm_80", "sm_89"])
 def test_sample_compiles_on_other_archs(build_root, arch):
     keys = [k for k in _spec_keys(arch) if getattr(k, "m", None) in (None, 1, 32) or k.family == "gemm"]
     keys = list({k.family + str(i % 3): k for i, k in enumerate(keys)}.values())   # ≤ 3 per family
     summary = build_kernels(keys, jobs=2, root=build_root, progress=False)
-    assert summary.spills == 0 and {k.family for k in keys} == set(FAMILY_MODULES)
+    assert summary.spills == 0 and {k.family for k in keys} == set(FAMILY_MODULES) - {"gemm_wg"}
 
 
 def test_cache_folder_meta_and_no_jit(tmp_path):

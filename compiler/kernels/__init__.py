@@ -42,9 +42,19 @@ class KernelKey:
     def check_arch(self) -> None:
         parse_arch(self.arch)
 
+    @property
+    def compile_arch(self) -> str:
+        """The arch NVRTC compiles for: `arch`, unless the family needs an arch-specific target (sm_90a)."""
+        return self.arch
 
-FAMILY_MODULES = ("gemv", "gemm", "rmsnorm", "gated_rmsnorm", "embed", "argmax", "gdn_conv", "gdn_step", "gdn_chunk",
+
+FAMILY_MODULES = ("gemv", "gemm", "gemm_wg", "rmsnorm", "gated_rmsnorm", "embed", "argmax", "gdn_conv", "gdn_step", "gdn_chunk",
                   "qk_rope_kv", "attn_decode", "attn_combine", "attn_prefill")
+
+
+# The matrix-multiply families: same arguments (gemv.MATMUL_PARAMS, + gemv's split-K workspace), same
+# epilogues, weights in the weight_layout planes.
+MATMUL_FAMILIES = ("gemv", "gemm", "gemm_wg")
 
 
 def family(name: str):

@@ -129,7 +129,7 @@ def _argmax(key: argmax.Key, g) -> Case:
                 {"out": "exact", "counters": "exact"}, logits.numel() * 4, logits.numel())
 
 
-BUILDERS = {"gemv": _gemv, "gemm": _gemv, "rmsnorm": _rmsnorm, "gated_rmsnorm": _gated, "embed": _embed, "argmax": _argmax}
+BUILDERS = {"gemv": _gemv, "gemm": _gemv, "gemm_wg": _gemv, "rmsnorm": _rmsnorm, "gated_rmsnorm": _gated, "embed": _embed, "argmax": _argmax}
 
 
 def make_case(key, device="cuda", seed: int = 0, **options) -> Case:

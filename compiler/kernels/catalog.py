@@ -8,7 +8,16 @@ from __future__ import annotations
 
 from ..targets import Target
 from . import (argmax, attn_combine, attn_decode, attn_prefill, embed, gated_rmsnorm, gdn_chunk, gdn_conv, gdn_step,
-               gemm, gemv, qk_rope_kv, rmsnorm)
+               gemm, gemm_wg, gemv, qk_rope_kv, rmsnorm)
+
+
+def matmul_key(fmt: str, n: int, k: int, m: int, target: Target, epilogue: str = "none", out_dtype: str = "bf16"):
+    """The matrix multiply for M rows: the skinny gemv up to 32 rows (decode, verify, cohorts), above it
+    the prefill GEMM — on Hopper warpgroup MMA where the arch and format allow (gemm_wg), else mma.sync."""
+    if m <= 32:
+        return gemv.make_key(fmt, n, k, m, target, epilogue, out_dtype)
+    make = gemm_wg.make_key if gemm_wg.eligible(fmt, k, m, target) else gemm.make_key
+    return make(fmt, n, k, m, target, epilogue, out_dtype)
 
 
 def buckets(cohorts, draft: int) -> list[tuple[int, int]]:
@@ -88,7 +97,7 @@ def prefill_keys(spec, target: Target) -> list:
     a, rt, arch = spec.model, spec.runtime, target.arch
     g, at, chunk = a.linear_attention, a.attention, rt.prefill_chunk
     max_pages = -(-rt.max_context // rt.page_size)
-    keys = [gemm.make_key(fmt, n, k, chunk, target, epi, out) for fmt, n, k, epi, out in gemv_shapes(spec)
+    keys = [matmul_key(fmt, n, k, chunk, target, epi, out) for fmt, n, k, epi, out in gemv_shapes(spec)
             if n != a.vocab_size]
     keys += [rmsnorm.Key(a.hidden_size, chunk, add, "bf16", a.rms_norm_eps, arch) for add in (False, True)]
     keys += [embed.Key(spec.quantization.embed, a.hidden_size, chunk, arch),

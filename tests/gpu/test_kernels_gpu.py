@@ -1,6 +1,7 @@
 """GPU tier for the kernel families: every family against its torch reference on fresh random inputs
 (tiny and 27B shapes, outputs poisoned), batch invariance, ReplaySSM fold == sequential steps bit for
-bit, graph replay == eager, and the compute_86 PTX running on this GPU.
+bit, graph replay == eager, the compute_86 PTX running on this GPU, and on Hopper the warpgroup GEMM
+(gemm_wg) at ragged shapes, every tiling and with zero-scale groups.
 Run: pytest -m gpu tests/gpu -q   (test ids name the family and the shape)."""
 from dataclasses import replace
 from pathlib import Path
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from compiler.kernels import catalog, gdn_chunk, gdn_conv, gdn_step, gemm, gemv
+from compiler.kernels import catalog, gdn_chunk, gdn_conv, gdn_step, gemm, gemm_wg, gemv
 from compiler.kernels.cases import gemv_workspace, make_case
 from compiler.kernels.cases_seq import gdn_inputs
 from compiler.kernels.weight_layout import pack_for_device, random_qmatrix
@@ -51,13 +52,23 @@ GEMM_ODD = [gemm.make_key(*shape, TARGET, epi, out) for *shape, epi, out in (
 GEMM_TILINGS = [replace(gemm.make_key("q6g64", 200, 320, 80, TARGET, "residual"), wr=wr, wc=wc, nt=nt, stages=st)
                 for i, (wr, wc, nt) in enumerate(gemm.TILINGS) for st in (2 + i % 3, 4 - i % 3)]
 
+# Hopper warpgroup GEMM (sm_90 only): ragged M and N, every format, every tiling with 3 and 4 stages.
+GEMM_WG = [] if not gemm_wg.arch_supported(TARGET.arch) else list(dict.fromkeys(
+    [gemm_wg.make_key(*shape, TARGET, epi, out) for *shape, epi, out in (
+        ("q4g64", 1040, 256, 1040, "silu_mul", "bf16"), ("q4g64", 1040, 256, 80, "silu_mul", "bf16"),
+        ("q5g64", 5120, 17408, 1040, "residual", "bf16"), ("q5g64", 200, 320, 100, "residual", "bf16"),
+        ("q6g64", 72, 128, 1040, "none", "bf16"), ("bf16", 96, 192, 1040, "none", "f32"),
+        ("q4g64", 12, 64, 64, "none", "f32"))]
+    + [replace(gemm_wg.make_key("q6g64", 200, 320, 300, TARGET, "residual"), wgs=w, rt=r, bn=b, stages=st)
+       for w, r, b in gemm_wg.TILINGS for st in (3, 4)]))
+
 # Chunked GDN prefill: one chunk, many chunks, a ragged last chunk (t = 1040), both chunk sizes.
 GDN_CHUNK = list(dict.fromkeys(
     [gdn_chunk.make_key(*shape, t, TARGET, chunk=c) for shape in ((2, 6, 32, 32), (16, 48, 128, 128))
      for t in (64, 1024, 1040) for c in (32, 64)]))
 
 CASES = [(k, 0) for k in _keys(TINY, False)] + [(k, 1) for k in _keys(BIG, True)] + \
-    [(k, 2) for k in GEMM_ODD + GEMM_TILINGS] + [(k, 3) for k in GDN_CHUNK]
+    [(k, 2) for k in GEMM_ODD + GEMM_TILINGS + GEMM_WG] + [(k, 3) for k in GDN_CHUNK]
 
 
 @pytest.fixture(scope="session")
@@ -107,6 +118,29 @@ def test_gemm_output_may_alias_residual(h):
     h.KERNELS.bind(key, [res, x, lo, hi, sc, res]).launch()
     torch.cuda.synchronize()
     h._check_close(key.name + " (y aliases res)", res, expected, "bf16")
+
+
+@pytest.mark.skipif(not gemm_wg.arch_supported(TARGET.arch), reason="gemm_wg needs sm_90 (wgmma)")
+@pytest.mark.parametrize("fmt", ["q4g64", "q5g64", "q6g64"])
+def test_gemm_wg_zero_scale_groups(h, fmt):
+    """Groups with a zero scale (all-zero weights, codes 0) — first, consecutive and last in a row, and
+    whole rows — match the reference; all-zero rows give exact zeros."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    n, k, m = 256, 640, 192
+    w = random_qmatrix(fmt, n, k, g)
+    zero = torch.rand(n, k // 64, generator=g, device="cuda") < 0.3
+    zero[:16, 0] = zero[16:32, 3:6] = zero[32:48, -1] = zero[48:64, :] = True
+    w.scales[zero] = 0
+    w.codes.view(n, k // 64, 64)[zero] = 0
+    key = gemm_wg.make_key(fmt, n, k, m, TARGET, "none", "f32")
+    packed = pack_for_device(w)
+    x = torch.randn(m, k, generator=g, device="cuda").bfloat16()
+    y = torch.full((m, n), float("nan"), device="cuda")
+    _launch(h, key, gemm_wg, [y, x, packed["lo"], packed["hi"] if packed["hi"].numel() else None,
+                              packed["scales"], None])
+    torch.cuda.synchronize()
+    h._check_close(key.name + " (zero-scale groups)", y, gemm_wg.reference(key, x, w), "bf16")
+    assert not y[:, 48:64].any(), "all-zero rows must give exact zeros"
 
 
 def _unpacked(case):
