@@ -137,7 +137,8 @@ class GemmV1Key(gemm.Key):
 class WgProbeKey(gemm_wg.Key):
     """gemm_wg with one part left out, to place time inside the kernel (results are wrong on purpose):
     probe bits 1 = no activation staging in the loop, 2 = no rescale, 4 = no dequantisation (raw
-    codes), 8 = no wgmma."""
+    codes), 8 = no wgmma, 16 = activations staged by 16-byte copies as if already permuted (what a
+    separate permutation pass would leave)."""
     probe: int = 0
 
     def _name_parts(self):
@@ -238,9 +239,8 @@ def plan(target):
                  for st in (4, 6) if (w, r, b, st) != (k.wgs, k.rt, k.bn, k.stages)
                  and gemm_wg.shared_bytes(k.fmt, w, r, b, st) <= target.smem_per_block]
         yield "wg_sweep", [case_runs(k, l2) for k in sweep]
-        best = [replace(picks[0], wgs=2, rt=1, bn=256, stages=4), replace(picks[1], wgs=2, rt=1, bn=128, stages=4)]
-        probes = [WgProbeKey(*[getattr(k, f) for f in k.fields()], probe=p) for k in best
-                  for p in (1, 2, 4, 8, 3, 7, 14)]
+        probes = [WgProbeKey(*[getattr(k, f) for f in k.fields()], probe=p) for k in picks[:2]
+                  for p in (1, 2, 16, 18, 3)]
         yield "wg_probe", [case_runs(k, l2) for k in probes]
     # v1 (splits = 1) in the same run for every decode GEMM shape, and the neighbours of the split
     # choice; splits and warps fix the reduction order: chosen per shape, never per M
