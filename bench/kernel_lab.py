@@ -137,12 +137,13 @@ class GemmV1Key(gemm.Key):
 class WgProbeKey(gemm_wg.Key):
     """gemm_wg with one part left out, to place time inside the kernel (results are wrong on purpose):
     probe bits 1 = no activation staging in the loop, 2 = no rescale, 4 = no dequantisation (raw
-    codes), 8 = no wgmma, 16 = activations staged by 16-byte copies as if already permuted (what a
-    separate permutation pass would leave)."""
+    codes), 8 = no wgmma. `min_blocks` > 1 asks ptxas for that many resident blocks per SM (a register
+    cap), with probe 0 a complete kernel."""
     probe: int = 0
+    min_blocks: int = 1
 
     def _name_parts(self):
-        return super()._name_parts() + [f"probe{self.probe}"]
+        return super()._name_parts() + [f"probe{self.probe}"] + ([f"b{self.min_blocks}"] if self.min_blocks > 1 else [])
 
 
 def v1_key(key: gemm.Key) -> GemmV1Key:
@@ -232,15 +233,17 @@ def plan(target):
         # the warpgroup GEMM: the config's pick for every prefill shape of a 27B chunk, then its tilings
         # and ring depths on the three big shapes (the mma.sync gemm of the same shapes is in "gemm_27b")
         wg = [gemm_wg.make_key(k.fmt, k.n, k.k, k.m, target, k.epilogue, k.out_dtype) for k in chunk
-              if gemm_wg.eligible(k.fmt, k.k, k.m, target)]
+              if gemm_wg.eligible(k.fmt, k.n, k.k, k.m, target)]
         yield "wg_27b", [case_runs(k, l2) for k in wg]
         picks = [gemm_wg.make_key(fmt, n, k, 1024, target, epi) for fmt, n, k, epi in GEMM_SHAPES]
         sweep = [replace(k, wgs=w, rt=r, bn=b, stages=st) for k in picks for w, r, b in gemm_wg.TILINGS
-                 for st in (4, 6) if (w, r, b, st) != (k.wgs, k.rt, k.bn, k.stages)
+                 for st in (3, 4) if (w, r, b, st) != (k.wgs, k.rt, k.bn, k.stages)
                  and gemm_wg.shared_bytes(k.fmt, w, r, b, st) <= target.smem_per_block]
         yield "wg_sweep", [case_runs(k, l2) for k in sweep]
         probes = [WgProbeKey(*[getattr(k, f) for f in k.fields()], probe=p) for k in picks[:2]
-                  for p in (1, 2, 16, 18, 3)]
+                  for p in (1, 2, 3, 8)]
+        probes += [WgProbeKey(*[getattr(replace(k, bn=b, rt=1, wgs=2), f) for f in k.fields()], min_blocks=2)
+                   for k in picks for b in (64, 128)]
         yield "wg_probe", [case_runs(k, l2) for k in probes]
     # v1 (splits = 1) in the same run for every decode GEMM shape, and the neighbours of the split
     # choice; splits and warps fix the reduction order: chosen per shape, never per M

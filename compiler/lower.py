@@ -93,7 +93,7 @@ class _Ctx:
 def _matmul(ctx: _Ctx, x: Var, w: Var, n: int, epilogue: str = "none", out: str = "bf16"):
     """Skinny GEMV for up to 32 rows (decode, verify, cohorts, the prefill's last-token head),
     the tensor-core GEMM above."""
-    return [catalog.matmul_key(ctx.weight_format[w.uid], n, w.shape[1], x.shape[0], ctx.target, epilogue, out)]
+    return catalog.matmul_calls(ctx.weight_format[w.uid], n, w.shape[1], x.shape[0], ctx.target, epilogue, out)
 
 
 def _linear(ctx, e):
@@ -248,6 +248,7 @@ def lower(g: Graph, spec: ModelSpec, target: Target) -> Plan:
     arena, arena_bytes, live = _allocate(g, names, dtypes)
     plan = Plan(g.name, target.name, [], arena, arena_bytes, live,
                 dtypes={names[u]: d for u, d in dtypes.items()}, graph=g)
+    permuted = None                  # (key, input) the xperm workspace holds (only xperm writes it)
     for i, e in enumerate(g.eqns):
         if e.prim in ABSORBED:
             plan.absorbed[f"{e.prim}→{ABSORBED[e.prim]}"] += 1
@@ -256,5 +257,9 @@ def lower(g: Graph, spec: ModelSpec, target: Target) -> Plan:
         ins = tuple(names[x.uid] for x in e.inputs if isinstance(x, Var))
         outs = tuple(names[o.uid] for o in e.outputs)
         for key in keys[i]:
+            if key.family == "xperm":    # projections of one input (qkv, z; q, k, v) share one xperm
+                if permuted == (key, ins[0]):
+                    continue
+                permuted = (key, ins[0])
             plan.calls.append(Call(key, module_of(key).launch(key, target), i, ins, outs))
     return plan

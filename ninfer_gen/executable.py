@@ -287,7 +287,10 @@ class Executable:
                 wname = fused_gate_up(wname)
             res = ptr(e.inputs[2]) if e.prim == "linear_residual" else 0
             args = {"ws": 0, "tickets": 0} | args                         # split-K workspace, when split
-            return args | {"y": out, "x": ptr(e.inputs[0]), "res": res} | self._planes(wname)
+            x = args["xp"] if fam == "gemm_wg" else ptr(e.inputs[0])        # gemm_wg: xperm's output
+            return args | {"y": out, "x": x, "res": res} | self._planes(wname)
+        if fam == "xperm":                     # into the workspace the gemm_wg call after it reads
+            return args | {"x": ptr(e.inputs[0])}
         if fam == "embed":
             w = self.weights
             return args | {"y": out, "ids": ptr(e.inputs[0]), "table": w.embed_codes.data_ptr(),

@@ -62,11 +62,12 @@ class MemoryPlan:
 
 
 def activation_bytes(spec: ModelSpec, cohort: int, draft: int) -> int:
-    """Largest live activations: a prefill chunk's widest intermediates (bf16) plus the logits of the
-    largest decode/verify bucket (fp32, target and draft)."""
+    """Largest live activations: a prefill chunk's widest intermediates (bf16), the permuted copy of
+    the widest GEMM input (the down projection's; sm_90's gemm_wg reads it, compiler/kernels/xperm.py),
+    plus the logits of the largest decode/verify bucket (fp32, target and draft)."""
     a, g = spec.model, spec.model.linear_attention
     q_rows = a.attention.num_heads * a.attention.head_dim * 2
-    per_token = 2 * a.intermediate_size + 2 * g.conv_dim + 4 * a.hidden_size + q_rows
+    per_token = 3 * a.intermediate_size + 2 * g.conv_dim + 4 * a.hidden_size + q_rows
     rows = cohort * (draft + 1)
     return spec.runtime.prefill_chunk * per_token * 2 + 2 * rows * a.vocab_size * 4
 

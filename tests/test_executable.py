@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from compiler.buckets import plan_bucket
 from compiler.kernels import module_of
 from compiler.spec import load_spec
 from compiler.targets import lookup
@@ -72,6 +73,39 @@ def test_every_kernel_parameter_is_bound(weights, shape):
         if key.family in ("gemv", "gemm", "rmsnorm"):
             assert named["y"] in arena, f"{key.name}: output outside the arena"
     assert bucket.logits.dtype == torch.float32 and bucket.logits.shape[-1] == TINY.model.vocab_size
+
+
+def test_hopper_prefill_gemm_reads_what_its_xperm_wrote(weights):
+    """On sm_90 each gemm_wg call of a prefill bucket follows an xperm of the same activations, and
+    both get one workspace region: xperm writes `xp`, gemm_wg reads it as `x`."""
+    rec = RecordingKernels()
+    state = DeviceState(TINY, 64, 2, "int8", "cpu")
+    exe = Executable(TINY, lookup("h200"), weights, state, rec, 32, "cpu")
+    bucket = exe.bucket("prefill", 1, 256)
+    named = [(k, dict(zip((p.name for p in module_of(k).params(k)), a))) for k, a in bucket.launchers]
+    wg = [i for i, (k, _) in enumerate(named) if k.family == "gemm_wg"]
+    assert wg, "no gemm_wg call in a 256-token prefill on sm_90"
+    calls = bucket.plan.calls
+    for i in wg:                     # the last xperm before it permuted this call's input
+        j = max(j for j in range(i) if named[j][0].family == "xperm")
+        (pk, pargs), (k, args) = named[j], named[i]
+        assert (pk.m, pk.k) == (k.m, k.k) and calls[j].inputs[0] == calls[i].inputs[0], f"{k.name}: stale xperm"
+        assert pargs["xp"] == args["x"] != 0 and pargs["x"] != args["x"], f"{k.name}: reads another region"
+    ws = range(exe.workspace.data_ptr(), exe.workspace.data_ptr() + exe.workspace.numel())
+    assert all(named[i][1]["x"] in ws for i in wg)
+
+
+def test_projections_of_one_input_share_an_xperm():
+    """27B prefill on sm_90: the GDN layer's qkv and z projections (and attention's q, k, v) read one
+    normed input, so one xperm serves them; every gemm_wg still follows an xperm of its own input."""
+    big = load_spec(Path(__file__).resolve().parents[1] / "model_specs/qwen3.8-27b.yaml")
+    calls = plan_bucket(big, lookup("h200"), "prefill", 1, 1024).calls
+    perms = [i for i, c in enumerate(calls) if c.key.family == "xperm"]
+    wg = [i for i, c in enumerate(calls) if c.key.family == "gemm_wg"]
+    assert 0 < len(perms) < len(wg)
+    for i in wg:
+        j = max(j for j in perms if j < i)
+        assert calls[j].inputs[0] == calls[i].inputs[0] and calls[j].key.k == calls[i].key.k
 
 
 def test_step_inputs_pad_rows_to_the_trash_page():

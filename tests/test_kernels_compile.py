@@ -36,7 +36,7 @@ def build_root(tmp_path_factory):
 @pytest.mark.parametrize("arch", ["sm_86", "sm_90"])
 def test_every_kernel_compiles_without_spills(build_root, arch):
     keys = _spec_keys(arch)
-    assert {k.family for k in keys} == set(FAMILY_MODULES) - ({"gemm_wg"} if arch != "sm_90" else set())
+    assert {k.family for k in keys} == set(FAMILY_MODULES) - ({"gemm_wg", "xperm"} if arch != "sm_90" else set())
     assert {k.m for k in keys if k.family == "gemv"} == {1, 2, 4, 8, 16, 32}
     cold = build_kernels(keys, jobs=2, root=build_root, progress=False)
     spilled = [b.key.name for b in cold.built if b.meta["spill_stores"] or b.meta["spill_loads"]]
@@ -95,11 +95,14 @@ def test_prefill_matmul_dispatch():
     h200, rtx = lookup("h200"), lookup("rtx3090")
     assert catalog.matmul_key("q4g64", 1024, 512, 32, h200).family == "gemv"
     assert catalog.matmul_key("q4g64", 1024, 512, 1024, h200).family == "gemm_wg"
-    assert catalog.matmul_key("bf16", 96, 512, 64, h200).family == "gemm_wg"
+    assert catalog.matmul_key("bf16", 512, 512, 64, h200).family == "gemm_wg"
+    assert catalog.matmul_key("bf16", 96, 512, 64, h200).family == "gemm"        # below gemm_wg.MIN_N
     assert catalog.matmul_key("q4g64", 1024, 512, 48, h200).family == "gemm"      # below gemm_wg.MIN_M
     assert catalog.matmul_key("w8g32", 1024, 512, 1024, h200).family == "gemm"    # group 32
     assert catalog.matmul_key("q4g64", 1024, 512, 1024, rtx).family == "gemm"
-    k = catalog.matmul_key("q5g64", 5120, 17408, 1024, h200, "residual")
+    perm, k = catalog.matmul_calls("q5g64", 5120, 17408, 1024, h200, "residual")
+    assert perm.family == "xperm" and (perm.m, perm.k) == (1024, 17408)
+    assert [c.family for c in catalog.matmul_calls("q4g64", 1024, 512, 1024, rtx)] == ["gemm"]
     assert k.compile_arch == "sm_90a" and k.arch == "sm_90" and k.name.endswith("_sm90")
     with pytest.raises(ValueError, match="needs sm_90"):
         replace(k, arch="sm_86").check_arch()
@@ -115,7 +118,7 @@ def test_sample_compiles_on_other_archs(build_root, arch):
     keys = [k for k in _spec_keys(arch) if getattr(k, "m", None) in (None, 1, 32) or k.family == "gemm"]
     keys = list({k.family + str(i % 3): k for i, k in enumerate(keys)}.values())   # ≤ 3 per family
     summary = build_kernels(keys, jobs=2, root=build_root, progress=False)
-    assert summary.spills == 0 and {k.family for k in keys} == set(FAMILY_MODULES) - {"gemm_wg"}
+    assert summary.spills == 0 and {k.family for k in keys} == set(FAMILY_MODULES) - {"gemm_wg", "xperm"}
 
 
 def test_cache_folder_meta_and_no_jit(tmp_path):

@@ -48,7 +48,7 @@ class KernelKey:
         return self.arch
 
 
-FAMILY_MODULES = ("gemv", "gemm", "gemm_wg", "rmsnorm", "gated_rmsnorm", "embed", "argmax", "gdn_conv", "gdn_step", "gdn_chunk",
+FAMILY_MODULES = ("gemv", "gemm", "gemm_wg", "xperm", "rmsnorm", "gated_rmsnorm", "embed", "argmax", "gdn_conv", "gdn_step", "gdn_chunk",
                   "qk_rope_kv", "attn_decode", "attn_combine", "attn_prefill")
 
 

@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from . import argmax, embed, gated_rmsnorm, gemv, rmsnorm
+from . import argmax, embed, gated_rmsnorm, gemv, rmsnorm, xperm
 from .weight_layout import device_bytes, pack_for_device, random_qmatrix
 
 
@@ -62,7 +62,12 @@ def _gemv(key: gemv.Key, g) -> Case:
     y = torch.empty(key.m, n_out, device=dev, dtype=torch.float32 if key.out_dtype == "f32" else torch.bfloat16)
     nz = lambda t: t if t.numel() else None                               # noqa: E731
     args = [y, x, packed["lo"], nz(packed["hi"]), nz(packed["scales"]), res]
-    inplace, expect = {}, {}
+    inplace, expect, launches = {}, {}, []
+    if key.family == "gemm_wg":                     # its activations as xperm leaves them, as lowered
+        pkey = xperm.Key(key.m, key.k, key.arch)
+        xp = torch.empty(key.k // 64, key.m, 64, device=dev, dtype=torch.bfloat16)
+        launches.append((pkey, [xp, x]))
+        args[1] = xp
     if key.family == "gemv":                        # split-K workspace; the tickets must come back zero
         ws, tickets = gemv_workspace(key, dev)
         args += [ws, tickets]
@@ -70,8 +75,15 @@ def _gemv(key: gemv.Key, g) -> Case:
             inplace["tickets"], expect["tickets"] = tickets, torch.zeros_like(tickets)
     moved = device_bytes(key.fmt, key.n, key.k) + x.numel() * 2 + y.numel() * y.element_size() + \
         (res.numel() * 2 if res is not None else 0)
-    return Case([(key, args)], {"y": y}, inplace, lambda: {"y": gemv.reference(key, x, w, res), **expect},
+    return Case(launches + [(key, args)], {"y": y}, inplace, lambda: {"y": gemv.reference(key, x, w, res), **expect},
                 {"y": key.out_dtype, "tickets": "exact"}, moved, 2 * key.m * key.n * key.k)
+
+
+def _xperm(key: xperm.Key, g) -> Case:
+    x = randn((key.m, key.k), g)
+    xp = torch.empty(key.k // 64, key.m, 64, device=g.device, dtype=torch.bfloat16)
+    return Case([(key, [xp, x])], {"xp": xp}, {}, lambda: {"xp": xperm.reference(key, x)}, {"xp": "exact"},
+                4 * key.m * key.k, 0)
 
 
 def gemv_workspace(key: gemv.Key, device) -> tuple:
@@ -129,7 +141,7 @@ def _argmax(key: argmax.Key, g) -> Case:
                 {"out": "exact", "counters": "exact"}, logits.numel() * 4, logits.numel())
 
 
-BUILDERS = {"gemv": _gemv, "gemm": _gemv, "gemm_wg": _gemv, "rmsnorm": _rmsnorm, "gated_rmsnorm": _gated, "embed": _embed, "argmax": _argmax}
+BUILDERS = {"gemv": _gemv, "gemm": _gemv, "gemm_wg": _gemv, "xperm": _xperm, "rmsnorm": _rmsnorm, "gated_rmsnorm": _gated, "embed": _embed, "argmax": _argmax}
 
 
 def make_case(key, device="cuda", seed: int = 0, **options) -> Case:

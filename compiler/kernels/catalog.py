@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..targets import Target
 from . import (argmax, attn_combine, attn_decode, attn_prefill, embed, gated_rmsnorm, gdn_chunk, gdn_conv, gdn_step,
-               gemm, gemm_wg, gemv, qk_rope_kv, rmsnorm)
+               gemm, gemm_wg, gemv, qk_rope_kv, rmsnorm, xperm)
 
 
 def matmul_key(fmt: str, n: int, k: int, m: int, target: Target, epilogue: str = "none", out_dtype: str = "bf16"):
@@ -16,8 +16,15 @@ def matmul_key(fmt: str, n: int, k: int, m: int, target: Target, epilogue: str =
     the prefill GEMM — on Hopper warpgroup MMA where the arch and format allow (gemm_wg), else mma.sync."""
     if m <= 32:
         return gemv.make_key(fmt, n, k, m, target, epilogue, out_dtype)
-    make = gemm_wg.make_key if gemm_wg.eligible(fmt, k, m, target) else gemm.make_key
+    make = gemm_wg.make_key if gemm_wg.eligible(fmt, n, k, m, target) else gemm.make_key
     return make(fmt, n, k, m, target, epilogue, out_dtype)
+
+
+def matmul_calls(fmt: str, n: int, k: int, m: int, target: Target, epilogue: str = "none",
+                 out_dtype: str = "bf16") -> list:
+    """The kernels of one matrix multiply: matmul_key's, after an xperm of the activations for gemm_wg."""
+    key = matmul_key(fmt, n, k, m, target, epilogue, out_dtype)
+    return [xperm.make_key(m, k, target), key] if key.family == "gemm_wg" else [key]
 
 
 def buckets(cohorts, draft: int) -> list[tuple[int, int]]:
@@ -97,8 +104,8 @@ def prefill_keys(spec, target: Target) -> list:
     a, rt, arch = spec.model, spec.runtime, target.arch
     g, at, chunk = a.linear_attention, a.attention, rt.prefill_chunk
     max_pages = -(-rt.max_context // rt.page_size)
-    keys = [matmul_key(fmt, n, k, chunk, target, epi, out) for fmt, n, k, epi, out in gemv_shapes(spec)
-            if n != a.vocab_size]
+    keys = list(dict.fromkeys(key for fmt, n, k, epi, out in gemv_shapes(spec) if n != a.vocab_size
+                              for key in matmul_calls(fmt, n, k, chunk, target, epi, out)))
     keys += [rmsnorm.Key(a.hidden_size, chunk, add, "bf16", a.rms_norm_eps, arch) for add in (False, True)]
     keys += [embed.Key(spec.quantization.embed, a.hidden_size, chunk, arch),
              gated_rmsnorm.Key(g.num_value_heads, g.value_head_dim, chunk, a.rms_norm_eps, arch),

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from compiler.kernels import catalog, gdn_chunk, gdn_conv, gdn_step, gemm, gemm_wg, gemv
+from compiler.kernels import catalog, gdn_chunk, gdn_conv, gdn_step, gemm, gemm_wg, gemv, xperm
 from compiler.kernels.cases import gemv_workspace, make_case
 from compiler.kernels.cases_seq import gdn_inputs
 from compiler.kernels.weight_layout import pack_for_device, random_qmatrix
@@ -136,7 +136,10 @@ def test_gemm_wg_zero_scale_groups(h, fmt):
     packed = pack_for_device(w)
     x = torch.randn(m, k, generator=g, device="cuda").bfloat16()
     y = torch.full((m, n), float("nan"), device="cuda")
-    _launch(h, key, gemm_wg, [y, x, packed["lo"], packed["hi"] if packed["hi"].numel() else None,
+    xp = torch.empty(k // 64, m, 64, device="cuda", dtype=torch.bfloat16)
+    pkey = xperm.make_key(m, k, TARGET)
+    _launch(h, pkey, xperm, [xp, x])
+    _launch(h, key, gemm_wg, [y, xp, packed["lo"], packed["hi"] if packed["hi"].numel() else None,
                               packed["scales"], None])
     torch.cuda.synchronize()
     h._check_close(key.name + " (zero-scale groups)", y, gemm_wg.reference(key, x, w), "bf16")
