@@ -20,7 +20,7 @@ import torch
 
 from compiler.kernels import Launch, ceil_div
 from compiler.kernels import (argmax, attn_decode, attn_prefill, gdn_chunk, gdn_conv, gdn_step, gemm, gemm_wg, gemv,
-                              qk_rope_kv, rmsnorm)
+                              qk_rope_kv, rmsnorm, xperm)
 from compiler.kernels import catalog
 from compiler.kernels.cases import gemv_workspace, make_case
 from compiler.spec import load_spec
@@ -234,7 +234,8 @@ def plan(target):
         # and ring depths on the three big shapes (the mma.sync gemm of the same shapes is in "gemm_27b")
         wg = [gemm_wg.make_key(k.fmt, k.n, k.k, k.m, target, k.epilogue, k.out_dtype) for k in chunk
               if gemm_wg.eligible(k.fmt, k.n, k.k, k.m, target)]
-        yield "wg_27b", [case_runs(k, l2) for k in wg]
+        perms = list(dict.fromkeys(xperm.make_key(k.m, k.k, target) for k in wg))
+        yield "wg_27b", [case_runs(k, l2) for k in perms + wg]
         picks = [gemm_wg.make_key(fmt, n, k, 1024, target, epi) for fmt, n, k, epi in GEMM_SHAPES]
         sweep = [replace(k, wgs=w, rt=r, bn=b, stages=st) for k in picks for w, r, b in gemm_wg.TILINGS
                  for st in (3, 4) if (w, r, b, st) != (k.wgs, k.rt, k.bn, k.stages)

@@ -16,7 +16,7 @@ from .._torch import torch
 from ..targets import Target
 from . import KernelKey, Launch, Param, ceil_div
 
-THREADS = 256
+ROWS = 32                       # rows of one unit per block (templates/xperm.cu.j2), 8 threads per row
 
 
 @dataclass(frozen=True)
@@ -39,8 +39,8 @@ def make_key(m: int, k: int, target: Target) -> Key:
 
 
 def launch(key: Key, target: Target | None = None) -> Launch:
-    """One thread per (unit, row, half-row): 2·M·K/64 tasks."""
-    return Launch((ceil_div(2 * key.m * (key.k // 64), THREADS), 1, 1), (THREADS, 1, 1), 0)
+    """Block (row group, unit): 32 rows × 64 columns, one 16-byte chunk per thread."""
+    return Launch((ceil_div(key.m, ROWS), key.k // 64, 1), (8 * ROWS, 1, 1), 0)
 
 
 def workspace(key: Key) -> dict[str, int]:
