@@ -137,13 +137,11 @@ class GemmV1Key(gemm.Key):
 class WgProbeKey(gemm_wg.Key):
     """gemm_wg with one part left out, to place time inside the kernel (results are wrong on purpose):
     probe bits 1 = no activation staging in the loop, 2 = no rescale, 4 = no dequantisation (raw
-    codes), 8 = no wgmma. `min_blocks` > 1 asks ptxas for that many resident blocks per SM (a register
-    cap), with probe 0 a complete kernel."""
+    codes), 8 = no wgmma."""
     probe: int = 0
-    min_blocks: int = 1
 
     def _name_parts(self):
-        return super()._name_parts() + [f"probe{self.probe}"] + ([f"b{self.min_blocks}"] if self.min_blocks > 1 else [])
+        return super()._name_parts() + [f"probe{self.probe}"]
 
 
 def v1_key(key: gemm.Key) -> GemmV1Key:
@@ -243,8 +241,6 @@ def plan(target):
         yield "wg_sweep", [case_runs(k, l2) for k in sweep]
         probes = [WgProbeKey(*[getattr(k, f) for f in k.fields()], probe=p) for k in picks[:2]
                   for p in (1, 2, 3, 8)]
-        probes += [WgProbeKey(*[getattr(replace(k, bn=b, rt=1, wgs=2), f) for f in k.fields()], min_blocks=2)
-                   for k in picks for b in (64, 128)]
         yield "wg_probe", [case_runs(k, l2) for k in probes]
     # v1 (splits = 1) in the same run for every decode GEMM shape, and the neighbours of the split
     # choice; splits and warps fix the reduction order: chosen per shape, never per M
