@@ -44,28 +44,25 @@ class Key(KernelKey):
     def __post_init__(self):
         if self.fmt not in FORMATS or self.k % group_of(self.fmt) or self.m < 1:
             raise ValueError(f"gemm: bad key {self}")
-        if self.epilogue not in gemv.EPILOGUES or self.out_dtype not in gemv.OUT_DTYPES:
-            raise ValueError(f"gemm: bad epilogue/out_dtype {self.epilogue!r}/{self.out_dtype!r}")
-        if self.epilogue == "silu_mul" and self.n % 16:
-            raise ValueError("gemm: silu_mul needs n = 2·F with F a multiple of 8")
+        gemv.check_epilogue(self)
         if not (1 <= self.wr * self.wc <= 16 and self.nt >= 1 and self.stages >= 2):
             raise ValueError(f"gemm: bad tiling {self}")
 
     def _name_parts(self):
-        parts = [self.fmt, f"n{self.n}", f"k{self.k}", f"m{self.m}"]
-        parts += [] if self.epilogue == "none" else [{"residual": "res", "silu_mul": "silu"}[self.epilogue]]
-        parts += ["f32"] if self.out_dtype == "f32" else []
-        return parts + [f"r{self.wr}c{self.wc}n{self.nt}s{self.stages}"]
+        return gemv.shape_name_parts(self) + [f"r{self.wr}c{self.wc}n{self.nt}s{self.stages}"]
+
+
+def tile_unit_bytes(fmt: str) -> int:
+    """Bytes of one (16-row tile, unit) in the packed planes: codes, hi plane, scales (weight_layout)."""
+    lo = 4 * 512 if fmt == "bf16" else 512
+    hi = {"q5g64": 128, "q6g64": 256}.get(fmt, 0)
+    return lo + hi + (0 if fmt == "bf16" else 32)
 
 
 def stage_bytes(fmt: str, wr: int, wc: int, nt: int) -> int:
     """Shared memory of one ring stage (the template's STAGE): activations + weight planes."""
-    g = group_of(fmt)
-    row = 144 if g == 64 else 64
-    lo = 4 * 512 if fmt == "bf16" else 512
-    hi = {"q5g64": 128, "q6g64": 256}.get(fmt, 0)
-    sc = 0 if fmt == "bf16" else 32
-    return 8 * nt * wc * row + wr * TR * (lo + hi + sc)
+    row = 144 if group_of(fmt) == 64 else 64
+    return 8 * nt * wc * row + wr * TR * tile_unit_bytes(fmt)
 
 
 def _regs(nt: int) -> int:

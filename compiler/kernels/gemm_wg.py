@@ -52,10 +52,7 @@ class Key(KernelKey):
     def __post_init__(self):
         if self.fmt not in FMTS or self.k % 64 or self.m < 1:
             raise ValueError(f"gemm_wg: bad key {self} (formats {', '.join(FMTS)}, k a multiple of 64)")
-        if self.epilogue not in gemv.EPILOGUES or self.out_dtype not in gemv.OUT_DTYPES:
-            raise ValueError(f"gemm_wg: bad epilogue/out_dtype {self.epilogue!r}/{self.out_dtype!r}")
-        if self.epilogue == "silu_mul" and self.n % 16:
-            raise ValueError("gemm_wg: silu_mul needs n = 2·F with F a multiple of 8")
+        gemv.check_epilogue(self)
         if self.wgs not in (1, 2) or self.rt not in (1, 2) or self.bn not in (64, 128, 256) \
                 or self.rt * self.bn > 256 or not 3 <= self.stages <= MAX_STAGES:
             raise ValueError(f"gemm_wg: bad tiling {self}")
@@ -71,19 +68,12 @@ class Key(KernelKey):
         return self.arch + "a"
 
     def _name_parts(self):
-        parts = [self.fmt, f"n{self.n}", f"k{self.k}", f"m{self.m}"]
-        parts += [] if self.epilogue == "none" else [{"residual": "res", "silu_mul": "silu"}[self.epilogue]]
-        parts += ["f32"] if self.out_dtype == "f32" else []
-        return parts + [f"g{self.wgs}r{self.rt}n{self.bn}s{self.stages}"]
+        return gemv.shape_name_parts(self) + [f"g{self.wgs}r{self.rt}n{self.bn}s{self.stages}"]
 
 
 def stage_bytes(fmt: str, wgs: int, rt: int, bn: int) -> int:
     """One ring slot (the template's STAGE): activations, then the weight planes, rounded to 1 KB."""
-    bt = 4 * rt * wgs
-    lo = 4 * 512 if fmt == "bf16" else 512
-    hi = {"q5g64": 128, "q6g64": 256}.get(fmt, 0)
-    sc = 0 if fmt == "bf16" else 32
-    return ceil_div(bn * 128 + bt * (lo + hi + sc), 1024) * 1024
+    return ceil_div(bn * 128 + 4 * rt * wgs * gemm.tile_unit_bytes(fmt), 1024) * 1024
 
 
 def shared_bytes(fmt: str, wgs: int, rt: int, bn: int, stages: int) -> int:

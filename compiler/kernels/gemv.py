@@ -24,6 +24,21 @@ EPILOGUES = ("none", "residual", "silu_mul")
 OUT_DTYPES = ("bf16", "f32")
 
 
+def check_epilogue(key) -> None:
+    """The epilogue checks every matrix-multiply key (gemv, gemm, gemm_wg) makes."""
+    if key.epilogue not in EPILOGUES or key.out_dtype not in OUT_DTYPES:
+        raise ValueError(f"{key.family}: bad epilogue/out_dtype {key.epilogue!r}/{key.out_dtype!r}")
+    if key.epilogue == "silu_mul" and key.n % 16:
+        raise ValueError(f"{key.family}: silu_mul needs n = 2·F with F a multiple of 8")
+
+
+def shape_name_parts(key) -> list[str]:
+    """The leading name parts of every matrix-multiply key: format, shape, epilogue, output dtype."""
+    parts = [key.fmt, f"n{key.n}", f"k{key.k}", f"m{key.m}"]
+    parts += [] if key.epilogue == "none" else [{"residual": "res", "silu_mul": "silu"}[key.epilogue]]
+    return parts + (["f32"] if key.out_dtype == "f32" else [])
+
+
 @dataclass(frozen=True)
 class Key(KernelKey):
     family: ClassVar[str] = "gemv"
@@ -47,20 +62,14 @@ class Key(KernelKey):
             raise ValueError(f"gemv: m = {self.m} outside 1..32 (use the prefill GEMM)")
         if self.k % group_of(self.fmt):
             raise ValueError(f"gemv: k = {self.k} not a multiple of the {self.fmt} group")
-        if self.epilogue not in EPILOGUES or self.out_dtype not in OUT_DTYPES:
-            raise ValueError(f"gemv: bad epilogue/out_dtype {self.epilogue!r}/{self.out_dtype!r}")
-        if self.epilogue == "silu_mul" and (self.n % 16):
-            raise ValueError("gemv: silu_mul needs n = 2·F with F a multiple of 8")
+        check_epilogue(self)
         if not 1 <= self.splits <= load_batches(self.fmt, self.k, self.warps, self.depth):
             raise ValueError(f"gemv: splits = {self.splits} outside "
                              f"1..{load_batches(self.fmt, self.k, self.warps, self.depth)} "
                              "(every slice needs a whole load batch)")
 
     def _name_parts(self):
-        parts = [self.fmt, f"n{self.n}", f"k{self.k}", f"m{self.m}"]
-        parts += [] if self.epilogue == "none" else [{"residual": "res", "silu_mul": "silu"}[self.epilogue]]
-        parts += ["f32"] if self.out_dtype == "f32" else []
-        return (parts + [f"w{self.warps}t{self.tiles}"] + ([f"s{self.splits}"] if self.splits > 1 else [])
+        return (shape_name_parts(self) + [f"w{self.warps}t{self.tiles}"] + ([f"s{self.splits}"] if self.splits > 1 else [])
                 + ([f"d{self.depth}"] if self.depth else []))
 
 
