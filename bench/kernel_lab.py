@@ -124,6 +124,76 @@ SMALL_GEMV = [("q5g64", 6144, 5120, "none"), ("q5g64", 5120, 6144, "residual"), 
 
 
 @dataclass(frozen=True)
+class GemvV1Key(gemv.Key):
+    """The gemv of 2026-11-29…30 (templates/gemv_v1.cu.j2: per-unit bounds checks, addresses recomputed per
+    load), built beside the current template for same-run comparisons; the stage fields are unused."""
+    template = "gemv_v1.cu.j2"
+
+    def _name_parts(self):
+        return super()._name_parts() + ["v1"]
+
+
+# How units stream in the current gemv (bench/kernel_lab_notes.md, v9): every variant gives v1's bits.
+GEMV_VARIANTS = {"v1": None, "serial": {}, "serial_p1": {"prefetch": 1}, "serial_p2": {"prefetch": 2},
+                 "serial_p4": {"prefetch": 4}, "il": {"interleave": True}, "il_p2": {"interleave": True, "prefetch": 2},
+                 "ring4": {"stage": "ring", "depth": 4}, "ring8": {"stage": "ring", "depth": 8}}
+
+
+def gemv_variant_runs(fmt, n, k, ms, epilogue, out, target, l2) -> list:
+    """Thunks for every GEMV_VARIANTS entry that makes a valid key at each M, sharing one weight set;
+    each run also reports whether its output has v1's bits on the same inputs."""
+    shared = {}
+
+    def setup():
+        if not shared:
+            g = torch.Generator(device=DEVICE).manual_seed(0)
+            copies = max(1, min(64, -(-2 * l2 // device_bytes(fmt, n, k))))
+            shared["w"] = [pack_for_device(random_qmatrix(fmt, n, k, g), gate_up=epilogue == "silu_mul")
+                           for _ in range(copies)]
+        return shared["w"]
+
+    def one(key, m):
+        ws_ = setup()
+        gx = torch.Generator(device=DEVICE).manual_seed(m)
+        x = torch.randn(m, k, device=DEVICE, generator=gx).bfloat16()
+        res = torch.randn(m, n, device=DEVICE, generator=gx).bfloat16() if epilogue == "residual" else None
+        n_out = n // 2 if epilogue == "silu_mul" else n
+        dt = torch.float32 if out == "f32" else torch.bfloat16
+        nz = lambda t: t if t.numel() else None                           # noqa: E731
+
+        def outputs(kk):
+            y = torch.full((m, n_out), float("nan"), device=DEVICE, dtype=dt)
+            ws, tickets = gemv_workspace(kk, DEVICE)
+            return y, [[KERNELS.bind(kk, [y, x, w["lo"], nz(w["hi"]), nz(w["scales"]), res, ws, tickets])]
+                       for w in ws_]
+        y, runs = outputs(key)
+        runs[0][0].launch()
+        plain = replace(key, stage="reg", depth=0, prefetch=0, interleave=False)
+        y1, runs1 = outputs(GemvV1Key(**plain.fields()))
+        runs1[0][0].launch()
+        torch.cuda.synchronize()
+        same = bool(torch.equal(y.view(torch.int16 if dt == torch.bfloat16 else torch.int32),
+                                y1.view(torch.int16 if dt == torch.bfloat16 else torch.int32)))
+        moved = device_bytes(fmt, n, k) + x.numel() * 2 + y.numel() * y.element_size() + \
+            (res.numel() * 2 if res is not None else 0)
+        return key, runs, moved, 2 * m * n * k, {"bits_equal_v1": same}
+
+    thunks = []
+    for m in ms:
+        base = gemv.make_key(fmt, n, k, m, target, epilogue, out)
+        for label, fields in GEMV_VARIANTS.items():
+            try:
+                key = GemvV1Key(**base.fields()) if fields is None \
+                    else replace(base, **{"stage": "reg", "depth": 0, "prefetch": 0, "interleave": False, **fields})
+            except ValueError:
+                continue
+            thunk = lambda key=key, m=m: one(key, m)                      # noqa: E731
+            thunk.key = key
+            thunks.append(thunk)
+    return thunks
+
+
+@dataclass(frozen=True)
 class GemmV1Key(gemm.Key):
     """The archived v1 prefill GEMM (templates/gemm_v1.cu.j2: 4 warps × 16 rows × 64 tokens, weights
     straight from global), built beside v2 for same-run comparisons. Its tiling fields are unused."""
@@ -187,8 +257,11 @@ def tune_configs(fmt, n, k, epi, out, target) -> list[dict]:
 
 
 def plan(target):
-    """(label, [thunk → (key, runs, bytes, flops)]) at the 27B shapes."""
+    """(label, [thunk → (key, runs, bytes, flops[, extra])]) at the 27B shapes."""
     l2, ms = target.l2_bytes, (1, 4, 8, 16, 32)
+    # every way units stream through the decode GEMV, at the 27B decode shapes (v9 notes)
+    for fmt, n, k, epi, out in DECODE_GEMV[:6] + (("w8g32", 248320, 5120, "none", "f32"),):
+        yield "gemv9", gemv_variant_runs(fmt, n, k, (1, 4, 32) if n < 200000 else (1, 4), epi, out, target, l2)
     yield "gemv", gemv_runs("q4g64", 34816, 5120, ms, "silu_mul", "bf16", target, l2)
     yield "gemv", gemv_runs("q4g64", 248320, 5120, ms, "none", "f32", target, l2)
     yield "gemv", gemv_runs("w8g32", 248320, 5120, (1, 4, 32), "none", "f32", target, l2)
@@ -259,7 +332,7 @@ def plan(target):
     depth = [{}, {"depth": 8}, {"warps": 8}, {"warps": 8, "depth": 8}]
     for fmt, n, k, epi, out in DECODE_GEMV:
         fit = [c | {"splits": min(gemv.make_key(fmt, n, k, 1, target, epi, out).splits,
-                                   gemv.load_batches(fmt, k, c.get("warps", 4), c.get("depth", 0)))}
+                                   gemv.load_batches(fmt, k, c.get("warps", 4)))}
                if gemv.make_key(fmt, n, k, 1, target, epi, out).splits > 1 else c for c in depth]
         yield "depth", gemv_runs(fmt, n, k, (1, 8), epi, out, target, l2, fit)
     # config neighbours (warps, row tiles per block, K splits) of every decode GEMV shape, timed chained
@@ -276,7 +349,7 @@ def measure(label, thunks, iters: int, copy_gbs: float) -> list[dict]:
     for thunk in thunks:
         name = label
         try:
-            key, runs, moved, flops = thunk()
+            key, runs, moved, flops, *extra = thunk()
             name = key.name
             us = time_launches(runs, iters)
             chain = time_chain(runs, iters)
@@ -289,8 +362,8 @@ def measure(label, thunks, iters: int, copy_gbs: float) -> list[dict]:
                      "bytes": moved, "flops": flops, "us_median": med, "us_min": min(us),
                      "gbps": moved / med / 1e3, "frac_copy": moved / med / 1e3 / copy_gbs,
                      "tflops": flops / med / 1e6, "launches": len(runs[0]),
-                     "us_chain": chain, "frac_copy_chain": moved / chain / 1e3 / copy_gbs})
-        print(f"  {key.name}: {med:.1f} us, chained {chain:.1f} us", flush=True)
+                     "us_chain": chain, "frac_copy_chain": moved / chain / 1e3 / copy_gbs, **(extra[0] if extra else {})})
+        print(f"  {key.name}: {med:.1f} us, chained {chain:.1f} us" + (f" {extra[0]}" if extra else ""), flush=True)
         del runs
         torch.cuda.empty_cache()
     return rows
@@ -300,7 +373,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="kernel_lab.json")
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--only", default="", help="comma-separated labels: gemv,gdn_step,gdn_chunk,gdn_conv,attn_decode,prefill,gemm_sweep,gemm_27b,wg_27b,wg_sweep,wg_probe,sweep,depth,tune,misc")
+    ap.add_argument("--only", default="", help="comma-separated labels: gemv9,gemv,gdn_step,gdn_chunk,gdn_conv,attn_decode,prefill,gemm_sweep,gemm_27b,wg_27b,wg_sweep,wg_probe,sweep,depth,tune,misc")
     args = ap.parse_args(argv)
     major, minor = torch.cuda.get_device_capability()
     target = lookup(f"sm_{major}{minor}")

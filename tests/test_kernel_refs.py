@@ -1,6 +1,7 @@
 """CPU tests of the kernel side: device weight layout (round trip and a bit-level model of the gemv
 kernel), and every family's torch reference against a straightforward loop at tiny shapes."""
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -60,6 +61,50 @@ def test_gemv_reference_is_a_loop():
         for n in range(16):
             want = sum(float(x[r, c]) * float(w.codes[n, c]) * float(w.scales[n, c // 64]) for c in range(64))
             assert abs(float(y[r, n]) - want) <= 1e-2 * max(1, abs(want))
+
+
+def test_gemv_stream_fields_follow_the_shape_and_m():
+    """The stream fields (never the bits) follow measured rules: interleaved units and two batches of L2
+    prefetch at M ≤ 8, units kept apart at M > 8, no prefetch for the many-wave LM head or off sm_90."""
+    h200 = lookup("h200")
+    gate_up = gemv.make_key("q4g64", 34816, 5120, 1, h200, "silu_mul")
+    assert (gate_up.interleave, gate_up.prefetch, gate_up.stage) == (True, 2, "reg")
+    assert gate_up.name == "gemv_q4g64_n34816_k5120_m1_silu_w4t1_p2_il_sm90"
+    verify8 = gemv.make_key("q4g64", 34816, 5120, 32, h200, "silu_mul")
+    assert (verify8.interleave, verify8.prefetch) == (False, 1)
+    down = gemv.make_key("q5g64", 5120, 17408, 1, h200, "residual")
+    assert down.splits > 1 and (down.interleave, down.prefetch) == (False, 2)
+    head = gemv.make_key("w8g32", 248320, 5120, 1, h200, out_dtype="f32")
+    assert (head.interleave, head.prefetch) == (False, 0)
+    on_3090 = gemv.make_key("q4g64", 34816, 5120, 1, T3090, "silu_mul")
+    assert (on_3090.interleave, on_3090.prefetch) == (True, 0)
+    # the reduction order (warps, splits) never follows M
+    for fmt, n, k in (("q4g64", 34816, 5120), ("q5g64", 5120, 17408), ("w8g32", 248320, 5120)):
+        keys = [gemv.make_key(fmt, n, k, m, h200) for m in (1, 4, 8, 16, 32)]
+        assert len({(key.warps, key.splits) for key in keys}) == 1
+
+
+def test_gemv_experiment_override_and_bad_stream_fields(monkeypatch):
+    h200 = lookup("h200")
+    monkeypatch.setenv("NINFER_GEMV", "stage=ring,depth=8")
+    ring = gemv.make_key("q4g64", 34816, 5120, 1, h200, "silu_mul")
+    assert ring.name == "gemv_q4g64_n34816_k5120_m1_silu_w4t1_d8_ring_sm90"
+    big = gemv.make_key("q5g64", 5120, 6144, 32, h200, "residual")     # a ring of 8 does not fit: unchanged
+    assert big.stage == "reg"
+    monkeypatch.setenv("NINFER_GEMV", "prefetch=two")
+    with pytest.raises(ValueError, match="expected prefetch=<integer>"):
+        gemv.make_key("q4g64", 34816, 5120, 1, h200)
+    monkeypatch.setenv("NINFER_GEMV", "warps=8")
+    with pytest.raises(ValueError, match="NINFER_GEMV: 'warps' is not one of"):
+        gemv.make_key("q4g64", 34816, 5120, 1, h200)
+    monkeypatch.delenv("NINFER_GEMV")
+    base = gemv.make_key("q4g64", 34816, 5120, 1, h200)
+    with pytest.raises(ValueError, match="needs stage 'reg'"):
+        replace(base, stage="ring", depth=4, prefetch=2)
+    with pytest.raises(ValueError, match="shared memory"):
+        replace(base, stage="ring", depth=32, prefetch=0)
+    with pytest.raises(ValueError, match="stage 'disk' not one of"):
+        replace(base, stage="disk", prefetch=0)
 
 
 def test_rmsnorm_reference_is_a_loop():

@@ -11,7 +11,8 @@ serves every launch and graph replay.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from .._torch import torch
@@ -51,9 +52,12 @@ class Key(KernelKey):
     warps: int             # warps per block, each owning units u ≡ warp (mod warps): fixes the order
     tiles: int             # 16-row tiles per block
     arch: str
-    splits: int = 1        # K slices over blocks (whole load batches), summed in slice order by the last block
-    depth: int = 0         # units each warp loads per batch (0: the format's default, 2 for bf16, else 4);
-                           # the order units are summed in does not change with it
+    splits: int = 1        # K slices over blocks (whole order batches), summed in slice order by the last block
+    depth: int = 0         # units in flight per warp: a load batch (stage "reg") or ring slots ("ring");
+                           # 0: the format's default (2 for bf16, else 4). The summation order ignores it
+    stage: str = "reg"     # how units reach registers: "reg" (load batches) or "ring" (cp.async ring)
+    prefetch: int = 0      # stage "reg": order batches the block asks L2 to fetch ahead of its loads (0: none)
+    interleave: bool = False  # stage "reg": ptxas may interleave a batch's units (more registers)
 
     def __post_init__(self):
         if self.fmt not in FORMATS:
@@ -63,24 +67,53 @@ class Key(KernelKey):
         if self.k % group_of(self.fmt):
             raise ValueError(f"gemv: k = {self.k} not a multiple of the {self.fmt} group")
         check_epilogue(self)
-        if not 1 <= self.splits <= load_batches(self.fmt, self.k, self.warps, self.depth):
+        if not 1 <= self.splits <= load_batches(self.fmt, self.k, self.warps):
             raise ValueError(f"gemv: splits = {self.splits} outside "
-                             f"1..{load_batches(self.fmt, self.k, self.warps, self.depth)} "
-                             "(every slice needs a whole load batch)")
+                             f"1..{load_batches(self.fmt, self.k, self.warps)} "
+                             "(every slice needs a whole order batch)")
+        if self.prefetch and (self.stage != "reg" or not 0 < self.prefetch <= 8):
+            raise ValueError(f"gemv: prefetch = {self.prefetch} needs stage 'reg' and 1..8 batches")
+        if self.stage not in STAGES:
+            raise ValueError(f"gemv: stage {self.stage!r} not one of {', '.join(STAGES)}")
+        if self.stage == "ring" and shared_bytes(self) > RING_SMEM_LIMIT:
+            raise ValueError(f"gemv: a ring of {load_depth(self.fmt, self.depth)} units needs "
+                             f"{shared_bytes(self)} bytes of shared memory (static limit {RING_SMEM_LIMIT})")
 
     def _name_parts(self):
         return (shape_name_parts(self) + [f"w{self.warps}t{self.tiles}"] + ([f"s{self.splits}"] if self.splits > 1 else [])
-                + ([f"d{self.depth}"] if self.depth else []))
+                + ([f"d{self.depth}"] if self.depth else []) + (["ring"] if self.stage == "ring" else [])
+                + ([f"p{self.prefetch}"] if self.prefetch else []) + (["il"] if self.interleave else []))
+
+
+STAGES = ("reg", "ring")
+RING_SMEM_LIMIT = 48 * 1024          # static shared memory per block
+
+
+def shared_bytes(key: "Key") -> int:
+    """Static shared memory of a block: the warp-order reduction buffer, plus the ring (stage "ring")."""
+    nt = ceil_div(key.m, 8)
+    red = 4 * key.warps * key.tiles * nt * 4 * 32
+    if key.stage != "ring":
+        return red
+    qv, hw = (4 if key.fmt == "bf16" else 1), {"q5g64": 1, "q6g64": 2}.get(key.fmt, 0)
+    aux = 0 if key.fmt == "bf16" else 8 * hw + 2           # 16-byte chunks: hi planes, then the scales
+    slot = key.tiles * 16 * (32 * qv + max(aux, 1))
+    return red + key.warps * load_depth(key.fmt, key.depth) * slot
 
 
 def load_depth(fmt: str, depth: int = 0) -> int:
-    """Units per warp per load batch (PD in templates/gemv.cu.j2)."""
-    return depth or (2 if fmt == "bf16" else 4)
+    """Units in flight per warp (PD in templates/gemv.cu.j2): a load batch, or the ring's slots."""
+    return depth or order_depth(fmt)
 
 
-def load_batches(fmt: str, k: int, warps: int, depth: int = 0) -> int:
-    """Load batches along K per block (each warp loads PD units, then runs their mma): templates/gemv.cu.j2."""
-    return ceil_div(k // group_of(fmt), warps * load_depth(fmt, depth))
+def order_depth(fmt: str) -> int:
+    """Units per warp in one order batch (OB in templates/gemv.cu.j2): split-K slices are whole order batches."""
+    return 2 if fmt == "bf16" else 4
+
+
+def load_batches(fmt: str, k: int, warps: int) -> int:
+    """Order batches along K per block (warps · OB units each): the grain of split-K slices."""
+    return ceil_div(k // group_of(fmt), warps * order_depth(fmt))
 
 
 def split_count(fmt: str, n: int, k: int, warps: int, target: Target) -> int:
@@ -119,10 +152,56 @@ def config(fmt: str, n: int, k: int, m: int, target: Target) -> tuple[int, int, 
     return warps, tiles, splits
 
 
+def stream_config(fmt: str, n: int, k: int, m: int, splits: int, target: Target) -> dict:
+    """How units stream (fields that never change the bits, so they may follow M): measured on the H200
+    at the 27B decode shapes (bench/kernel_lab_notes.md, v9), chained launches as in a decode step.
+    M ≤ 8: ptxas interleaves a batch's units and L2 is asked for the next two batches (gate/up M=1 72.7 →
+    81.2 % of copy, Q4 10240 37.9 → 68.6, Q5 5120×6144 36.0 → 49.4); split-K shapes keep the branch per
+    unit (Q5 down 57.6 → 60.8); grids of many waves (the LM heads) stream best as they are (W8 106.6 %
+    against 96–97 with either); M > 8 keeps units apart (interleaved they spill or lose 5–10 points)
+    with one batch ahead. L2 prefetch is measured on sm_90 only, so it is off for the other archs."""
+    waves = ceil_div(n, 16) / (target.sms * 9)
+    measured = target.arch == "sm_90"
+    if m > 8:
+        return {"prefetch": 1 if measured else 0}
+    if waves >= 4:
+        return {}
+    if splits > 1:
+        return {"prefetch": 2 if measured else 0}
+    return {"interleave": True, "prefetch": 2 if measured else 0}
+
+
 def make_key(fmt: str, n: int, k: int, m: int, target: Target, epilogue: str = "none",
              out_dtype: str = "bf16") -> Key:
     warps, tiles, splits = config(fmt, n, k, m, target)
-    return Key(fmt, n, k, m, epilogue, out_dtype, warps, tiles, target.arch, splits)
+    key = Key(fmt, n, k, m, epilogue, out_dtype, warps, tiles, target.arch, splits,
+              **stream_config(fmt, n, k, m, splits, target))
+    return _override(key, os.environ.get("NINFER_GEMV", ""))
+
+
+# Fields NINFER_GEMV may set for experiments (they change how units stream, never the bits).
+_OVERRIDABLE = {"stage": str, "depth": int, "prefetch": int, "interleave": lambda v: v not in ("0", "false")}
+
+
+def _override(key: Key, spec: str) -> Key:
+    """NINFER_GEMV="prefetch=2,interleave=0": every key takes those fields where they make a valid key."""
+    if not spec:
+        return key
+    fields = {}
+    for item in spec.split(","):
+        name, _, value = item.partition("=")
+        if name.strip() not in _OVERRIDABLE:
+            raise ValueError(f"NINFER_GEMV: {name.strip()!r} is not one of {', '.join(_OVERRIDABLE)}")
+        try:
+            fields[name.strip()] = _OVERRIDABLE[name.strip()](value.strip())
+        except ValueError:
+            raise ValueError(f"NINFER_GEMV: {item.strip()!r}: expected {name.strip()}=<integer>") from None
+    if fields.get("stage") == "ring":           # the ring streams on its own: no prefetch, no interleaving
+        fields = {"prefetch": 0, "interleave": False, **fields}
+    try:
+        return replace(key, **fields)
+    except ValueError:
+        return key
 
 
 def launch(key: Key, target: Target | None = None) -> Launch:

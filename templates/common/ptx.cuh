@@ -58,6 +58,16 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
 
+// For rings with no barrier between a lane's copies and its own reads of them (gemv's stage "ring"):
+// the "memory" clobbers keep the compiler from moving plain shared-memory reads of a slot above the
+// wait for it, or below the copy that refills it.
+__device__ __forceinline__ void cp_async16_ordered(void* smem, const void* gmem) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(s), "l"(gmem) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait_ordered() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
+
 // Four 8×8 b16 matrices from shared memory: lane l gives the row address of matrix l/8.
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem_row) {
   const unsigned s = (unsigned)__cvta_generic_to_shared(smem_row);
@@ -75,6 +85,17 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Asks L2 to fetch [p, p + bytes) ahead of its loads (bytes a multiple of 16, p 16-byte aligned): one
+// bulk prefetch on sm_90+ (operands must be warp-uniform, or ptxas loops over the lanes), one prefetch
+// per 128-byte line before. No register or scoreboard is tied up.
+__device__ __forceinline__ void prefetch_l2(const void* p, int bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" :: "l"(p), "r"(bytes) : "memory");
+#else
+  for (int o = 0; o < bytes; o += 128) asm volatile("prefetch.global.L2 [%0];\n" :: "l"((const char*)p + o));
+#endif
 }
 
 // Programmatic dependent launch (sm_90+; compiled out below). The runtime launches each kernel with

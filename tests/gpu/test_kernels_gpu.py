@@ -3,7 +3,9 @@
 bit, graph replay == eager, the compute_86 PTX running on this GPU, and on Hopper the warpgroup GEMM
 (gemm_wg) at ragged shapes, every tiling and with zero-scale groups.
 Run: pytest -m gpu tests/gpu -q   (test ids name the family and the shape)."""
+import os
 from dataclasses import replace
+from functools import lru_cache
 from pathlib import Path
 
 import pytest
@@ -107,6 +109,51 @@ def test_gemv_batch_invariance(h, fmt, n, k):
     outs = {m: y for m, (y, _) in outs.items()}
     assert h.same_bits(outs[1][0], outs[32][0]), f"{fmt} {n}x{k}: row 0 differs between M=1 and M=32"
     assert h.same_bits(outs[4], outs[32][:4]), f"{fmt} {n}x{k}: rows 0-3 differ between M=4 and M=32"
+
+
+@lru_cache(maxsize=1)
+def _variant_cache():
+    from ninfer_gen.cuda_module import KernelCache
+    return KernelCache(os.environ.get("NINFER_BUILD_DIR"), jobs=os.cpu_count())
+
+
+GEMV_STAGES = ({"interleave": True}, {"prefetch": 1}, {"prefetch": 2, "interleave": True}, {"prefetch": 4},
+               {"stage": "ring", "depth": 4}, {"stage": "ring", "depth": 8}, {"depth": 2}, {"depth": 8})
+
+
+@pytest.mark.parametrize("fmt,n,k,epi", [("q4g64", 34816, 5120, "silu_mul"), ("q5g64", 5120, 17408, "residual"),
+                                         ("q5g64", 5120, 6144, "residual"), ("q6g64", 1024, 5120, "none"),
+                                         ("w8g32", 4096, 5120, "none"), ("bf16", 96, 5120, "none"),
+                                         ("q4g64", 512, 128, "none"), ("q5g64", 200, 320, "residual")])
+@pytest.mark.parametrize("m", [1, 4, 32])
+def test_gemv_stages_give_the_same_bits(h, fmt, n, k, epi, m):
+    """How units stream (stage, ring depth, load depth, L2 prefetch, interleaving) never changes a bit:
+    every valid variant of the shipped key gives its output exactly, and writes every element."""
+    g = torch.Generator(device="cuda").manual_seed(m)
+    packed = pack_for_device(random_qmatrix(fmt, n, k, g), gate_up=epi == "silu_mul")
+    x = torch.randn(m, k, generator=g, device="cuda").bfloat16()
+    res = torch.randn(m, n, generator=g, device="cuda").bfloat16() if epi == "residual" else None
+    base = gemv.make_key(fmt, n, k, m, TARGET, epi)
+    keys = [base]
+    for fields in GEMV_STAGES:
+        try:
+            keys.append(replace(base, **fields))
+        except ValueError:
+            pass                                   # not a valid key at this shape (e.g. a ring too big)
+    cache = _variant_cache()                       # own cache: an M = 32 variant may spill (still the same bits),
+    cache.build(keys)                              # which must not count against the shipped kernels' check
+    outs = []
+    for key in keys:
+        y = torch.full((m, n // 2 if epi == "silu_mul" else n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        ws, tickets = gemv_workspace(key, "cuda")
+        args = [y, x, packed["lo"], packed["hi"] if packed["hi"].numel() else None,
+                packed["scales"] if packed["scales"].numel() else None, res, ws, tickets]
+        cache.bind(key, args).launch()
+        outs.append(y)
+    torch.cuda.synchronize()
+    assert not torch.isnan(outs[0].float()).any(), f"{base.name}: unwritten outputs"
+    for key, y in zip(keys[1:], outs[1:]):
+        assert h.same_bits(y, outs[0]), f"{key.name} differs from {base.name}"
 
 
 def test_gemm_output_may_alias_residual(h):
