@@ -57,7 +57,7 @@ def test_unfused_graph_is_refused_with_the_primitive_named():
 def test_buckets_cover_decode_verify_mtp_and_prefill():
     shapes = bucket_shapes(BIG, (1, 2, 4, 8), 3)
     assert ("step", 8, 4) in shapes and ("step", 1, 1) in shapes and ("mtp", 8, 1) in shapes
-    assert ("prefill", 1, 1024) in shapes
+    assert ("prefill", 1, BIG.runtime.prefill_chunk) in shapes
     assert Counter(e for e, _, _ in shapes)["step"] == 8
 
 
