@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Decode-GEMV variants in one device call: the gemv GPU tests (every stage gives the same bits), the
+# Decode-GEMV variants in one device call: the gemv GPU tests (every stream setting gives the same bits), the
 # kernel lab's variant group (gemv9: each variant against v1 in the same run), then the 27B decode
 # bench once per NINFER_GEMV setting in VARIANTS (';'-separated, '' = the shipped config).
 # Run from the repository root on the GPU machine:  bash bench/gpu_gemv_variants.sh   (logs to $OUT)

@@ -64,10 +64,30 @@ def time_chain(runs, iters: int) -> float:
     return start.elapsed_time(end) * 1e3 / iters
 
 
-def gemv_runs(fmt, n, k, ms, epilogue, out, target, l2, configs=None) -> list:
+@dataclass(frozen=True)
+class GemvV1Key(gemv.Key):
+    """The gemv of 2026-11-29…30 (templates/gemv_v1.cu.j2: per-unit bounds checks, addresses recomputed per
+    load), built beside the current template for same-run comparisons; the stream fields are unused."""
+    template = "gemv_v1.cu.j2"
+
+    def _name_parts(self):
+        return super()._name_parts() + ["v1"]
+
+
+V1 = "v1"          # a gemv_runs config: the archived v1 kernel of the shape
+PLAIN = {"depth": 0, "prefetch": 0, "interleave": False}        # the stream fields v1 had
+
+
+def v1_of(key: gemv.Key) -> GemvV1Key:
+    return GemvV1Key(**{**key.fields(), **PLAIN})
+
+
+def gemv_runs(fmt, n, k, ms, epilogue, out, target, l2, configs=None, check_v1=False) -> list:
     """Thunks, one per M (or per (M, config) in `configs`: the sweep; a config is a dict of key
-    fields to replace, e.g. {"warps": 8, "splits": 3}), sharing one packed weight set (rotated copies
-    when smaller than 2×L2). Each thunk carries its `key` (built in parallel before timing)."""
+    fields to replace, e.g. {"warps": 8, "splits": 3}, or V1; configs that make no valid key are
+    left out), sharing one packed weight set (rotated copies when smaller than 2×L2). Each thunk
+    carries its `key` (built in parallel before timing). `check_v1`: each run also reports whether its
+    output has the v1 kernel's bits on the same inputs."""
     shared = {}
 
     def weights():
@@ -80,25 +100,42 @@ def gemv_runs(fmt, n, k, ms, epilogue, out, target, l2, configs=None) -> list:
 
     def make(m, cfg=None):
         key = gemv.make_key(fmt, n, k, m, target, epilogue, out)
-        if not cfg:
-            return key
-        return replace(key, **cfg)
+        if cfg == V1:
+            return v1_of(key)
+        return replace(key, **cfg) if cfg else key
 
     def one(key):
         m = key.m
         x = torch.randn(m, k, device=DEVICE).bfloat16()
         res = torch.randn(m, n, device=DEVICE).bfloat16() if epilogue == "residual" else None
         n_out = n // 2 if epilogue == "silu_mul" else n
-        y = torch.empty(m, n_out, device=DEVICE, dtype=torch.float32 if out == "f32" else torch.bfloat16)
-        ws, tickets = gemv_workspace(key, DEVICE)          # one workspace serves every rotated copy
+        dtype = torch.float32 if out == "f32" else torch.bfloat16
         nz = lambda t: t if t.numel() else None                           # noqa: E731
-        runs = [[KERNELS.bind(key, [y, x, w["lo"], nz(w["hi"]), nz(w["scales"]), res, ws, tickets])]
-                for w in weights()]
+
+        def bound(kk):
+            y = torch.full((m, n_out), float("nan"), device=DEVICE, dtype=dtype)
+            ws, tickets = gemv_workspace(kk, DEVICE)       # one workspace serves every rotated copy
+            return y, [[KERNELS.bind(kk, [y, x, w["lo"], nz(w["hi"]), nz(w["scales"]), res, ws, tickets])]
+                       for w in weights()]
+        y, runs = bound(key)
         moved = device_bytes(fmt, n, k) + x.numel() * 2 + y.numel() * y.element_size() + \
             (res.numel() * 2 if res is not None else 0)
-        return key, runs, moved, 2 * m * n * k
+        if not check_v1:
+            return key, runs, moved, 2 * m * n * k
+        y1, runs1 = bound(v1_of(key))
+        runs[0][0].launch()
+        runs1[0][0].launch()
+        torch.cuda.synchronize()
+        bits = torch.int32 if dtype == torch.float32 else torch.int16
+        return key, runs, moved, 2 * m * n * k, {"bits_equal_v1": bool(torch.equal(y.view(bits), y1.view(bits)))}
 
-    keys = [make(m, c) for m in ms for c in configs] if configs else [make(m) for m in ms]
+    keys = []
+    for m in ms:
+        for cfg in configs or [None]:
+            try:
+                keys.append(make(m, cfg))
+            except ValueError:
+                pass
     thunks = []
     for key in dict.fromkeys(keys):
         thunk = lambda key=key: one(key)                                  # noqa: E731
@@ -123,74 +160,9 @@ SMALL_GEMV = [("q5g64", 6144, 5120, "none"), ("q5g64", 5120, 6144, "residual"), 
               ("w8g32", 5120, 17408, "residual"), ("q4g64", 1024, 5120, "none")]
 
 
-@dataclass(frozen=True)
-class GemvV1Key(gemv.Key):
-    """The gemv of 2026-11-29…30 (templates/gemv_v1.cu.j2: per-unit bounds checks, addresses recomputed per
-    load), built beside the current template for same-run comparisons; the stage fields are unused."""
-    template = "gemv_v1.cu.j2"
-
-    def _name_parts(self):
-        return super()._name_parts() + ["v1"]
-
-
 # How units stream in the current gemv (bench/kernel_lab_notes.md, v9): every variant gives v1's bits.
-GEMV_VARIANTS = {"v1": None, "serial": {}, "serial_p1": {"prefetch": 1}, "serial_p2": {"prefetch": 2},
-                 "serial_p4": {"prefetch": 4}, "il": {"interleave": True}, "il_p2": {"interleave": True, "prefetch": 2},
-                 "ring4": {"stage": "ring", "depth": 4}, "ring8": {"stage": "ring", "depth": 8}}
-
-
-def gemv_variant_runs(fmt, n, k, ms, epilogue, out, target, l2) -> list:
-    """Thunks for every GEMV_VARIANTS entry that makes a valid key at each M, sharing one weight set;
-    each run also reports whether its output has v1's bits on the same inputs."""
-    shared = {}
-
-    def setup():
-        if not shared:
-            g = torch.Generator(device=DEVICE).manual_seed(0)
-            copies = max(1, min(64, -(-2 * l2 // device_bytes(fmt, n, k))))
-            shared["w"] = [pack_for_device(random_qmatrix(fmt, n, k, g), gate_up=epilogue == "silu_mul")
-                           for _ in range(copies)]
-        return shared["w"]
-
-    def one(key, m):
-        ws_ = setup()
-        gx = torch.Generator(device=DEVICE).manual_seed(m)
-        x = torch.randn(m, k, device=DEVICE, generator=gx).bfloat16()
-        res = torch.randn(m, n, device=DEVICE, generator=gx).bfloat16() if epilogue == "residual" else None
-        n_out = n // 2 if epilogue == "silu_mul" else n
-        dt = torch.float32 if out == "f32" else torch.bfloat16
-        nz = lambda t: t if t.numel() else None                           # noqa: E731
-
-        def outputs(kk):
-            y = torch.full((m, n_out), float("nan"), device=DEVICE, dtype=dt)
-            ws, tickets = gemv_workspace(kk, DEVICE)
-            return y, [[KERNELS.bind(kk, [y, x, w["lo"], nz(w["hi"]), nz(w["scales"]), res, ws, tickets])]
-                       for w in ws_]
-        y, runs = outputs(key)
-        runs[0][0].launch()
-        plain = replace(key, stage="reg", depth=0, prefetch=0, interleave=False)
-        y1, runs1 = outputs(GemvV1Key(**plain.fields()))
-        runs1[0][0].launch()
-        torch.cuda.synchronize()
-        same = bool(torch.equal(y.view(torch.int16 if dt == torch.bfloat16 else torch.int32),
-                                y1.view(torch.int16 if dt == torch.bfloat16 else torch.int32)))
-        moved = device_bytes(fmt, n, k) + x.numel() * 2 + y.numel() * y.element_size() + \
-            (res.numel() * 2 if res is not None else 0)
-        return key, runs, moved, 2 * m * n * k, {"bits_equal_v1": same}
-
-    thunks = []
-    for m in ms:
-        base = gemv.make_key(fmt, n, k, m, target, epilogue, out)
-        for label, fields in GEMV_VARIANTS.items():
-            try:
-                key = GemvV1Key(**base.fields()) if fields is None \
-                    else replace(base, **{"stage": "reg", "depth": 0, "prefetch": 0, "interleave": False, **fields})
-            except ValueError:
-                continue
-            thunk = lambda key=key, m=m: one(key, m)                      # noqa: E731
-            thunk.key = key
-            thunks.append(thunk)
-    return thunks
+GEMV_VARIANTS = [V1, PLAIN, {**PLAIN, "prefetch": 1}, {**PLAIN, "prefetch": 2}, {**PLAIN, "prefetch": 4},
+                 {**PLAIN, "interleave": True}, {**PLAIN, "interleave": True, "prefetch": 2}]
 
 
 @dataclass(frozen=True)
@@ -261,7 +233,8 @@ def plan(target):
     l2, ms = target.l2_bytes, (1, 4, 8, 16, 32)
     # every way units stream through the decode GEMV, at the 27B decode shapes (v9 notes)
     for fmt, n, k, epi, out in DECODE_GEMV[:6] + (("w8g32", 248320, 5120, "none", "f32"),):
-        yield "gemv9", gemv_variant_runs(fmt, n, k, (1, 4, 32) if n < 200000 else (1, 4), epi, out, target, l2)
+        yield "gemv9", gemv_runs(fmt, n, k, (1, 4, 32) if n < 200000 else (1, 4), epi, out, target, l2,
+                                 GEMV_VARIANTS, check_v1=True)
     yield "gemv", gemv_runs("q4g64", 34816, 5120, ms, "silu_mul", "bf16", target, l2)
     yield "gemv", gemv_runs("q4g64", 248320, 5120, ms, "none", "f32", target, l2)
     yield "gemv", gemv_runs("w8g32", 248320, 5120, (1, 4, 32), "none", "f32", target, l2)

@@ -68,7 +68,7 @@ def test_gemv_stream_fields_follow_the_shape_and_m():
     prefetch at M ≤ 8, units kept apart at M > 8, no prefetch for the many-wave LM head or off sm_90."""
     h200 = lookup("h200")
     gate_up = gemv.make_key("q4g64", 34816, 5120, 1, h200, "silu_mul")
-    assert (gate_up.interleave, gate_up.prefetch, gate_up.stage) == (True, 2, "reg")
+    assert (gate_up.interleave, gate_up.prefetch) == (True, 2)
     assert gate_up.name == "gemv_q4g64_n34816_k5120_m1_silu_w4t1_p2_il_sm90"
     verify8 = gemv.make_key("q4g64", 34816, 5120, 32, h200, "silu_mul")
     assert (verify8.interleave, verify8.prefetch) == (False, 1)
@@ -86,11 +86,11 @@ def test_gemv_stream_fields_follow_the_shape_and_m():
 
 def test_gemv_experiment_override_and_bad_stream_fields(monkeypatch):
     h200 = lookup("h200")
-    monkeypatch.setenv("NINFER_GEMV", "stage=ring,depth=8")
-    ring = gemv.make_key("q4g64", 34816, 5120, 1, h200, "silu_mul")
-    assert ring.name == "gemv_q4g64_n34816_k5120_m1_silu_w4t1_d8_ring_sm90"
-    big = gemv.make_key("q5g64", 5120, 6144, 32, h200, "residual")     # a ring of 8 does not fit: unchanged
-    assert big.stage == "reg"
+    monkeypatch.setenv("NINFER_GEMV", "prefetch=0,interleave=0,depth=8")
+    plain = gemv.make_key("q4g64", 34816, 5120, 1, h200, "silu_mul")
+    assert plain.name == "gemv_q4g64_n34816_k5120_m1_silu_w4t1_d8_sm90"
+    monkeypatch.setenv("NINFER_GEMV", "prefetch=9")                      # not a valid key: unchanged
+    assert gemv.make_key("q4g64", 34816, 5120, 1, h200, "silu_mul").prefetch == 2
     monkeypatch.setenv("NINFER_GEMV", "prefetch=two")
     with pytest.raises(ValueError, match="expected prefetch=<integer>"):
         gemv.make_key("q4g64", 34816, 5120, 1, h200)
@@ -99,12 +99,8 @@ def test_gemv_experiment_override_and_bad_stream_fields(monkeypatch):
         gemv.make_key("q4g64", 34816, 5120, 1, h200)
     monkeypatch.delenv("NINFER_GEMV")
     base = gemv.make_key("q4g64", 34816, 5120, 1, h200)
-    with pytest.raises(ValueError, match="needs stage 'reg'"):
-        replace(base, stage="ring", depth=4, prefetch=2)
-    with pytest.raises(ValueError, match="shared memory"):
-        replace(base, stage="ring", depth=32, prefetch=0)
-    with pytest.raises(ValueError, match="stage 'disk' not one of"):
-        replace(base, stage="disk", prefetch=0)
+    with pytest.raises(ValueError, match="prefetch = 9 outside 0..8"):
+        replace(base, prefetch=9)
 
 
 def test_rmsnorm_reference_is_a_loop():

@@ -53,11 +53,10 @@ class Key(KernelKey):
     tiles: int             # 16-row tiles per block
     arch: str
     splits: int = 1        # K slices over blocks (whole order batches), summed in slice order by the last block
-    depth: int = 0         # units in flight per warp: a load batch (stage "reg") or ring slots ("ring");
-                           # 0: the format's default (2 for bf16, else 4). The summation order ignores it
-    stage: str = "reg"     # how units reach registers: "reg" (load batches) or "ring" (cp.async ring)
-    prefetch: int = 0      # stage "reg": order batches the block asks L2 to fetch ahead of its loads (0: none)
-    interleave: bool = False  # stage "reg": ptxas may interleave a batch's units (more registers)
+    depth: int = 0         # units each warp loads per batch (0: the format's default, 2 for bf16, else 4);
+                           # the order units are summed in does not change with it
+    prefetch: int = 0      # order batches the block asks L2 to fetch ahead of its loads (0: none)
+    interleave: bool = False  # ptxas may interleave a batch's units (more registers)
 
     def __post_init__(self):
         if self.fmt not in FORMATS:
@@ -71,38 +70,17 @@ class Key(KernelKey):
             raise ValueError(f"gemv: splits = {self.splits} outside "
                              f"1..{load_batches(self.fmt, self.k, self.warps)} "
                              "(every slice needs a whole order batch)")
-        if self.prefetch and (self.stage != "reg" or not 0 < self.prefetch <= 8):
-            raise ValueError(f"gemv: prefetch = {self.prefetch} needs stage 'reg' and 1..8 batches")
-        if self.stage not in STAGES:
-            raise ValueError(f"gemv: stage {self.stage!r} not one of {', '.join(STAGES)}")
-        if self.stage == "ring" and shared_bytes(self) > RING_SMEM_LIMIT:
-            raise ValueError(f"gemv: a ring of {load_depth(self.fmt, self.depth)} units needs "
-                             f"{shared_bytes(self)} bytes of shared memory (static limit {RING_SMEM_LIMIT})")
+        if not 0 <= self.prefetch <= 8:
+            raise ValueError(f"gemv: prefetch = {self.prefetch} outside 0..8 batches")
 
     def _name_parts(self):
         return (shape_name_parts(self) + [f"w{self.warps}t{self.tiles}"] + ([f"s{self.splits}"] if self.splits > 1 else [])
-                + ([f"d{self.depth}"] if self.depth else []) + (["ring"] if self.stage == "ring" else [])
+                + ([f"d{self.depth}"] if self.depth else [])
                 + ([f"p{self.prefetch}"] if self.prefetch else []) + (["il"] if self.interleave else []))
 
 
-STAGES = ("reg", "ring")
-RING_SMEM_LIMIT = 48 * 1024          # static shared memory per block
-
-
-def shared_bytes(key: "Key") -> int:
-    """Static shared memory of a block: the warp-order reduction buffer, plus the ring (stage "ring")."""
-    nt = ceil_div(key.m, 8)
-    red = 4 * key.warps * key.tiles * nt * 4 * 32
-    if key.stage != "ring":
-        return red
-    qv, hw = (4 if key.fmt == "bf16" else 1), {"q5g64": 1, "q6g64": 2}.get(key.fmt, 0)
-    aux = 0 if key.fmt == "bf16" else 8 * hw + 2           # 16-byte chunks: hi planes, then the scales
-    slot = key.tiles * 16 * (32 * qv + max(aux, 1))
-    return red + key.warps * load_depth(key.fmt, key.depth) * slot
-
-
 def load_depth(fmt: str, depth: int = 0) -> int:
-    """Units in flight per warp (PD in templates/gemv.cu.j2): a load batch, or the ring's slots."""
+    """Units per warp per load batch (PD in templates/gemv.cu.j2)."""
     return depth or order_depth(fmt)
 
 
@@ -180,7 +158,7 @@ def make_key(fmt: str, n: int, k: int, m: int, target: Target, epilogue: str = "
 
 
 # Fields NINFER_GEMV may set for experiments (they change how units stream, never the bits).
-_OVERRIDABLE = {"stage": str, "depth": int, "prefetch": int, "interleave": lambda v: v not in ("0", "false")}
+_OVERRIDABLE = {"depth": int, "prefetch": int, "interleave": lambda v: v not in ("0", "false")}
 
 
 def _override(key: Key, spec: str) -> Key:
@@ -196,8 +174,6 @@ def _override(key: Key, spec: str) -> Key:
             fields[name.strip()] = _OVERRIDABLE[name.strip()](value.strip())
         except ValueError:
             raise ValueError(f"NINFER_GEMV: {item.strip()!r}: expected {name.strip()}=<integer>") from None
-    if fields.get("stage") == "ring":           # the ring streams on its own: no prefetch, no interleaving
-        fields = {"prefetch": 0, "interleave": False, **fields}
     try:
         return replace(key, **fields)
     except ValueError:

@@ -58,16 +58,6 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
 
-// For rings with no barrier between a lane's copies and its own reads of them (gemv's stage "ring"):
-// the "memory" clobbers keep the compiler from moving plain shared-memory reads of a slot above the
-// wait for it, or below the copy that refills it.
-__device__ __forceinline__ void cp_async16_ordered(void* smem, const void* gmem) {
-  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(s), "l"(gmem) : "memory");
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait_ordered() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
-
 // Four 8×8 b16 matrices from shared memory: lane l gives the row address of matrix l/8.
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem_row) {
   const unsigned s = (unsigned)__cvta_generic_to_shared(smem_row);
