@@ -96,6 +96,9 @@ class Launcher:
         if len(params) != len(args):
             raise ValueError(f"{kernel.name}: {len(params)} parameters, {len(args)} arguments")
         self.kernel, self.launch_cfg, self.pdl = kernel, launch, pdl
+        # The packed values are raw device addresses: the launcher keeps its tensors alive, or a freed
+        # argument's memory could be handed to another tensor before a later launch.
+        self._tensors = [a for a in args if isinstance(a, torch.Tensor)]
         self._values = [_CTYPES[p.kind](_value(a)) for p, a in zip(params, args)]
         self._ptrs = (ctypes.c_void_p * len(self._values))(*[ctypes.addressof(v) for v in self._values])
         self._config = None

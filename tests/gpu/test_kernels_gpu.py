@@ -156,6 +156,29 @@ def test_gemv_stream_fields_give_the_same_bits(h, fmt, n, k, epi, m):
         assert h.same_bits(y, outs[0]), f"{key.name} differs from {base.name}"
 
 
+def test_launcher_keeps_its_arguments_alive(h):
+    """A launcher bound to tensors nobody else holds (here the split-K workspace) still launches right
+    after other allocations: it keeps its arguments, so their memory is not handed out again."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    w = random_qmatrix("q5g64", 5120, 17408, g)
+    packed = pack_for_device(w)
+    x = torch.randn(1, 17408, generator=g, device="cuda").bfloat16()
+    key = gemv.make_key("q5g64", 5120, 17408, 1, TARGET, out_dtype="f32")
+    assert key.splits > 1
+
+    def bound():
+        y = torch.full((1, 5120), float("nan"), device="cuda")
+        ws, tickets = gemv_workspace(key, "cuda")               # dropped on return: only the launcher holds them
+        return y, h.KERNELS.bind(key, [y, x, packed["lo"], packed["hi"], packed["scales"], None, ws, tickets])
+    pairs = [bound() for _ in range(8)]                          # each bind's allocations after the last's
+    for _, launcher in pairs:
+        launcher.launch()
+    torch.cuda.synchronize()
+    expected = gemv.reference(key, x, w)
+    for y, _ in pairs:
+        h._check_close(key.name + " (workspace held by the launcher only)", y, expected, "f32")
+
+
 def test_gemm_output_may_alias_residual(h):
     """y = res (in-place residual add), as the runtime launches the down projection."""
     key = gemm.make_key("q5g64", 1040, 512, 1040, TARGET, "residual")
