@@ -57,6 +57,8 @@ class Key(KernelKey):
                            # the order units are summed in does not change with it
     prefetch: int = 0      # order batches the block asks L2 to fetch ahead of its loads (0: none)
     interleave: bool = False  # ptxas may interleave a batch's units (more registers)
+    min_blocks: int = 2    # __launch_bounds__ blocks per SM: caps the registers so a grid fits fewer waves
+    biased: bool = False   # Q4/Q5/Q6: the offset leaves through an extra mma, not an HFMA2 per register (bits)
 
     def __post_init__(self):
         if self.fmt not in FORMATS:
@@ -72,11 +74,16 @@ class Key(KernelKey):
                              "(every slice needs a whole order batch)")
         if not 0 <= self.prefetch <= 8:
             raise ValueError(f"gemv: prefetch = {self.prefetch} outside 0..8 batches")
+        if self.biased and self.fmt not in ("q4g64", "q5g64", "q6g64"):
+            raise ValueError(f"gemv: biased codes need a Q4/Q5/Q6 format, not {self.fmt}")
+        if not 1 <= self.min_blocks <= 16:
+            raise ValueError(f"gemv: min_blocks = {self.min_blocks} outside 1..16")
 
     def _name_parts(self):
         return (shape_name_parts(self) + [f"w{self.warps}t{self.tiles}"] + ([f"s{self.splits}"] if self.splits > 1 else [])
                 + ([f"d{self.depth}"] if self.depth else [])
-                + ([f"p{self.prefetch}"] if self.prefetch else []) + (["il"] if self.interleave else []))
+                + ([f"p{self.prefetch}"] if self.prefetch else []) + (["il"] if self.interleave else [])
+                + ([f"b{self.min_blocks}"] if self.min_blocks != 2 else []) + (["bz"] if self.biased else []))
 
 
 def load_depth(fmt: str, depth: int = 0) -> int:
@@ -157,27 +164,38 @@ def make_key(fmt: str, n: int, k: int, m: int, target: Target, epilogue: str = "
     return _override(key, os.environ.get("NINFER_GEMV", ""))
 
 
-# Fields NINFER_GEMV may set for experiments (they change how units stream, never the bits).
-_OVERRIDABLE = {"depth": int, "prefetch": int, "interleave": lambda v: v not in ("0", "false")}
+# Fields NINFER_GEMV may set for experiments: how units stream and the registers (never the bits), and
+# `splits` and `biased`, which change the summation (bits; batch invariance still holds).
+_OVERRIDABLE = {"depth": int, "prefetch": int, "interleave": lambda v: v not in ("0", "false"), "min_blocks": int,
+                "splits": int, "biased": lambda v: v not in ("0", "false")}
 
 
 def _override(key: Key, spec: str) -> Key:
-    """NINFER_GEMV="prefetch=2,interleave=0": every key takes those fields where they make a valid key."""
-    if not spec:
-        return key
-    fields = {}
-    for item in spec.split(","):
-        name, _, value = item.partition("=")
-        if name.strip() not in _OVERRIDABLE:
-            raise ValueError(f"NINFER_GEMV: {name.strip()!r} is not one of {', '.join(_OVERRIDABLE)}")
+    """NINFER_GEMV="prefetch=2,interleave=0": every key takes those fields where they make a valid key.
+    Several rules are separated by ';', and a rule may start with a shape `NxK:` that limits it to keys of
+    that shape (e.g. "5120x6144:min_blocks=3;prefetch=1"); the first rule that applies wins."""
+    for rule in (r.strip() for r in spec.split(";") if r.strip()):
+        shape, _, body = rule.rpartition(":")
+        if shape:
+            n, _, k = shape.partition("x")
+            if not (n.strip().isdigit() and k.strip().isdigit()):
+                raise ValueError(f"NINFER_GEMV: {shape!r} is not a shape NxK (e.g. 5120x6144)")
+            if (int(n), int(k)) != (key.n, key.k):
+                continue
+        fields = {}
+        for item in body.split(","):
+            name, _, value = item.partition("=")
+            if name.strip() not in _OVERRIDABLE:
+                raise ValueError(f"NINFER_GEMV: {name.strip()!r} is not one of {', '.join(_OVERRIDABLE)}")
+            try:
+                fields[name.strip()] = _OVERRIDABLE[name.strip()](value.strip())
+            except ValueError:
+                raise ValueError(f"NINFER_GEMV: {item.strip()!r}: expected {name.strip()}=<integer>") from None
         try:
-            fields[name.strip()] = _OVERRIDABLE[name.strip()](value.strip())
+            return replace(key, **fields)
         except ValueError:
-            raise ValueError(f"NINFER_GEMV: {item.strip()!r}: expected {name.strip()}=<integer>") from None
-    try:
-        return replace(key, **fields)
-    except ValueError:
-        return key
+            return key
+    return key
 
 
 def launch(key: Key, target: Target | None = None) -> Launch:

@@ -71,6 +71,8 @@ GDN_CHUNK = list(dict.fromkeys(
 
 CASES = [(k, 0) for k in _keys(TINY, False)] + [(k, 1) for k in _keys(BIG, True)] + \
     [(k, 2) for k in GEMM_ODD + GEMM_TILINGS + GEMM_WG] + [(k, 3) for k in GDN_CHUNK]
+# Biased decode GEMVs (the offset taken out by an extra mma): every Q4/Q5/Q6 shape above, other bits.
+CASES += [(replace(k, biased=True), 4) for k, _ in CASES if k.family == "gemv" and k.fmt in ("q4g64", "q5g64", "q6g64")]
 
 
 @pytest.fixture(scope="session")

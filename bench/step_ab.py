@@ -1,0 +1,101 @@
+"""step_ab: same-run A/B of decode-GEMV variants inside the 27B decode step (weights drawn on the
+device). One process, one weight set, one sequence: each variant is a NINFER_GEMV override (see
+compiler/kernels/gemv.py `_override`; ';'-separated rules, each optionally limited to a shape NxK),
+planned, compiled and captured as its own step graph over the same inputs, and the graphs are timed
+in alternating rounds, so the ratios are free of run-to-run drift. Variants whose kernels spill are
+reported and skipped. Optionally the omission profile (bench.omission_profile) of some of them.
+
+    python -m bench.step_ab --variants "base|5120x6144:min_blocks=3" --omission 0,1
+
+Variants are separated by '|'; `base` (or an empty string) is the shipped configuration.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+
+import ninfer_gen
+from compiler.buckets import plan_bucket
+from ninfer_gen.bench import copy_bandwidth, omission_profile, step_bytes, time_replays
+from ninfer_gen.executable import Bucket
+from ninfer_gen.memory_plan import GiB
+
+
+def _ids(n: int, vocab: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(5)).tolist()
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--spec", default="model_specs/qwen3.8-27b.yaml")
+    ap.add_argument("--variants", default="base", help="'|'-separated NINFER_GEMV overrides ('base': none)")
+    ap.add_argument("--context", type=int, default=542, help="tokens in the sequence before the timed step")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=50, help="replays per timing (median)")
+    ap.add_argument("--omission", default="", help="comma-separated indices of variants to profile")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    variants = [v.strip() for v in args.variants.split("|")]
+
+    os.environ.pop("NINFER_GEMV", None)
+    model = ninfer_gen.load(args.spec, backend="gpu", max_context=args.context + 256, vram_budget=24 * GiB,
+                            random_weights="device", progress=True)
+    be, spec = model.backend, model.spec
+    exe = be.exe
+    seq = be.new_sequence()
+    be.prefill(seq, _ids(args.context, spec.model.vocab_size))
+    shipped = be.bucket("step", 1, 1)
+    buckets: dict[str, Bucket] = {}
+    for v in variants:
+        os.environ["NINFER_GEMV"] = "" if v == "base" else v
+        plan = plan_bucket(exe.rt_spec, exe.target, "step", 1, 1)
+        os.environ.pop("NINFER_GEMV")
+        exe.kernels.build(plan.keys())
+        spills = sorted({k.name for k in plan.keys()} & set(exe.kernels.spilled()))
+        if spills:
+            print(f"variant {v!r}: skipped, spills in {', '.join(spills)}")
+            continue
+        b = Bucket(shipped.shape, plan, shipped.inputs)
+        exe._fit(plan)
+        exe._bind(b)
+        exe.capture(b)
+        buckets[v] = b
+    be.run("step", [seq], [[1]])                     # the sequence's inputs, shared by every variant's graph
+    copy = copy_bandwidth()
+    moved = step_bytes(spec, shipped.plan, args.context, be.state.kv_dtype)["total"]
+
+    times: dict[str, list[float]] = {v: [] for v in buckets}
+    for _ in range(args.rounds):
+        for v, b in buckets.items():
+            times[v].append(statistics.median(time_replays(b, args.iters)))
+    out = {"copy_GBps": copy, "bytes_per_step": moved, "context": args.context, "variants": {}}
+    names = list(buckets)
+    base = statistics.median(times[names[0]])
+    print(f"copy {copy:.0f} GB/s, {moved / 1e9:.2f} GB per step, context {args.context}")
+    print(f"{'#':>2} {'step ms':>8} {'% copy':>7} {'vs #0':>6}  rounds / variant")
+    for i, v in enumerate(names):
+        ms = statistics.median(times[v])
+        eff = moved / (ms * 1e-3) / 1e9 / copy
+        out["variants"][v] = {"step_ms": ms, "rounds_ms": times[v], "efficiency": eff}
+        print(f"{i:>2} {ms:8.3f} {100 * eff:6.1f}% {ms / base:6.3f}  "
+              + " ".join(f"{t:.3f}" for t in times[v]) + f"  {v}")
+    for i in [int(x) for x in args.omission.split(",") if x.strip()]:
+        v = names[i]
+        prof = omission_profile(buckets[v])
+        out["variants"][v]["omission_us"] = prof
+        print(f"omission #{i}: " + ", ".join(f"{k} {p['saved_us']:.0f} ({p['launches']})"
+                                             for k, p in list(prof.items())[:10]))
+    be.release(seq)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+if __name__ == "__main__":
+    main()
