@@ -282,12 +282,16 @@ class Executable:
         out = ptr(e.outputs[0]) if e.outputs else 0
         args = self._workspace_args(key, lane)
         if fam in MATMUL_FAMILIES:
-            wname = values.resolve(e.inputs[1])[1]
-            if e.prim == "linear_silu_mul":
+            normed = e.prim in ("rmsnorm_linear", "rmsnorm_linear_silu_mul")   # inputs: h, norm weight, W…
+            w_at = 2 if normed else 1
+            wname = values.resolve(e.inputs[w_at])[1]
+            if e.prim in ("linear_silu_mul", "rmsnorm_linear_silu_mul"):
                 wname = fused_gate_up(wname)
             res = ptr(e.inputs[2]) if e.prim == "linear_residual" else 0
             args = {"ws": 0, "tickets": 0} | args                         # split-K workspace, when split
             x = args["xp"] if fam == "gemm_wg" else ptr(e.inputs[0])        # gemm_wg: xperm's output
+            if normed:
+                args["norm_w"] = ptr(e.inputs[1])
             return args | {"y": out, "x": x, "res": res} | self._planes(wname)
         if fam == "xperm":                     # into the workspace the gemm_wg call after it reads
             return args | {"x": ptr(e.inputs[0])}

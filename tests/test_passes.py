@@ -88,3 +88,35 @@ def test_pipeline_is_ordered_and_pure():
     run_pipeline(g)
     assert str(g) == before
     assert PIPELINE[-1] is dead_code
+
+
+@pytest.mark.parametrize("entry,batch,tokens", [("step", 1, 1), ("step", 2, 1)])
+def test_norms_folded_into_projections_are_bit_identical(monkeypatch, entry, batch, tokens):
+    """NINFER_NORM_INTO_GEMV=2: every decoder norm of a ≤ 2-row step moves into the projections that
+    read it (the final norm before the vocabulary head stays); the interpreter gives the same bits."""
+    monkeypatch.setenv("NINFER_NORM_INTO_GEMV", "2")
+    g = trace(SPEC, entry, batch, tokens, POOLS)
+    fused = run_pipeline(g)
+    counts, layers = Counter(e.prim for e in fused.eqns), SPEC.model.layers.count
+    assert counts["rmsnorm"] == 1 and counts["linear_silu_mul"] == 0
+    assert counts["rmsnorm_linear_silu_mul"] == layers and counts["rmsnorm_linear"] > 2 * layers
+    head = next(e for e in fused.eqns if e.prim == "linear" and e.inputs[1].shape[0] == SPEC.model.vocab_size)
+    assert any(e.prim == "rmsnorm" and e.outputs[0] is head.inputs[0] for e in fused.eqns)
+    weights = random_weights(SPEC)
+    s1, s2 = _state(0), _state(0)
+    o1 = run_graph(g, _inputs(entry, batch, tokens), weights, s1)
+    o2 = run_graph(fused, _inputs(entry, batch, tokens), weights, s2)
+    for k in o1:
+        assert torch.equal(o1[k], o2[k]), k
+    for k in s1:
+        assert torch.equal(s1[k], s2[k]), k
+
+
+def test_norms_stay_where_the_fold_does_not_apply(monkeypatch):
+    monkeypatch.setenv("NINFER_NORM_INTO_GEMV", "1")
+    for entry, batch, tokens in (("step", 2, 1), ("step", 1, 4), ("prefill", 1, 20)):   # more rows; prefill
+        counts = Counter(e.prim for e in run_pipeline(trace(SPEC, entry, batch, tokens, POOLS)).eqns)
+        assert counts["rmsnorm_linear"] == counts["rmsnorm_linear_silu_mul"] == 0, (entry, batch, tokens)
+    monkeypatch.delenv("NINFER_NORM_INTO_GEMV")
+    counts = Counter(e.prim for e in run_pipeline(trace(SPEC, "step", 1, 1, POOLS)).eqns)
+    assert counts["rmsnorm_linear"] == 0                                     # off by default

@@ -59,6 +59,8 @@ class Key(KernelKey):
     interleave: bool = False  # ptxas may interleave a batch's units (more registers)
     min_blocks: int = 2    # __launch_bounds__ blocks per SM: caps the registers so a grid fits fewer waves
     biased: bool = False   # Q4/Q5/Q6: the offset leaves through an extra mma, not an HFMA2 per register (bits)
+    norm: bool = False     # x is the residual stream: each block RMS-normalises it first (eps; weight `norm_w`)
+    eps: float = 0.0
 
     def __post_init__(self):
         if self.fmt not in FORMATS:
@@ -76,6 +78,11 @@ class Key(KernelKey):
             raise ValueError(f"gemv: prefetch = {self.prefetch} outside 0..8 batches")
         if self.biased and self.fmt not in ("q4g64", "q5g64", "q6g64"):
             raise ValueError(f"gemv: biased codes need a Q4/Q5/Q6 format, not {self.fmt}")
+        if self.norm and self.m * self.k * 2 > NORM_SMEM:
+            raise ValueError(f"gemv: norm keeps M × K bf16 in shared memory: {self.m} × {self.k} is over "
+                             f"{NORM_SMEM // 1024} KiB")
+        if self.norm and (self.k % 8 or self.eps <= 0):
+            raise ValueError(f"gemv: norm needs K a multiple of 8 and eps > 0, got K = {self.k}, eps = {self.eps}")
         if not 1 <= self.min_blocks <= 16:
             raise ValueError(f"gemv: min_blocks = {self.min_blocks} outside 1..16")
 
@@ -83,7 +90,10 @@ class Key(KernelKey):
         return (shape_name_parts(self) + [f"w{self.warps}t{self.tiles}"] + ([f"s{self.splits}"] if self.splits > 1 else [])
                 + ([f"d{self.depth}"] if self.depth else [])
                 + ([f"p{self.prefetch}"] if self.prefetch else []) + (["il"] if self.interleave else [])
-                + ([f"b{self.min_blocks}"] if self.min_blocks != 2 else []) + (["bz"] if self.biased else []))
+                + ([f"b{self.min_blocks}"] if self.min_blocks != 2 else []) + (["bz"] if self.biased else []) + (["rn"] if self.norm else []))
+
+
+NORM_SMEM = 40 * 1024      # bytes of normalised rows a `norm` block may keep (static shared memory ≤ 48 KiB)
 
 
 def load_depth(fmt: str, depth: int = 0) -> int:
@@ -222,11 +232,18 @@ def params(key: Key) -> list[Param]:
     return [*MATMUL_PARAMS,
             Param("ws", "ptr", "f32 workspace [splits, m, n] (splits > 1, else 0)"),
             Param("tickets", "ptr", "u32 [row tiles] arrival counters: zero before the first launch, left zero "
-                  "(splits > 1, else 0)")]
+                  "(splits > 1, else 0)")] + \
+        ([Param("norm_w", "ptr", "RMSNorm weight [k] bf16, used as (1 + w); x is then the un-normalised h")]
+         if key.norm else [])
 
 
-def reference(key: Key, x: torch.Tensor, w, res: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 math on the dequantised weight; `w` is the logical (unpacked) matrix or QMatrix."""
+def reference(key: Key, x: torch.Tensor, w, res: torch.Tensor | None = None,
+              norm_w: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 math on the dequantised weight; `w` is the logical (unpacked) matrix or QMatrix. With
+    `norm`, x is h and is first normalised as the rmsnorm kernel does (to bf16)."""
+    if key.norm:
+        from . import rmsnorm
+        x, _ = rmsnorm.reference(rmsnorm.Key(key.k, key.m, False, "bf16", key.eps, key.arch), x, norm_w)
     y = x.float() @ dequantize(w).to(x.device).T
     if key.epilogue == "silu_mul":
         f = key.n // 2

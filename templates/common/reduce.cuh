@@ -28,5 +28,19 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return total;
 }
 
+// block_sum over the block's first WARPS warps only, for a block with more (they add nothing and
+// only join the barriers): the same value, bit for bit, as block_sum<WARPS> in a WARPS-warp block.
+template <int WARPS>
+__device__ __forceinline__ float block_sum_first(float v, float* scratch) {
+  v = warp_sum(v);
+  if ((threadIdx.x & 31) == 0 && (threadIdx.x >> 5) < WARPS) scratch[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < WARPS; ++w) total += scratch[w];
+  __syncthreads();
+  return total;
+}
+
 __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
