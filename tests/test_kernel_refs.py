@@ -96,8 +96,8 @@ def test_gemv_experiment_override_and_bad_stream_fields(monkeypatch):
     monkeypatch.setenv("NINFER_GEMV", "prefetch=two")
     with pytest.raises(ValueError, match="expected prefetch=<integer>"):
         gemv.make_key("q4g64", 34816, 5120, 1, h200)
-    monkeypatch.setenv("NINFER_GEMV", "warps=8")
-    with pytest.raises(ValueError, match="NINFER_GEMV: 'warps' is not one of"):
+    monkeypatch.setenv("NINFER_GEMV", "tiles=2")
+    with pytest.raises(ValueError, match="NINFER_GEMV: 'tiles' is not one of"):
         gemv.make_key("q4g64", 34816, 5120, 1, h200)
     monkeypatch.delenv("NINFER_GEMV")
     base = gemv.make_key("q4g64", 34816, 5120, 1, h200)

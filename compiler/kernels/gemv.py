@@ -175,9 +175,9 @@ def make_key(fmt: str, n: int, k: int, m: int, target: Target, epilogue: str = "
 
 
 # Fields NINFER_GEMV may set for experiments: how units stream and the registers (never the bits), and
-# `splits` and `biased`, which change the summation (bits; batch invariance still holds).
+# `warps`, `splits` and `biased`, which change the summation (bits; batch invariance still holds).
 _OVERRIDABLE = {"depth": int, "prefetch": int, "interleave": lambda v: v not in ("0", "false"), "min_blocks": int,
-                "splits": int, "biased": lambda v: v not in ("0", "false")}
+                "warps": int, "splits": int, "biased": lambda v: v not in ("0", "false")}
 
 
 def _override(key: Key, spec: str) -> Key:
