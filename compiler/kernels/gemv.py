@@ -58,6 +58,7 @@ class Key(KernelKey):
     prefetch: int = 0      # order batches the block asks L2 to fetch ahead of its loads (0: none)
     interleave: bool = False  # ptxas may interleave a batch's units (more registers)
     min_blocks: int = 2    # __launch_bounds__ blocks per SM: caps the registers so a grid fits fewer waves
+    pipeline: bool = False    # two register batches: the next batch's loads in flight during this one's mma
     biased: bool = False   # Q4/Q5/Q6: the offset leaves through an extra mma, not an HFMA2 per register (bits)
     norm: bool = False     # x is the residual stream: each block RMS-normalises it first (eps; weight `norm_w`)
     eps: float = 0.0
@@ -90,7 +91,7 @@ class Key(KernelKey):
         return (shape_name_parts(self) + [f"w{self.warps}t{self.tiles}"] + ([f"s{self.splits}"] if self.splits > 1 else [])
                 + ([f"d{self.depth}"] if self.depth else [])
                 + ([f"p{self.prefetch}"] if self.prefetch else []) + (["il"] if self.interleave else [])
-                + ([f"b{self.min_blocks}"] if self.min_blocks != 2 else []) + (["bz"] if self.biased else []) + (["rn"] if self.norm else []))
+                + ([f"b{self.min_blocks}"] if self.min_blocks != 2 else []) + (["pp"] if self.pipeline else []) + (["bz"] if self.biased else []) + (["rn"] if self.norm else []))
 
 
 NORM_SMEM = 40 * 1024      # bytes of normalised rows a `norm` block may keep (static shared memory ≤ 48 KiB)
@@ -177,7 +178,7 @@ def make_key(fmt: str, n: int, k: int, m: int, target: Target, epilogue: str = "
 # Fields NINFER_GEMV may set for experiments: how units stream and the registers (never the bits), and
 # `warps`, `splits` and `biased`, which change the summation (bits; batch invariance still holds).
 _OVERRIDABLE = {"depth": int, "prefetch": int, "interleave": lambda v: v not in ("0", "false"), "min_blocks": int,
-                "warps": int, "splits": int, "biased": lambda v: v not in ("0", "false")}
+                "pipeline": lambda v: v not in ("0", "false"), "warps": int, "splits": int, "biased": lambda v: v not in ("0", "false")}
 
 
 def _override(key: Key, spec: str) -> Key:
