@@ -91,7 +91,8 @@ class Key(KernelKey):
         return (shape_name_parts(self) + [f"w{self.warps}t{self.tiles}"] + ([f"s{self.splits}"] if self.splits > 1 else [])
                 + ([f"d{self.depth}"] if self.depth else [])
                 + ([f"p{self.prefetch}"] if self.prefetch else []) + (["il"] if self.interleave else [])
-                + ([f"b{self.min_blocks}"] if self.min_blocks != 2 else []) + (["pp"] if self.pipeline else []) + (["bz"] if self.biased else []) + (["rn"] if self.norm else []))
+                + ([f"b{self.min_blocks}"] if self.min_blocks != 2 else []) + (["pp"] if self.pipeline else [])
+                + (["bz"] if self.biased else []) + (["rn"] if self.norm else []))
 
 
 NORM_SMEM = 40 * 1024      # bytes of normalised rows a `norm` block may keep (static shared memory ≤ 48 KiB)
@@ -177,8 +178,12 @@ def make_key(fmt: str, n: int, k: int, m: int, target: Target, epilogue: str = "
 
 # Fields NINFER_GEMV may set for experiments: how units stream and the registers (never the bits), and
 # `warps`, `splits` and `biased`, which change the summation (bits; batch invariance still holds).
-_OVERRIDABLE = {"depth": int, "prefetch": int, "interleave": lambda v: v not in ("0", "false"), "min_blocks": int,
-                "pipeline": lambda v: v not in ("0", "false"), "warps": int, "splits": int, "biased": lambda v: v not in ("0", "false")}
+def _flag(v: str) -> bool:
+    return v not in ("0", "false")
+
+
+_OVERRIDABLE = {"depth": int, "prefetch": int, "interleave": _flag, "min_blocks": int, "pipeline": _flag,
+                "warps": int, "splits": int, "biased": _flag}
 
 
 def _override(key: Key, spec: str) -> Key:
