@@ -18,6 +18,7 @@ from compiler.ir import Graph, Var
 from compiler.kernels import MATMUL_FAMILIES, module_of
 from compiler.kernels.qk_rope_kv import inv_freq
 from compiler.lower import DTYPE_BYTES, VIEWS, Plan
+from compiler.passes import NORM_CONSUMERS
 from compiler.spec import ModelSpec
 from compiler.targets import Target
 
@@ -282,10 +283,9 @@ class Executable:
         out = ptr(e.outputs[0]) if e.outputs else 0
         args = self._workspace_args(key, lane)
         if fam in MATMUL_FAMILIES:
-            normed = e.prim in ("rmsnorm_linear", "rmsnorm_linear_silu_mul")   # inputs: h, norm weight, W…
-            w_at = 2 if normed else 1
-            wname = values.resolve(e.inputs[w_at])[1]
-            if e.prim in ("linear_silu_mul", "rmsnorm_linear_silu_mul"):
+            normed = e.prim in NORM_CONSUMERS.values()          # inputs: h, norm weight, W…
+            wname = values.resolve(e.inputs[2 if normed else 1])[1]
+            if e.prim.endswith("linear_silu_mul"):
                 wname = fused_gate_up(wname)
             res = ptr(e.inputs[2]) if e.prim == "linear_residual" else 0
             args = {"ws": 0, "tickets": 0} | args                         # split-K workspace, when split

@@ -103,6 +103,10 @@ def test_gemv_experiment_override_and_bad_stream_fields(monkeypatch):
     base = gemv.make_key("q4g64", 34816, 5120, 1, h200)
     with pytest.raises(ValueError, match="prefetch = 9 outside 0..8"):
         replace(base, prefetch=9)
+    with pytest.raises(ValueError, match="min_blocks = 0 outside"):
+        replace(base, min_blocks=0)
+    with pytest.raises(ValueError, match="biased codes need a Q4/Q5/Q6 format"):
+        replace(gemv.make_key("w8g32", 248320, 5120, 1, h200), biased=True)
 
 
 def test_gemv_override_rules_by_shape(monkeypatch):
@@ -116,12 +120,6 @@ def test_gemv_override_rules_by_shape(monkeypatch):
     monkeypatch.setenv("NINFER_GEMV", "5120by6144:prefetch=1")
     with pytest.raises(ValueError, match="is not a shape NxK"):
         gemv.make_key("q5g64", 5120, 6144, 1, h200)
-    monkeypatch.delenv("NINFER_GEMV")
-    base = gemv.make_key("w8g32", 248320, 5120, 1, h200)
-    with pytest.raises(ValueError, match="biased codes need a Q4/Q5/Q6 format"):
-        replace(base, biased=True)
-    with pytest.raises(ValueError, match="min_blocks = 0 outside"):
-        replace(base, min_blocks=0)
 
 
 def test_biased_offset_fragments_are_the_formats_offsets():

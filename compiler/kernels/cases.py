@@ -79,7 +79,8 @@ def _gemv(key: gemv.Key, g) -> Case:
             args.append(norm_w)
     moved = device_bytes(key.fmt, key.n, key.k) + x.numel() * 2 + y.numel() * y.element_size() + \
         (res.numel() * 2 if res is not None else 0)
-    return Case(launches + [(key, args)], {"y": y}, inplace, lambda: {"y": gemv.reference(key, x, w, res, norm_w), **expect},
+    return Case(launches + [(key, args)], {"y": y}, inplace,
+                lambda: {"y": gemv.reference(key, x, w, res, norm_w), **expect},
                 {"y": key.out_dtype, "tickets": "exact"}, moved, 2 * key.m * key.n * key.k)
 
 

@@ -33,6 +33,12 @@ __device__ __forceinline__ void add_squares(const float (&v)[8], float& ss) {
   for (int e = 0; e < 8; ++e) ss = __fmaf_rn(v[e], v[e], ss);
 }
 
+// 1 / rms of the row from this thread's sum of squares (WIDER: a block of more than T threads).
+template <int H, bool WIDER = false>
+__device__ __forceinline__ float norm_inverse(float ss, float* scratch, float eps) {
+  return rsqrtf(block_sum<NormRow<H>::T / 32, WIDER>(ss, scratch) / H + eps);
+}
+
 // Chunk c of the normalised row, in place: (v · inv) · (1 + w).
 __device__ __forceinline__ void scale_chunk(float (&v)[8], const uint4& w, float inv) {
   float wf[8];
