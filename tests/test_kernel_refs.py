@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from compiler.kernels import (argmax, attn_decode, embed, gated_rmsnorm, gdn_conv, gdn_step, gemv,
-                              qk_rope_kv, rmsnorm)
+from compiler.kernels import (argmax, attn_decode, embed, gated_rmsnorm, gdn_conv, gdn_step, gemm, gemm_wg,
+                              gemv, qk_rope_kv, rmsnorm)
 from compiler.kernels.weight_layout import FORMATS, dequantize, pack_for_device, random_qmatrix, unpack_from_device
 from compiler.targets import lookup
 from gemv_emulator import emulate
@@ -63,6 +63,19 @@ def test_gemv_reference_is_a_loop():
         for n in range(16):
             want = sum(float(x[r, c]) * float(w.codes[n, c]) * float(w.scales[n, c // 64]) for c in range(64))
             assert abs(float(y[r, n]) - want) <= 1e-2 * max(1, abs(want))
+
+
+@pytest.mark.parametrize("family,target", [(gemm, T3090), (gemm_wg, lookup("sm_90"))])
+@pytest.mark.parametrize("epilogue", ["none", "residual", "silu_mul"])
+def test_gemm_reference_is_the_gemv_projection(family, target, epilogue):
+    """The prefill GEMMs' references (keys without gemv's norm fields) give gemv's projection and epilogue."""
+    n, k, m = 32, 128, 5
+    w = random_qmatrix("q5g64", n, k, gen(2))
+    x = torch.randn(m, k, generator=gen(3)).to(torch.bfloat16)
+    res = torch.randn(m, n, generator=gen(4)).to(torch.bfloat16) if epilogue == "residual" else None
+    y = family.reference(family.make_key("q5g64", n, k, m, target, epilogue, "f32"), x, w, res)
+    want = gemv.reference(gemv.make_key("q5g64", n, k, m, target, epilogue, "f32"), x, w, res)
+    assert torch.equal(y, want)
 
 
 def test_gemv_stream_fields_follow_the_shape_and_m():

@@ -250,6 +250,12 @@ def reference(key: Key, x: torch.Tensor, w, res: torch.Tensor | None = None,
     if key.norm:
         from . import rmsnorm
         x, _ = rmsnorm.reference(rmsnorm.Key(key.k, key.m, False, "bf16", key.eps, key.arch), x, norm_w)
+    return linear_reference(key, x, w, res)
+
+
+def linear_reference(key, x: torch.Tensor, w, res: torch.Tensor | None = None) -> torch.Tensor:
+    """The projection and epilogue of any key with n / epilogue / out_dtype (gemv, gemm, gemm_wg):
+    fp32 math on the dequantised weight."""
     y = x.float() @ dequantize(w).to(x.device).T
     if key.epilogue == "silu_mul":
         f = key.n // 2

@@ -1,0 +1,41 @@
+"""gemv_ncu: the shipped M = 1 decode GEMVs of the 27B spec, launched back to back over rotated weight
+copies (bigger than L2), for a profiler to read: run it under Nsight Compute to see where a shape's
+warps stall. Each shape is launched `--launches` times after a warm-up; the kernel names say the shape.
+
+    ncu --clock-control none --kernel-name regex:gemv --launch-skip 8 --launch-count 1 \\
+        --section SpeedOfLight --section WarpStateStats python -m bench.gemv_ncu --shapes q5g64:5120x17408:residual
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from bench.kernel_lab import KERNELS, gemv_runs, time_chain
+from compiler.targets import lookup
+
+DEFAULT = "q5g64:5120x17408:residual,q4g64:34816x5120:silu_mul,q5g64:5120x6144:residual"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default=DEFAULT, help="comma-separated FMT:NxK:EPILOGUE")
+    ap.add_argument("--launches", type=int, default=12)
+    args = ap.parse_args(argv)
+    major, minor = torch.cuda.get_device_capability()
+    target = lookup(f"sm_{major}{minor}")
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    thunks = []
+    for shape in args.shapes.split(","):
+        fmt, nk, epi = shape.split(":")
+        n, k = (int(v) for v in nk.split("x"))
+        thunks += gemv_runs(fmt, n, k, [1], epi, "bf16", target, l2)
+    KERNELS.build([t.key for t in thunks])
+    for thunk in thunks:
+        key, runs, *_ = thunk()
+        us = time_chain(runs, args.launches)
+        print(f"{key.name}: {us:.1f} us per launch (chained, {args.launches} launches)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
