@@ -213,3 +213,12 @@ def test_every_kernel_body_waits_for_its_predecessor():
     for key in dict.fromkeys(_spec_keys("sm_90")):
         body = codegen.render(key, "13.0").source.split("KERNEL_NAME(", 1)[1]
         assert body.count("pdl_entry();") == 1, key.name
+
+
+def test_every_tiny_key_has_a_reference_on_cpu():
+    """Every family's case reference (what the GPU tier compares kernels with) runs for the tiny spec's
+    keys on CPU, sm_90 keys included (gemm_wg, whose keys have none of gemv's norm fields)."""
+    for key in dict.fromkeys(catalog.spec_keys(SPECS["tiny"], lookup("sm_90"))):
+        if key.family == "attn_combine":
+            continue
+        assert make_case(key, "cpu").reference(), key.name

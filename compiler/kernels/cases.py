@@ -80,7 +80,8 @@ def _gemv(key: gemv.Key, g) -> Case:
     moved = device_bytes(key.fmt, key.n, key.k) + x.numel() * 2 + y.numel() * y.element_size() + \
         (res.numel() * 2 if res is not None else 0)
     return Case(launches + [(key, args)], {"y": y}, inplace,
-                lambda: {"y": gemv.reference(key, x, w, res, norm_w), **expect},
+                lambda: {"y": gemv.reference(key, x, w, res, norm_w) if key.family == "gemv"
+                         else gemv.linear_reference(key, x, w, res), **expect},
                 {"y": key.out_dtype, "tickets": "exact"}, moved, 2 * key.m * key.n * key.k)
 
 
