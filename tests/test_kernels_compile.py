@@ -54,8 +54,8 @@ def test_every_kernel_compiles_without_spills(build_root, arch):
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["sm_86", "sm_90"])
 def test_gemv_experiment_variants_compile_without_spills(build_root, arch):
-    """The decode-GEMV fields not shipped yet (not measured on a GPU): biased codes, a higher
-    min_blocks and two register batches (NINFER_GEMV) on the 27B Q4/Q5/Q6 shapes, and the GEMVs that normalise
+    """The decode-GEMV fields not shipped: biased codes, a higher min_blocks, two register batches and
+    (sm_90) a shared-memory ring filled by bulk copies (NINFER_GEMV) on the 27B Q4/Q5/Q6 shapes, and the GEMVs that normalise
     their own input (NINFER_NORM_INTO_GEMV) for every projection of h at M = 1 and 2 — they compile
     without spills, so an experiment never trips the executable's spill check, and their cases bind
     every parameter."""
@@ -67,6 +67,15 @@ def test_gemv_experiment_variants_compile_without_spills(build_root, arch):
              for fmt, n, k, epi in shapes]
     keys += [replace(gemv.make_key(fmt, n, k, m, target, epi), pipeline=True, interleave=False)
              for fmt, n, k, epi in shapes for m in (1, 8)]
+    ring = []
+    for fmt, n, k, epi in shapes:
+        for stages in (2, 3, 4):
+            try:
+                ring.append(replace(gemv.make_key(fmt, n, k, 1, target, epi), stages=stages, prefetch=0))
+            except ValueError as err:                  # off sm_90, or a ring over the shared memory
+                assert arch != "sm_90" and "sm_90" in str(err) or "shared memory" in str(err), err
+    assert (len(ring) >= 8) == (arch == "sm_90")
+    keys += ring
     normed = [replace(key, norm=True, eps=1e-6) for spec in SPECS.values() for key in catalog.spec_keys(spec, target)
               if key.family == "gemv" and key.m <= 2 and key.epilogue != "residual" and key.n <= 65536
               and key.k == spec.model.hidden_size]

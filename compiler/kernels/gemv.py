@@ -62,6 +62,8 @@ class Key(KernelKey):
     biased: bool = False   # Q4/Q5/Q6: the offset leaves through an extra mma, not an HFMA2 per register (bits)
     norm: bool = False     # x is the residual stream: each block RMS-normalises it first (eps; weight `norm_w`)
     eps: float = 0.0
+    stages: int = 0        # sm_90: a ring of this many order batches in shared memory, filled by bulk async
+                           # copies one thread issues (0: each warp loads its units into registers)
 
     def __post_init__(self):
         if self.fmt not in FORMATS:
@@ -86,16 +88,41 @@ class Key(KernelKey):
             raise ValueError(f"gemv: norm needs K a multiple of 8 and eps > 0, got K = {self.k}, eps = {self.eps}")
         if not 1 <= self.min_blocks <= 16:
             raise ValueError(f"gemv: min_blocks = {self.min_blocks} outside 1..16")
+        if self.stages:
+            self._check_stages()
+
+    def _check_stages(self):
+        if self.arch not in ("sm_90", "sm_90a"):
+            raise ValueError(f"gemv: stages (bulk async copies) need sm_90, not {self.arch}")
+        if self.stages < 2 or self.prefetch or self.pipeline or self.norm or self.depth not in (0, order_depth(self.fmt)):
+            raise ValueError("gemv: stages needs ≥ 2 slots and no prefetch, pipeline, norm or non-default depth")
+        red = self.warps * self.tiles * ceil_div(self.m, 8) * 512          # the warps' partial sums
+        if self.stages * stage_bytes(self) + red > STATIC_SMEM:
+            raise ValueError(f"gemv: {self.stages} stages of {stage_bytes(self)} bytes and {red} of partial sums "
+                             f"exceed {STATIC_SMEM // 1024} KiB of shared memory")
 
     def _name_parts(self):
         return (shape_name_parts(self) + [f"w{self.warps}t{self.tiles}"] + ([f"s{self.splits}"] if self.splits > 1 else [])
                 + ([f"d{self.depth}"] if self.depth else [])
                 + ([f"p{self.prefetch}"] if self.prefetch else []) + (["il"] if self.interleave else [])
                 + ([f"b{self.min_blocks}"] if self.min_blocks != 2 else []) + (["pp"] if self.pipeline else [])
-                + (["bz"] if self.biased else []) + (["rn"] if self.norm else []))
+                + (["bz"] if self.biased else []) + (["rn"] if self.norm else [])
+                + ([f"r{self.stages}"] if self.stages else []))
 
 
 NORM_SMEM = 40 * 1024      # bytes of normalised rows a `norm` block may keep (static shared memory ≤ 48 KiB)
+STATIC_SMEM = 47 * 1024    # a `stages` ring and the partial sums (static shared memory ≤ 48 KiB with the rest)
+
+
+def unit_bytes(fmt: str) -> tuple[int, int, int]:
+    """Bytes of one 16-row unit in each plane (lo, hi, scales): templates/gemv.cu.j2 LO_B, HI_B, SC_B."""
+    hw = {"q5g64": 1, "q6g64": 2}.get(fmt, 0)
+    return (4 if fmt == "bf16" else 1) * 512, hw * 128, 0 if fmt == "bf16" else 32
+
+
+def stage_bytes(key) -> int:
+    """Shared memory of one ring slot: one order batch of every row tile of the block."""
+    return key.tiles * key.warps * order_depth(key.fmt) * sum(unit_bytes(key.fmt))
 
 
 def load_depth(fmt: str, depth: int = 0) -> int:
@@ -183,7 +210,7 @@ def _flag(v: str) -> bool:
 
 
 _OVERRIDABLE = {"depth": int, "prefetch": int, "interleave": _flag, "min_blocks": int, "pipeline": _flag,
-                "warps": int, "splits": int, "biased": _flag}
+                "warps": int, "splits": int, "biased": _flag, "stages": int}
 
 
 def _override(key: Key, spec: str) -> Key:

@@ -126,7 +126,8 @@ def _variant_cache():
 GEMV_STREAMS = ({"interleave": True}, {"interleave": False}, {"prefetch": 0}, {"prefetch": 1},
                 {"prefetch": 2, "interleave": True}, {"prefetch": 4}, {"depth": 2}, {"depth": 8},
                 {"pipeline": True}, {"pipeline": True, "interleave": False}, {"pipeline": True, "depth": 2},
-                {"min_blocks": 3}, {"min_blocks": 4, "interleave": False})
+                {"min_blocks": 3}, {"min_blocks": 4, "interleave": False},
+                {"stages": 2, "prefetch": 0}, {"stages": 3, "prefetch": 0}, {"stages": 4, "prefetch": 0, "interleave": False})
 
 
 @pytest.mark.parametrize("fmt,n,k,epi", [("q4g64", 34816, 5120, "silu_mul"), ("q5g64", 5120, 17408, "residual"),
@@ -135,8 +136,8 @@ GEMV_STREAMS = ({"interleave": True}, {"interleave": False}, {"prefetch": 0}, {"
                                          ("q4g64", 512, 128, "none"), ("q5g64", 200, 320, "residual")])
 @pytest.mark.parametrize("m", [1, 4, 32])
 def test_gemv_stream_fields_give_the_same_bits(h, fmt, n, k, epi, m):
-    """How units stream (load depth, L2 prefetch, interleaving, two register batches, a register cap)
-    never changes a bit:
+    """How units stream (load depth, L2 prefetch, interleaving, two register batches, a register cap, a
+    shared-memory ring filled by bulk copies) never changes a bit:
     every valid variant of the shipped key gives its output exactly, and writes every element."""
     g = torch.Generator(device="cuda").manual_seed(m)
     packed = pack_for_device(random_qmatrix(fmt, n, k, g), gate_up=epi == "silu_mul")
