@@ -74,6 +74,22 @@ class GemvV1Key(gemv.Key):
         return super()._name_parts() + ["v1"]
 
 
+@dataclass(frozen=True)
+class GemvProbeKey(gemv.Key):
+    """gemv with part of each unit left out, to place time inside the kernel (results are wrong on
+    purpose): probe bit 1 = no dequantisation (raw words as A registers), 2 = no mma (registers XORed
+    into the sums, so every load stays live)."""
+    probe: int = 0
+
+    def _name_parts(self):
+        return super()._name_parts() + [f"probe{self.probe}"]
+
+
+def probe_of(probe: int, **fields):
+    """A gemv_runs config: the shape's key with `fields` replaced, as a GemvProbeKey."""
+    return lambda key: GemvProbeKey(**{**key.fields(), **fields}, probe=probe)
+
+
 V1 = "v1"          # a gemv_runs config: the archived v1 kernel of the shape
 PLAIN = {"depth": 0, "prefetch": 0, "interleave": False}        # the stream fields v1 had
 
@@ -102,6 +118,8 @@ def gemv_runs(fmt, n, k, ms, epilogue, out, target, l2, configs=None, check_v1=F
         key = gemv.make_key(fmt, n, k, m, target, epilogue, out)
         if cfg == V1:
             return v1_of(key)
+        if callable(cfg):
+            return cfg(key)
         return replace(key, **cfg) if cfg else key
 
     def one(key):
@@ -311,6 +329,12 @@ def plan(target):
     # config neighbours (warps, row tiles per block, K splits) of every decode GEMV shape, timed chained
     for fmt, n, k, epi, out in DECODE_GEMV[:6]:
         yield "tune", gemv_runs(fmt, n, k, (1,), epi, out, target, l2, tune_configs(fmt, n, k, epi, out, target))
+    # where a decode GEMV's time goes: without dequantisation, without mma, without both, and the same
+    # with the bulk-copy ring (stages) instead of register loads
+    probes = [{}, probe_of(1), probe_of(2), probe_of(3), probe_of(3, prefetch=0), {"stages": 4, "prefetch": 0},
+              {"stages": 2, "prefetch": 0}, probe_of(3, stages=4, prefetch=0), probe_of(3, stages=2, prefetch=0)]
+    for fmt, n, k, epi, out in (DECODE_GEMV[0], DECODE_GEMV[5], DECODE_GEMV[4]):
+        yield "gemv_probe", gemv_runs(fmt, n, k, (1,), epi, out, target, l2, probes)
     misc = [rmsnorm.Key(5120, 1, True, "bf16", 1e-6, target.arch), rmsnorm.Key(5120, 32, True, "bf16", 1e-6, target.arch),
             qk_rope_kv.Key(24, 4, 256, 64, 8, 4, "int8", 64, 512, 1e-6, target.arch), argmax.Key(248320, 8, target.arch)]
     yield "misc", [case_runs(k, l2) for k in misc]
@@ -346,7 +370,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="kernel_lab.json")
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--only", default="", help="comma-separated labels: gemv9,gemv,gdn_step,gdn_chunk,gdn_conv,attn_decode,prefill,gemm_sweep,gemm_27b,wg_27b,wg_sweep,wg_probe,sweep,depth,tune,misc")
+    ap.add_argument("--only", default="", help="comma-separated labels: gemv9,gemv,gemv_probe,gdn_step,gdn_chunk,gdn_conv,attn_decode,prefill,gemm_sweep,gemm_27b,wg_27b,wg_sweep,wg_probe,sweep,depth,tune,misc")
     args = ap.parse_args(argv)
     major, minor = torch.cuda.get_device_capability()
     target = lookup(f"sm_{major}{minor}")
