@@ -329,10 +329,8 @@ def plan(target):
     # config neighbours (warps, row tiles per block, K splits) of every decode GEMV shape, timed chained
     for fmt, n, k, epi, out in DECODE_GEMV[:6]:
         yield "tune", gemv_runs(fmt, n, k, (1,), epi, out, target, l2, tune_configs(fmt, n, k, epi, out, target))
-    # where a decode GEMV's time goes: without dequantisation, without mma, without both, and the same
-    # with the bulk-copy ring (stages) instead of register loads
-    probes = [{}, probe_of(1), probe_of(2), probe_of(3), probe_of(3, prefetch=0), {"stages": 4, "prefetch": 0},
-              {"stages": 2, "prefetch": 0}, probe_of(3, stages=4, prefetch=0), probe_of(3, stages=2, prefetch=0)]
+    # where a decode GEMV's time goes: without dequantisation, without mma, without both (and no L2 prefetch)
+    probes = [{}, probe_of(1), probe_of(2), probe_of(3), probe_of(3, prefetch=0)]
     for fmt, n, k, epi, out in (DECODE_GEMV[0], DECODE_GEMV[5], DECODE_GEMV[4]):
         yield "gemv_probe", gemv_runs(fmt, n, k, (1,), epi, out, target, l2, probes)
     misc = [rmsnorm.Key(5120, 1, True, "bf16", 1e-6, target.arch), rmsnorm.Key(5120, 32, True, "bf16", 1e-6, target.arch),

@@ -4,12 +4,11 @@ step graph over the same inputs, and the graphs are timed in alternating rounds,
 free of run-to-run drift. Variants whose kernels spill are reported and skipped. Optionally the
 omission profile (bench.omission_profile) of some of them.
 
-    python -m bench.step_ab --variants "base|5120x6144:min_blocks=3|NINFER_NORM_INTO_GEMV=1" --omission 0,1
+    python -m bench.step_ab --variants "base|5120x6144:min_blocks=3|5120x17408:depth=8" --omission 0,1
 
-Variants are separated by '|'. A variant is whitespace-separated words: NINFER_*=VALUE words set
-planning-time variables (e.g. NINFER_NORM_INTO_GEMV=1, compiler/passes.py), and one other word is a
-NINFER_GEMV override (compiler/kernels/gemv.py `_override`: ';'-separated rules, each optionally
-limited to a shape NxK). `base` (or an empty string) is the shipped configuration.
+Variants are separated by '|'. A variant is a NINFER_GEMV override (compiler/kernels/gemv.py `_override`:
+';'-separated rules, each optionally limited to a shape NxK); `base` (or an empty string) is the
+shipped configuration.
 """
 from __future__ import annotations
 
@@ -44,14 +43,6 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     variants = [v.strip() for v in args.variants.split("|")]
 
-    def settings(variant: str) -> dict[str, str]:
-        words = [] if variant == "base" else variant.split()
-        env = dict(w.split("=", 1) for w in words if w.startswith("NINFER_"))
-        rest = [w for w in words if not w.startswith("NINFER_")]
-        if len(rest) > 1:
-            raise SystemExit(f"variant {variant!r}: more than one NINFER_GEMV override ({', '.join(rest)})")
-        return {"NINFER_GEMV": rest[0] if rest else "", **env}
-
     os.environ.pop("NINFER_GEMV", None)
     model = ninfer_gen.load(args.spec, backend="gpu", max_context=args.context + 256, vram_budget=24 * GiB,
                             random_weights="device", progress=True)
@@ -62,15 +53,9 @@ def main(argv=None) -> dict:
     shipped = be.bucket("step", 1, 1)
     buckets: dict[str, Bucket] = {}
     for v in variants:
-        env = settings(v)
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
+        os.environ["NINFER_GEMV"] = "" if v == "base" else v
         plan = plan_bucket(exe.rt_spec, exe.target, "step", 1, 1)
-        for k, old in saved.items():
-            if old is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = old
+        os.environ.pop("NINFER_GEMV")
         exe.kernels.build(plan.keys())
         spills = sorted({k.name for k in plan.keys()} & set(exe.kernels.spilled()))
         if spills:

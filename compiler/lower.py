@@ -9,7 +9,7 @@ executable's job (`kernels.<family>.params`).
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
 from .ir import Eqn, Graph, Var
@@ -110,17 +110,6 @@ def _linear_silu_mul(ctx, e):
     return _matmul(ctx, e.inputs[0], e.inputs[1], 2 * e.inputs[1].shape[0], "silu_mul")
 
 
-def _normed(rule):
-    """A projection that normalises its own input (rmsnorm_linear*): the projection's GEMV with `norm`."""
-    def fused(ctx, e):
-        h, norm_w, *weights = e.inputs
-        keys = rule(ctx, Eqn(e.prim, [h, *weights], {}, e.outputs))
-        if any(k.family != "gemv" for k in keys):
-            raise LoweringError(f"{e.prim}: a normalising projection needs the decode GEMV (M = {ctx.m} rows)")
-        return [replace(k, norm=True, eps=e.params["eps"]) for k in keys]
-    return fused
-
-
 def _norm(add: bool):
     def rule(ctx, e):
         return [rmsnorm.Key(e.inputs[0].shape[-1], ctx.m, add, "bf16", e.params["eps"], ctx.target.arch)]
@@ -171,8 +160,7 @@ RULES: dict[str, Callable[[_Ctx, Eqn], list]] = {
     "embed": _embed, "linear": _linear, "linear_residual": _linear_residual, "linear_silu_mul": _linear_silu_mul,
     "rmsnorm": _norm(False), "add_rmsnorm": _norm(True), "gdn_conv": _gdn_conv, "gdn_step": _gdn_step,
     "gated_rmsnorm": _gated_rmsnorm, "kv_append": _kv_append, "paged_attention": _attention(False),
-    "gated_paged_attention": _attention(True), "rmsnorm_linear": _normed(_linear),
-    "rmsnorm_linear_silu_mul": _normed(_linear_silu_mul),
+    "gated_paged_attention": _attention(True),
 }
 
 

@@ -1,7 +1,6 @@
 """passes: pure Graph → Graph rewrites in one ordered pipeline — the fusions that matter for decode
 (residual add into the projection's epilogue or into RMSNorm, SiLU·mul into a fused gate/up GEMV,
-q/k norm + RoPE, GDN gates into the recurrent step, the output gate into attention, and — opt-in —
-an RMSNorm into the decode projections that read it) and dead code.
+q/k norm + RoPE, GDN gates into the recurrent step, the output gate into attention) and dead code.
 
 Each fused primitive's reference is the composition it replaces, so the interpreter checks every pass
 (fused graph == original graph). `NINFER_DEBUG=2` prints the graph after each pass.
@@ -167,56 +166,6 @@ def fuse_gdn_gates(g: Graph) -> Graph:
     return _rewrite(g, match)
 
 
-def norm_into_gemv_rows() -> int:
-    """Decode steps of up to this many rows (B·T) fold each RMSNorm into the projections that read it
-    (`fuse_norm_into_projections`); 0 = never. NINFER_NORM_INTO_GEMV sets it: 0 by default until the
-    fused GEMVs are measured on a GPU (NOTES.md, 2026-12-01 session 2)."""
-    return int(os.environ.get("NINFER_NORM_INTO_GEMV", "0"))
-
-
-NORM_CONSUMERS = {"linear": "rmsnorm_linear", "linear_silu_mul": "rmsnorm_linear_silu_mul"}
-NORM_CONSUMER_ROWS = 65536    # wider projections (vocabulary heads: many waves of blocks) keep the norm kernel
-
-
-def fuse_norm_into_projections(g: Graph) -> Graph:
-    """rmsnorm(h) read only as the input of projections (linear, fused gate/up) → each projection
-    normalises h itself (rmsnorm_linear, rmsnorm_linear_silu_mul): in a decode step the GEMVs' blocks
-    do it in their prologue, so no norm kernel and no launch sits between two GEMVs. Decode steps of
-    up to norm_into_gemv_rows() rows only (prefill and larger cohorts keep one norm kernel), and not
-    for the vocabulary head, whose thousands of blocks would each re-read h."""
-    p = g.params
-    if p.get("entry") == "prefill" or p.get("batch", 1) * p.get("tokens", 1) > norm_into_gemv_rows():
-        return g
-    readers: dict[int, list[int]] = {}
-    for i, e in enumerate(g.eqns):
-        for x in e.inputs:
-            if isinstance(x, Var):
-                readers.setdefault(x.uid, []).append(i)
-    outputs = {v.uid for v in g.outputs.values()}
-    norms: dict[int, Eqn] = {}                 # index of a folded norm → it
-    consumers: dict[int, Eqn] = {}             # index of a projection → its norm
-    for i, e in enumerate(g.eqns):
-        if e.prim != "rmsnorm" or e.params["offset"] != 1.0 or e.outputs[0].uid in outputs:
-            continue
-        uses = readers.get(e.outputs[0].uid, [])
-        if uses and all(g.eqns[j].prim in NORM_CONSUMERS and g.eqns[j].inputs[0] is e.outputs[0]
-                        and sum(x is e.outputs[0] for x in g.eqns[j].inputs) == 1
-                        and g.eqns[j].inputs[1].shape[0] <= NORM_CONSUMER_ROWS for j in uses):
-            norms[i] = e
-            consumers.update({j: e for j in uses})
-    if not norms:
-        return g
-    eqns = []
-    for i, e in enumerate(g.eqns):
-        if i in norms:
-            continue
-        if i in consumers:
-            n = consumers[i]
-            e = Eqn(NORM_CONSUMERS[e.prim], [n.inputs[0], n.inputs[1], *e.inputs[1:]], dict(n.params), e.outputs)
-        eqns.append(e)
-    return replace(g, eqns=eqns)
-
-
 def dead_code(g: Graph) -> Graph:
     live = {v.uid for v in g.outputs.values()}
     keep = []
@@ -228,7 +177,7 @@ def dead_code(g: Graph) -> Graph:
 
 
 PIPELINE: list[Pass] = [fuse_linear_residual, fuse_add_rmsnorm, fuse_silu_mul, fuse_gate_up, fuse_norm_rope,
-                        fuse_gdn_gates, fuse_output_gate, fuse_norm_into_projections, dead_code]
+                        fuse_gdn_gates, fuse_output_gate, dead_code]
 
 
 def run_pipeline(g: Graph, passes: list[Pass] = PIPELINE) -> Graph:

@@ -207,16 +207,6 @@ def _linear_silu_mul(x, w_gate, w_up):
     return _linear(x, w_gate)
 
 
-@_prim("rmsnorm_linear", ref.rmsnorm_linear)
-def _rmsnorm_linear(x, norm_w, w, *, eps, offset):
-    return _linear(_rmsnorm(x, norm_w, eps=eps, offset=offset)[0], w)
-
-
-@_prim("rmsnorm_linear_silu_mul", ref.rmsnorm_linear_silu_mul)
-def _rmsnorm_linear_silu_mul(x, norm_w, w_gate, w_up, *, eps, offset):
-    return _linear_silu_mul(_rmsnorm(x, norm_w, eps=eps, offset=offset)[0], w_gate, w_up)
-
-
 @_prim("gated_paged_attention", ref.gated_paged_attention)
 def _gated_paged_attention(q, gate, block_table, pos, *cache, page_size, scale):
     B, T, hq, d = _paged_attention(q, block_table, pos, *cache, page_size=page_size, scale=scale)[0].shape

@@ -274,14 +274,6 @@ def linear_silu_mul(x, w_gate, w_up):
     return silu_mul(linear(x, w_gate), linear(x, w_up))
 
 
-def rmsnorm_linear(x, norm_w, w, *, eps, offset):
-    return linear(rmsnorm(x, norm_w, eps=eps, offset=offset), w)
-
-
-def rmsnorm_linear_silu_mul(x, norm_w, w_gate, w_up, *, eps, offset):
-    return linear_silu_mul(rmsnorm(x, norm_w, eps=eps, offset=offset), w_gate, w_up)
-
-
 def gated_paged_attention(q, gate, block_table, pos, *cache, page_size, scale):
     o = paged_attention(q, block_table, pos, *cache, page_size=page_size, scale=scale)
     return o.reshape(gate.shape) * torch.sigmoid(gate)

@@ -18,7 +18,6 @@ from compiler.ir import Graph, Var
 from compiler.kernels import MATMUL_FAMILIES, module_of
 from compiler.kernels.qk_rope_kv import inv_freq
 from compiler.lower import DTYPE_BYTES, VIEWS, Plan
-from compiler.passes import NORM_CONSUMERS
 from compiler.spec import ModelSpec
 from compiler.targets import Target
 
@@ -283,15 +282,12 @@ class Executable:
         out = ptr(e.outputs[0]) if e.outputs else 0
         args = self._workspace_args(key, lane)
         if fam in MATMUL_FAMILIES:
-            normed = e.prim in NORM_CONSUMERS.values()          # inputs: h, norm weight, W…
-            wname = values.resolve(e.inputs[2 if normed else 1])[1]
-            if e.prim.endswith("linear_silu_mul"):
+            wname = values.resolve(e.inputs[1])[1]
+            if e.prim == "linear_silu_mul":
                 wname = fused_gate_up(wname)
             res = ptr(e.inputs[2]) if e.prim == "linear_residual" else 0
             args = {"ws": 0, "tickets": 0} | args                         # split-K workspace, when split
             x = args["xp"] if fam == "gemm_wg" else ptr(e.inputs[0])        # gemm_wg: xperm's output
-            if normed:
-                args["norm_w"] = ptr(e.inputs[1])
             return args | {"y": out, "x": x, "res": res} | self._planes(wname)
         if fam == "xperm":                     # into the workspace the gemm_wg call after it reads
             return args | {"x": ptr(e.inputs[0])}

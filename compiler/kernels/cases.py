@@ -68,20 +68,14 @@ def _gemv(key: gemv.Key, g) -> Case:
         xp = torch.empty(key.k // 64, key.m, 64, device=dev, dtype=torch.bfloat16)
         launches.append((pkey, [xp, x]))
         args[1] = xp
-    norm_w = None
     if key.family == "gemv":                        # split-K workspace; the tickets must come back zero
         ws, tickets = gemv_workspace(key, dev)
         args += [ws, tickets]
         if tickets is not None:
             inplace["tickets"], expect["tickets"] = tickets, torch.zeros_like(tickets)
-        if key.norm:                                # x is h: the kernel normalises it first
-            norm_w = randn((key.k,), g, scale=0.1)
-            args.append(norm_w)
     moved = device_bytes(key.fmt, key.n, key.k) + x.numel() * 2 + y.numel() * y.element_size() + \
         (res.numel() * 2 if res is not None else 0)
-    return Case(launches + [(key, args)], {"y": y}, inplace,
-                lambda: {"y": gemv.reference(key, x, w, res, norm_w) if key.family == "gemv"
-                         else gemv.linear_reference(key, x, w, res), **expect},
+    return Case(launches + [(key, args)], {"y": y}, inplace, lambda: {"y": gemv.reference(key, x, w, res), **expect},
                 {"y": key.out_dtype, "tickets": "exact"}, moved, 2 * key.m * key.n * key.k)
 
 

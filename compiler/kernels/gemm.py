@@ -116,4 +116,4 @@ def params(key: Key) -> list[Param]:
 
 
 def reference(key: Key, x, w, res=None):
-    return gemv.linear_reference(key, x, w, res)
+    return gemv.reference(key, x, w, res)

@@ -58,12 +58,6 @@ class Key(KernelKey):
     prefetch: int = 0      # order batches the block asks L2 to fetch ahead of its loads (0: none)
     interleave: bool = False  # ptxas may interleave a batch's units (more registers)
     min_blocks: int = 2    # __launch_bounds__ blocks per SM: caps the registers so a grid fits fewer waves
-    pipeline: bool = False    # two register batches: the next batch's loads in flight during this one's mma
-    biased: bool = False   # Q4/Q5/Q6: the offset leaves through an extra mma, not an HFMA2 per register (bits)
-    norm: bool = False     # x is the residual stream: each block RMS-normalises it first (eps; weight `norm_w`)
-    eps: float = 0.0
-    stages: int = 0        # sm_90: a ring of this many order batches in shared memory, filled by bulk async
-                           # copies one thread issues (0: each warp loads its units into registers)
 
     def __post_init__(self):
         if self.fmt not in FORMATS:
@@ -79,50 +73,14 @@ class Key(KernelKey):
                              "(every slice needs a whole order batch)")
         if not 0 <= self.prefetch <= 8:
             raise ValueError(f"gemv: prefetch = {self.prefetch} outside 0..8 batches")
-        if self.biased and self.fmt not in ("q4g64", "q5g64", "q6g64"):
-            raise ValueError(f"gemv: biased codes need a Q4/Q5/Q6 format, not {self.fmt}")
-        if self.norm and self.m * self.k * 2 > NORM_SMEM:
-            raise ValueError(f"gemv: norm keeps M × K bf16 in shared memory: {self.m} × {self.k} is over "
-                             f"{NORM_SMEM // 1024} KiB")
-        if self.norm and (self.k % 8 or self.eps <= 0):
-            raise ValueError(f"gemv: norm needs K a multiple of 8 and eps > 0, got K = {self.k}, eps = {self.eps}")
         if not 1 <= self.min_blocks <= 16:
             raise ValueError(f"gemv: min_blocks = {self.min_blocks} outside 1..16")
-        if self.stages:
-            self._check_stages()
-
-    def _check_stages(self):
-        if self.arch not in ("sm_90", "sm_90a"):
-            raise ValueError(f"gemv: stages (bulk async copies) need sm_90, not {self.arch}")
-        if self.stages < 2 or self.prefetch or self.pipeline or self.norm or self.depth not in (0, order_depth(self.fmt)):
-            raise ValueError("gemv: stages needs ≥ 2 slots and no prefetch, pipeline, norm or non-default depth")
-        red = self.warps * self.tiles * ceil_div(self.m, 8) * 512          # the warps' partial sums
-        if self.stages * stage_bytes(self) + red > STATIC_SMEM:
-            raise ValueError(f"gemv: {self.stages} stages of {stage_bytes(self)} bytes and {red} of partial sums "
-                             f"exceed {STATIC_SMEM // 1024} KiB of shared memory")
 
     def _name_parts(self):
         return (shape_name_parts(self) + [f"w{self.warps}t{self.tiles}"] + ([f"s{self.splits}"] if self.splits > 1 else [])
                 + ([f"d{self.depth}"] if self.depth else [])
                 + ([f"p{self.prefetch}"] if self.prefetch else []) + (["il"] if self.interleave else [])
-                + ([f"b{self.min_blocks}"] if self.min_blocks != 2 else []) + (["pp"] if self.pipeline else [])
-                + (["bz"] if self.biased else []) + (["rn"] if self.norm else [])
-                + ([f"r{self.stages}"] if self.stages else []))
-
-
-NORM_SMEM = 40 * 1024      # bytes of normalised rows a `norm` block may keep (static shared memory ≤ 48 KiB)
-STATIC_SMEM = 47 * 1024    # a `stages` ring and the partial sums (static shared memory ≤ 48 KiB with the rest)
-
-
-def unit_bytes(fmt: str) -> tuple[int, int, int]:
-    """Bytes of one 16-row unit in each plane (lo, hi, scales): templates/gemv.cu.j2 LO_B, HI_B, SC_B."""
-    hw = {"q5g64": 1, "q6g64": 2}.get(fmt, 0)
-    return (4 if fmt == "bf16" else 1) * 512, hw * 128, 0 if fmt == "bf16" else 32
-
-
-def stage_bytes(key) -> int:
-    """Shared memory of one ring slot: one order batch of every row tile of the block."""
-    return key.tiles * key.warps * order_depth(key.fmt) * sum(unit_bytes(key.fmt))
+                + ([f"b{self.min_blocks}"] if self.min_blocks != 2 else []))
 
 
 def load_depth(fmt: str, depth: int = 0) -> int:
@@ -204,13 +162,12 @@ def make_key(fmt: str, n: int, k: int, m: int, target: Target, epilogue: str = "
 
 
 # Fields NINFER_GEMV may set for experiments: how units stream and the registers (never the bits), and
-# `warps`, `splits` and `biased`, which change the summation (bits; batch invariance still holds).
+# `warps` and `splits`, which change the summation order (bits; batch invariance still holds).
 def _flag(v: str) -> bool:
     return v not in ("0", "false")
 
 
-_OVERRIDABLE = {"depth": int, "prefetch": int, "interleave": _flag, "min_blocks": int, "pipeline": _flag,
-                "warps": int, "splits": int, "biased": _flag, "stages": int}
+_OVERRIDABLE = {"depth": int, "prefetch": int, "interleave": _flag, "min_blocks": int, "warps": int, "splits": int}
 
 
 def _override(key: Key, spec: str) -> Key:
@@ -265,24 +222,12 @@ def params(key: Key) -> list[Param]:
     return [*MATMUL_PARAMS,
             Param("ws", "ptr", "f32 workspace [splits, m, n] (splits > 1, else 0)"),
             Param("tickets", "ptr", "u32 [row tiles] arrival counters: zero before the first launch, left zero "
-                  "(splits > 1, else 0)")] + \
-        ([Param("norm_w", "ptr", "RMSNorm weight [k] bf16, used as (1 + w); x is then the un-normalised h")]
-         if key.norm else [])
+                  "(splits > 1, else 0)")]
 
 
-def reference(key: Key, x: torch.Tensor, w, res: torch.Tensor | None = None,
-              norm_w: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 math on the dequantised weight; `w` is the logical (unpacked) matrix or QMatrix. With
-    `norm`, x is h and is first normalised as the rmsnorm kernel does (to bf16)."""
-    if key.norm:
-        from . import rmsnorm
-        x, _ = rmsnorm.reference(rmsnorm.Key(key.k, key.m, False, "bf16", key.eps, key.arch), x, norm_w)
-    return linear_reference(key, x, w, res)
-
-
-def linear_reference(key, x: torch.Tensor, w, res: torch.Tensor | None = None) -> torch.Tensor:
-    """The projection and epilogue of any key with n / epilogue / out_dtype (gemv, gemm, gemm_wg):
-    fp32 math on the dequantised weight."""
+def reference(key, x: torch.Tensor, w, res: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 math on the dequantised weight; `w` is the logical (unpacked) matrix or QMatrix. Shared by
+    every matrix-multiply key (gemv, gemm, gemm_wg: fields n, epilogue, out_dtype)."""
     y = x.float() @ dequantize(w).to(x.device).T
     if key.epilogue == "silu_mul":
         f = key.n // 2

@@ -14,12 +14,6 @@ __device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
   return d;
 }
 
-// Biased registers (B = true) stop at 128 + u: the kernel then runs one more mma per step with the
-// constant fragment −offset (these words, as bf16x2), so the tensor core removes offset·Σx instead of
-// an HFMA2 per register. 128 + u and offset are exact in bf16, their products with x exact in fp32;
-// only the fp32 summation inside the mma sees larger addends (bits differ from the unbiased path).
-constexpr uint32_t Q4_NEG_OFFSET = 0xC308C308u, Q5_NEG_OFFSET = 0xC310C310u, Q6_NEG_OFFSET = 0xC320C320u;
-
 // (128 + u_lo, 128 + u_hi) - offset, u = (bits & mask) | extra, with `extra` already holding 0x43004300
 // (and any high code bits): u lies in bits 0..6 and 16..22.
 __device__ __forceinline__ uint32_t unbias_bf2(uint32_t bits, uint32_t mask, uint32_t extra, float offset) {
@@ -32,46 +26,38 @@ __device__ __forceinline__ uint32_t unbias_bf2(uint32_t bits, uint32_t mask, uin
 template <int SH>
 __device__ __forceinline__ uint32_t shift_r(uint32_t x) { return SH >= 0 ? x >> (SH & 31) : x << ((-SH) & 31); }
 
-// 128 + u, less `offset` unless the register stays biased (B).
-template <bool B>
-__device__ __forceinline__ uint32_t code_bf2(uint32_t bits, uint32_t mask, uint32_t extra, float offset) {
-  return B ? and_or(bits, mask, extra) : unbias_bf2(bits, mask, extra, offset);
-}
-
 // 4-bit plane: register p of a step holds nibbles p and p+4 of the step's word.
-template <int P, bool B = false>
-__device__ __forceinline__ uint32_t q4_reg(uint32_t w) { return code_bf2<B>(w >> (4 * P), 0x000F000Fu, 0x43004300u, 136.f); }
+template <int P>
+__device__ __forceinline__ uint32_t q4_reg(uint32_t w) { return unbias_bf2(w >> (4 * P), 0x000F000Fu, 0x43004300u, 136.f); }
 
 // Q4G64 (bias 8), Q5G64 (bias 16, hi bit), Q6G64 (bias 32, two hi bits): the 4 A registers of step S.
-template <int S, bool B = false>
+template <int S>
 __device__ __forceinline__ void dq_q4(uint32_t (&a)[4], uint32_t w) {
-  a[0] = q4_reg<0, B>(w); a[1] = q4_reg<1, B>(w); a[2] = q4_reg<2, B>(w); a[3] = q4_reg<3, B>(w);
+  a[0] = q4_reg<0>(w); a[1] = q4_reg<1>(w); a[2] = q4_reg<2>(w); a[3] = q4_reg<3>(w);
 }
 
 // Hi bit of step S, register P: hi bits 4S+P (+16) → code bit 4 of each half.
-template <int S, int P, bool B = false>
+template <int S, int P>
 __device__ __forceinline__ uint32_t q5_reg(uint32_t w, uint32_t hi) {
   const uint32_t extra = and_or(shift_r<4 * S + P - 4>(hi), 0x00100010u, 0x43004300u);
-  return code_bf2<B>(w >> (4 * P), 0x000F000Fu, extra, 144.f);
+  return unbias_bf2(w >> (4 * P), 0x000F000Fu, extra, 144.f);
 }
 
-template <int S, bool B = false>
+template <int S>
 __device__ __forceinline__ void dq_q5(uint32_t (&a)[4], uint32_t w, uint32_t hi) {
-  a[0] = q5_reg<S, 0, B>(w, hi); a[1] = q5_reg<S, 1, B>(w, hi); a[2] = q5_reg<S, 2, B>(w, hi);
-  a[3] = q5_reg<S, 3, B>(w, hi);
+  a[0] = q5_reg<S, 0>(w, hi); a[1] = q5_reg<S, 1>(w, hi); a[2] = q5_reg<S, 2>(w, hi); a[3] = q5_reg<S, 3>(w, hi);
 }
 
 // Two hi bits at 8·(S&1) + 2P (+16) → code bits 4, 5 of each half.
-template <int S, int P, bool B = false>
+template <int S, int P>
 __device__ __forceinline__ uint32_t q6_reg(uint32_t w, uint32_t hi) {
   const uint32_t extra = and_or(shift_r<8 * (S & 1) + 2 * P - 4>(hi), 0x00300030u, 0x43004300u);
-  return code_bf2<B>(w >> (4 * P), 0x000F000Fu, extra, 160.f);
+  return unbias_bf2(w >> (4 * P), 0x000F000Fu, extra, 160.f);
 }
 
-template <int S, bool B = false>
+template <int S>
 __device__ __forceinline__ void dq_q6(uint32_t (&a)[4], uint32_t w, uint32_t hi) {
-  a[0] = q6_reg<S, 0, B>(w, hi); a[1] = q6_reg<S, 1, B>(w, hi); a[2] = q6_reg<S, 2, B>(w, hi);
-  a[3] = q6_reg<S, 3, B>(w, hi);
+  a[0] = q6_reg<S, 0>(w, hi); a[1] = q6_reg<S, 1>(w, hi); a[2] = q6_reg<S, 2>(w, hi); a[3] = q6_reg<S, 3>(w, hi);
 }
 
 // W8G32 (bias 128): bytes (0, 2) and (1, 3) of a word form two registers; v = 16·(hi − 8) + lo, exact.

@@ -15,13 +15,11 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-// Sum over the block; `scratch` holds one float per warp. Every thread gets the same value. WIDER:
-// the block has more than WARPS warps, and those past them add nothing (they only join the barriers):
-// the same bits as a WARPS-warp block.
-template <int WARPS, bool WIDER = false>
+// Sum over the block; `scratch` holds one float per warp. Every thread gets the same value.
+template <int WARPS>
 __device__ __forceinline__ float block_sum(float v, float* scratch) {
   v = warp_sum(v);
-  if ((threadIdx.x & 31) == 0 && (!WIDER || (threadIdx.x >> 5) < WARPS)) scratch[threadIdx.x >> 5] = v;
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
   __syncthreads();
   float total = 0.f;
 #pragma unroll

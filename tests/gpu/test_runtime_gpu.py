@@ -231,38 +231,3 @@ def test_cli_run_on_the_gpu_backend_streams_and_samples_reproducibly(capsys):
         sampled.append(capsys.readouterr().out)
     assert sampled[0] == sampled[1], "the same seed must give the same sample"
 
-
-@pytest.mark.parametrize("name", ["tiny", "small"])
-def test_norm_into_gemv_changes_no_bits(monkeypatch, name):
-    """NINFER_NORM_INTO_GEMV=1 (the 1-row step's norms inside its projections): the same decode logits,
-    bit for bit, as the norm kernels, eager and replayed, and fewer launches per step."""
-    from ninfer_gen.checkpoint import load_checkpoint, quantize_weights
-    from ninfer_gen.device_weights import from_host
-    from ninfer_gen.gpu_backend import GpuBackend
-    from ninfer_gen.random_weights import random_weights
-
-    if name == "tiny":
-        spec = load_spec(TINY)
-        q = quantize_weights(spec, random_weights(spec, seed=0))
-    else:
-        spec, tensors = load_checkpoint(SMALL, require_mtp=False)
-        q = quantize_weights(spec, tensors)
-    weights = from_host(spec, q)
-    ids = _tokens(48, spec.model.vocab_size, 9)
-    outs, launches = {}, {}
-    for rows in ("0", "1"):
-        monkeypatch.setenv("NINFER_NORM_INTO_GEMV", rows)
-        be = GpuBackend(spec, weights, max_context=512)
-        for use_graphs in (False, True):
-            be.use_graphs = use_graphs
-            seq = be.new_sequence()
-            try:
-                be.prefill(seq, ids[:32])
-                outs[rows, use_graphs] = torch.stack([be.run("step", [seq], [[t]])[0] for t in ids[32:]])
-            finally:
-                be.release(seq)
-        launches[rows] = len(be.exe.bucket("step", 1, 1).launchers)
-    assert launches["1"] == launches["0"] - 2 * spec.model.layers.count
-    first = outs["0", False]
-    for k, v in outs.items():
-        assert torch.equal(v.view(torch.int32), first.view(torch.int32)), f"{k} differs from the norm kernels, eager"
