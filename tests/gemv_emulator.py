@@ -17,6 +17,19 @@ def _halves(masked):
     return (masked & 0xFFFF).astype(np.int64), (masked >> 16).astype(np.int64)
 
 
+def _q5_field(q, hi, s, p):
+    """q5g64 register p of step s (both halves' 5-bit codes) as dq_q5 extracts it."""
+    if p < 3:
+        return (q[..., s] >> (5 * p)) & 0x001F001F
+    if s < 3:
+        return (hi >> (5 * s)) & 0x001F001F
+    words = [q[..., 0], q[..., 1], q[..., 2], q[..., 3], hi]      # step 3's last register: spare bits 15, 31
+    out = 0
+    for i, word in enumerate(words):
+        out = out | ((word >> (15 - i)) & (0x00010001 << i))
+    return out
+
+
 def _a_regs(fmt, q, hi, s):
     """The four A registers of step s as (low, high) integer/float values per lane: [4][2] arrays."""
     w = lambda i: q[..., i]                                           # noqa: E731  word i of uint4 0
@@ -34,10 +47,11 @@ def _a_regs(fmt, q, hi, s):
             lo, hi4 = _halves((word >> sh) & 0x000F000F), _halves((word >> (sh + 4)) & 0x000F000F)
             regs.append(tuple(16 * (h - 8) + l for h, l in zip(hi4, lo)))
             continue
-        masked = (w(s) >> (4 * p)) & 0x000F000F
         if fmt == "q5g64":
-            masked |= ((hi[..., 0] >> (4 * s + p)) << 4) & 0x00100010
-        elif fmt == "q6g64":
+            regs.append(tuple(v - 16 for v in _halves(_q5_field(q, hi[..., 0], s, p))))
+            continue
+        masked = (w(s) >> (4 * p)) & 0x000F000F
+        if fmt == "q6g64":
             masked |= ((hi[..., s // 2] >> (8 * (s & 1) + 2 * p)) << 4) & 0x00300030
         bias = {"q4g64": 8, "q5g64": 16, "q6g64": 32}[fmt]
         regs.append(tuple(v - bias for v in _halves(masked & 0xFFFFFFFF)))

@@ -10,7 +10,10 @@ them into exact bf16 integers with the `0x4300 | u` (= 128 + u) trick.
 
 Planes (all little-endian bytes; `lo` is [tiles, units, V, 32 lanes, 16 B], V = 4 for bf16 else 1):
   q4g64  lo: word s = nibbles of step s; element e at bit 4·(e>>1) + 16·(e&1)
-  q5g64  lo as q4 (u & 15); hi: one u32 per lane per unit, bit (u>>4) at 4s + (e>>1) + 16·(e&1)
+  q5g64  whole 5-bit codes, so a register is one shift + one LOP3 (no separate hi bit to place):
+         lo word s holds elements 2P, 2P+1 (P = 0, 1, 2) at bits 5P and 16 + 5P; hi (one u32 per lane
+         per unit) holds elements 6, 7 of steps 0-2 at 5s and 16 + 5s. Elements 6, 7 of step 3 are
+         spread over the spare bits 15 / 31 of the five words: bit i of the code in word i (i = 4: hi)
   q6g64  lo as q4 (u & 15); hi: two u32 per lane per unit, (u>>4)&3 in word s>>1 at
          8·(s&1) + 2·(e>>1) + 16·(e&1)
   w8g32  lo: words 2s, 2s+1 hold elements 0-3, 4-7 of step s; element e%4 in byte (0, 2, 1, 3)[e%4]
@@ -105,13 +108,12 @@ def _pack_quant(u: torch.Tensor, fmt: str) -> dict:
     if fmt == "w8g32":
         words = (u << _W8_SHIFT).view(*u.shape[:-1], 2, 4).sum(-1)           # [T, U, 32, S, 2]
         return {"lo": _words_to_bytes(words.flatten(-2)).unsqueeze(2), "hi": _empty(u.device, torch.uint8)}
+    if fmt == "q5g64":
+        return _pack_q5(u)
     lo = ((u & 15) << _NIB_SHIFT).sum(-1)                                    # [T, U, 32, S]
     out = {"lo": _words_to_bytes(lo).unsqueeze(2)}
     s = torch.arange(u.shape[3], device=u.device).view(-1, 1)
-    if fmt == "q5g64":
-        hi = (((u >> 4) & 1) << (4 * s + (_E >> 1) + 16 * (_E & 1))).sum((-1, -2))
-        out["hi"] = _words_to_bytes(hi.unsqueeze(-1))
-    elif fmt == "q6g64":
+    if fmt == "q6g64":
         pos = 8 * (s & 1) + 2 * (_E >> 1) + 16 * (_E & 1)
         bits = ((u >> 4) & 3) << pos                                          # [T, U, 32, 4, 8]
         hi = bits.view(*u.shape[:3], 2, 2, 8).sum((-1, -2))                   # word = s >> 1
@@ -121,18 +123,48 @@ def _pack_quant(u: torch.Tensor, fmt: str) -> dict:
     return out
 
 
+# q5g64 field positions: element e = 2P + h of step s (P < 3) in lo word s at 5P + 16h; element 6 + h of
+# step s < 3 in the hi word at 5s + 16h; element 6 + h of step 3: bit i in word i (0-3: lo, 4: hi) at 15 + 16h.
+_Q5_FIELD = [5 * p + 16 * h for p in range(3) for h in range(2)]            # elements 0-5 of a lo word
+
+
+def _pack_q5(u: torch.Tensor) -> dict:
+    """u: biased 5-bit codes [T, U, 32, 4, 8] → {"lo": 4 words per lane, "hi": 1 word per lane}."""
+    shifts = torch.tensor(_Q5_FIELD, device=u.device)
+    lo = (u[..., :6] << shifts).sum(-1)                                     # [T, U, 32, 4]
+    hi = (u[..., :3, 6] << (5 * torch.arange(3, device=u.device))).sum(-1) \
+        + (u[..., :3, 7] << (16 + 5 * torch.arange(3, device=u.device))).sum(-1)
+    words = torch.cat([lo, hi.unsqueeze(-1)], -1)                          # [T, U, 32, 5]
+    bit = torch.arange(5, device=u.device)
+    words = words | (((u[..., 3:4, 6] >> bit) & 1) << 15) | (((u[..., 3:4, 7] >> bit) & 1) << 31)
+    return {"lo": _words_to_bytes(words[..., :4]).unsqueeze(2), "hi": _words_to_bytes(words[..., 4:])}
+
+
+def _unpack_q5(lo_words: torch.Tensor, hi_word: torch.Tensor) -> torch.Tensor:
+    """Inverse of `_pack_q5`: lo words [T, U, 32, 4], hi word [T, U, 32, 1] → codes [T, U, 32, 4, 8]."""
+    words = torch.cat([lo_words, hi_word], -1)                             # [T, U, 32, 5]
+    u = torch.empty(*lo_words.shape, 8, dtype=torch.int64, device=lo_words.device)
+    u[..., :6] = (lo_words.unsqueeze(-1) >> torch.tensor(_Q5_FIELD, device=u.device)) & 31
+    for s in range(3):
+        u[..., s, 6] = (hi_word[..., 0] >> (5 * s)) & 31
+        u[..., s, 7] = (hi_word[..., 0] >> (16 + 5 * s)) & 31
+    bit = torch.arange(5, device=u.device)
+    u[..., 3, 6] = (((words >> 15) & 1) << bit).sum(-1)
+    u[..., 3, 7] = (((words >> 31) & 1) << bit).sum(-1)
+    return u
+
+
 def _unpack_quant(lo: torch.Tensor, hi: torch.Tensor, fmt: str, shape) -> torch.Tensor:
     _E, _NIB_SHIFT, _W8_SHIFT = _consts(lo.device)
     words = _bytes_to_words(lo.squeeze(2))                                    # [T, U, 32, 4]
     if fmt == "w8g32":
         w = words.view(*shape[:4], 2, 1)
         return ((w >> _W8_SHIFT.view(2, 4)) & 0xFF).view(shape)
+    if fmt == "q5g64":
+        return _unpack_q5(words, _bytes_to_words(hi).view(*shape[:3], 1))
     u = (words.unsqueeze(-1) >> _NIB_SHIFT) & 15                              # [T, U, 32, S, 8]
     s = torch.arange(shape[3], device=lo.device).view(-1, 1)
-    if fmt == "q5g64":
-        h = _bytes_to_words(hi).view(*shape[:3], 1, 1)
-        u = u | (((h >> (4 * s + (_E >> 1) + 16 * (_E & 1))) & 1) << 4)
-    elif fmt == "q6g64":
+    if fmt == "q6g64":
         h = _bytes_to_words(hi).view(*shape[:3], 2, 1, 1).expand(*shape[:3], 2, 2, 1).reshape(*shape[:3], 4, 1)
         u = u | (((h >> (8 * (s & 1) + 2 * (_E >> 1) + 16 * (_E & 1))) & 3) << 4)
     return u

@@ -30,22 +30,31 @@ __device__ __forceinline__ uint32_t shift_r(uint32_t x) { return SH >= 0 ? x >> 
 template <int P>
 __device__ __forceinline__ uint32_t q4_reg(uint32_t w) { return unbias_bf2(w >> (4 * P), 0x000F000Fu, 0x43004300u, 136.f); }
 
-// Q4G64 (bias 8), Q5G64 (bias 16, hi bit), Q6G64 (bias 32, two hi bits): the 4 A registers of step S.
+// Q4G64 (bias 8): the 4 A registers of step S (Q5G64 bias 16, Q6G64 bias 32 below).
 template <int S>
 __device__ __forceinline__ void dq_q4(uint32_t (&a)[4], uint32_t w) {
   a[0] = q4_reg<0>(w); a[1] = q4_reg<1>(w); a[2] = q4_reg<2>(w); a[3] = q4_reg<3>(w);
 }
 
-// Hi bit of step S, register P: hi bits 4S+P (+16) → code bit 4 of each half.
-template <int S, int P>
-__device__ __forceinline__ uint32_t q5_reg(uint32_t w, uint32_t hi) {
-  const uint32_t extra = and_or(shift_r<4 * S + P - 4>(hi), 0x00100010u, 0x43004300u);
-  return unbias_bf2(w >> (4 * P), 0x000F000Fu, extra, 144.f);
+// Q5G64: whole 5-bit codes (weight_layout.py), so a register is a shift and one LOP3. Registers 0-2 of
+// step S are fields 0, 5, 10 of lo word S; register 3 is field 5S of the hi word, except in step 3,
+// whose codes are gathered from bit 15 / 31 of the five words (bit i of the code in word i).
+template <int SH>
+__device__ __forceinline__ uint32_t q5_reg(uint32_t w) { return unbias_bf2(w >> SH, 0x001F001Fu, 0x43004300u, 144.f); }
+
+__device__ __forceinline__ uint32_t q5_spare(const uint4& w, uint32_t hi) {
+  uint32_t v = and_or(w.x >> 15, 0x00010001u, 0x43004300u);
+  v = and_or(w.y >> 14, 0x00020002u, v);
+  v = and_or(w.z >> 13, 0x00040004u, v);
+  v = and_or(w.w >> 12, 0x00080008u, v);
+  return unbias_bf2(hi >> 11, 0x00100010u, v, 144.f);
 }
 
 template <int S>
-__device__ __forceinline__ void dq_q5(uint32_t (&a)[4], uint32_t w, uint32_t hi) {
-  a[0] = q5_reg<S, 0>(w, hi); a[1] = q5_reg<S, 1>(w, hi); a[2] = q5_reg<S, 2>(w, hi); a[3] = q5_reg<S, 3>(w, hi);
+__device__ __forceinline__ void dq_q5(uint32_t (&a)[4], const uint4& w, uint32_t hi) {
+  const uint32_t ws = S == 0 ? w.x : S == 1 ? w.y : S == 2 ? w.z : w.w;
+  a[0] = q5_reg<0>(ws); a[1] = q5_reg<5>(ws); a[2] = q5_reg<10>(ws);
+  a[3] = S < 3 ? q5_reg<5 * (S % 3)>(hi) : q5_spare(w, hi);
 }
 
 // Two hi bits at 8·(S&1) + 2P (+16) → code bits 4, 5 of each half.
