@@ -77,16 +77,19 @@ def test_gemm_reference_is_the_gemv_projection(family, target, epilogue):
 
 
 def test_gemv_stream_fields_follow_the_shape_and_m():
-    """The stream fields (never the bits) follow measured rules: interleaved units and two batches of L2
-    prefetch at M ≤ 8, units kept apart at M > 8, no prefetch for the many-wave LM head or off sm_90."""
+    """The stream fields (never the bits) follow measured rules: at M ≤ 8 no L2 prefetch, units
+    interleaved in 4-warp blocks (split or not) and kept apart in 8-warp ones; at M > 8 units kept apart
+    with one batch of prefetch (sm_90 only); the many-wave LM head streams plain."""
     h200 = lookup("h200")
     gate_up = gemv.make_key("q4g64", 34816, 5120, 1, h200, "silu_mul")
-    assert (gate_up.interleave, gate_up.prefetch) == (True, 2)
-    assert gate_up.name == "gemv_q4g64_n34816_k5120_m1_silu_w4t1_p2_il_sm90"
+    assert (gate_up.warps, gate_up.interleave, gate_up.prefetch) == (4, True, 0)
+    assert gate_up.name == "gemv_q4g64_n34816_k5120_m1_silu_w4t1_il_sm90"
     verify8 = gemv.make_key("q4g64", 34816, 5120, 32, h200, "silu_mul")
     assert (verify8.interleave, verify8.prefetch) == (False, 1)
     down = gemv.make_key("q5g64", 5120, 17408, 1, h200, "residual")
-    assert down.splits > 1 and (down.interleave, down.prefetch) == (False, 2)
+    assert down.splits > 1 and (down.warps, down.interleave, down.prefetch) == (4, True, 0)
+    out_proj = gemv.make_key("q5g64", 5120, 6144, 1, h200, "residual")
+    assert (out_proj.warps, out_proj.interleave, out_proj.prefetch) == (8, False, 0)
     head = gemv.make_key("w8g32", 248320, 5120, 1, h200, out_dtype="f32")
     assert (head.interleave, head.prefetch) == (False, 0)
     on_3090 = gemv.make_key("q4g64", 34816, 5120, 1, T3090, "silu_mul")
@@ -103,7 +106,7 @@ def test_gemv_experiment_override_and_bad_stream_fields(monkeypatch):
     plain = gemv.make_key("q4g64", 34816, 5120, 1, h200, "silu_mul")
     assert plain.name == "gemv_q4g64_n34816_k5120_m1_silu_w4t1_d8_sm90"
     monkeypatch.setenv("NINFER_GEMV", "prefetch=9")                      # not a valid key: unchanged
-    assert gemv.make_key("q4g64", 34816, 5120, 1, h200, "silu_mul").prefetch == 2
+    assert gemv.make_key("q4g64", 34816, 5120, 1, h200, "silu_mul").prefetch == 0
     monkeypatch.setenv("NINFER_GEMV", "prefetch=two")
     with pytest.raises(ValueError, match="expected prefetch=<integer>"):
         gemv.make_key("q4g64", 34816, 5120, 1, h200)
@@ -123,7 +126,7 @@ def test_gemv_override_rules_by_shape(monkeypatch):
     h200 = lookup("h200")
     monkeypatch.setenv("NINFER_GEMV", "5120x6144:min_blocks=3,warps=4;prefetch=1")
     out = gemv.make_key("q5g64", 5120, 6144, 1, h200, "residual")
-    assert (out.min_blocks, out.warps, out.prefetch) == (3, 4, 2) and out.name.endswith("_w4t1_p2_il_b3_sm90")
+    assert (out.min_blocks, out.warps, out.prefetch) == (3, 4, 0) and out.name.endswith("_w4t1_b3_sm90")
     assert gemv.make_key("q4g64", 34816, 5120, 1, h200, "silu_mul").prefetch == 1    # the catch-all rule
     monkeypatch.setenv("NINFER_GEMV", "5120by6144:prefetch=1")
     with pytest.raises(ValueError, match="is not a shape NxK"):

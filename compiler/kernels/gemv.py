@@ -134,30 +134,29 @@ def config(fmt: str, n: int, k: int, m: int, target: Target) -> tuple[int, int, 
     return warps, tiles, splits
 
 
-def stream_config(fmt: str, n: int, k: int, m: int, splits: int, target: Target) -> dict:
-    """How units stream (fields that never change the bits, so they may follow M): measured on the H200
-    at the 27B decode shapes (bench/kernel_lab_notes.md, v9), chained launches as in a decode step.
-    M ≤ 8: ptxas interleaves a batch's units and L2 is asked for the next two batches (gate/up M=1 72.7 →
-    81.2 % of copy, Q4 10240 37.9 → 68.6, Q5 5120×6144 36.0 → 49.4); split-K shapes keep the branch per
-    unit (Q5 down 57.6 → 60.8); grids of many waves (the LM heads) stream best as they are (W8 106.6 %
-    against 96–97 with either); M > 8 keeps units apart (interleaved they spill or lose 5–10 points)
-    with one batch ahead. L2 prefetch is measured on sm_90 only, so it is off for the other archs."""
+def stream_config(fmt: str, n: int, k: int, m: int, warps: int, target: Target) -> dict:
+    """How units stream (fields that never change the bits, so they may follow M), measured in the 27B
+    decode step on the H200 (bench/step_ab.py, NOTES.md 2026-12-01 session 4). M ≤ 8: no L2 prefetch —
+    since the decode loop lost a third of its instructions (whole-code Q5, batch pointers) the prefetch
+    costs more than it hides (step 6.45 → 5.99 ms without it); ptxas interleaves a batch's units in
+    4-warp blocks (gate/up, split-K down: interleaved −0.6 %) but not in 8-warp ones (Q5 5120×6144 and
+    6144×5120: −1.1 %, −0.6 %); grids of many waves (the LM heads) stream best as they are (W8 106.6 %
+    of copy against 96–97 with interleave or prefetch). M > 8 keeps units apart (interleaved they spill
+    or lose 5–10 points) with one batch ahead (measured before the instruction cut, bench/kernel_lab_notes.md
+    v9). L2 prefetch is measured on sm_90 only, so it is off for the other archs."""
     waves = ceil_div(n, 16) / (target.sms * 9)
-    measured = target.arch == "sm_90"
     if m > 8:
-        return {"prefetch": 1 if measured else 0}
+        return {"prefetch": 1 if target.arch == "sm_90" else 0}
     if waves >= 4:
         return {}
-    if splits > 1:
-        return {"prefetch": 2 if measured else 0}
-    return {"interleave": True, "prefetch": 2 if measured else 0}
+    return {"interleave": warps == 4}
 
 
 def make_key(fmt: str, n: int, k: int, m: int, target: Target, epilogue: str = "none",
              out_dtype: str = "bf16") -> Key:
     warps, tiles, splits = config(fmt, n, k, m, target)
     key = Key(fmt, n, k, m, epilogue, out_dtype, warps, tiles, target.arch, splits,
-              **stream_config(fmt, n, k, m, splits, target))
+              **stream_config(fmt, n, k, m, warps, target))
     return _override(key, os.environ.get("NINFER_GEMV", ""))
 
 
