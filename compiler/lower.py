@@ -9,7 +9,7 @@ executable's job (`kernels.<family>.params`).
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
 from .ir import Eqn, Graph, Var
@@ -106,14 +106,6 @@ def _linear_residual(ctx, e):
     return _matmul(ctx, e.inputs[0], e.inputs[1], e.inputs[1].shape[0], "residual")
 
 
-def _linear_residual_rmsnorm(ctx, e):
-    """The residual projection whose last block also writes the RMSNorm of the row (gemv `norm_eps`)."""
-    keys = _linear_residual(ctx, e)
-    if len(keys) != 1 or keys[0].family != "gemv":
-        raise LoweringError(f"{e.prim}: the fused norm needs the decode GEMV (M = {ctx.m} rows)")
-    return [replace(keys[0], norm_eps=e.params["eps"])]
-
-
 def _linear_silu_mul(ctx, e):
     return _matmul(ctx, e.inputs[0], e.inputs[1], 2 * e.inputs[1].shape[0], "silu_mul")
 
@@ -166,7 +158,6 @@ def _attention(gate: bool):
 
 RULES: dict[str, Callable[[_Ctx, Eqn], list]] = {
     "embed": _embed, "linear": _linear, "linear_residual": _linear_residual, "linear_silu_mul": _linear_silu_mul,
-    "linear_residual_rmsnorm": _linear_residual_rmsnorm,
     "rmsnorm": _norm(False), "add_rmsnorm": _norm(True), "gdn_conv": _gdn_conv, "gdn_step": _gdn_step,
     "gated_rmsnorm": _gated_rmsnorm, "kv_append": _kv_append, "paged_attention": _attention(False),
     "gated_paged_attention": _attention(True),

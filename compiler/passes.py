@@ -1,7 +1,6 @@
 """passes: pure Graph → Graph rewrites in one ordered pipeline — the fusions that matter for decode
 (residual add into the projection's epilogue or into RMSNorm, SiLU·mul into a fused gate/up GEMV,
-q/k norm + RoPE, GDN gates into the recurrent step, the output gate into attention, in decode steps the
-RMSNorm after a residual projection into that projection) and dead code.
+q/k norm + RoPE, GDN gates into the recurrent step, the output gate into attention) and dead code.
 
 Each fused primitive's reference is the composition it replaces, so the interpreter checks every pass
 (fused graph == original graph). `NINFER_DEBUG=2` prints the graph after each pass.
@@ -167,39 +166,6 @@ def fuse_gdn_gates(g: Graph) -> Graph:
     return _rewrite(g, match)
 
 
-NORM_ROWS = 32        # decode steps of up to this many rows (B·T: the GEMV's M range) fold the norm
-
-
-def fuse_norm_into_residual_projection(g: Graph) -> Graph:
-    """rmsnorm(linear_residual(...)) → the projection also normalises the row it completes
-    (linear_residual_rmsnorm, outputs [h, norm]): in a decode step the GEMV's last block does the norm
-    with the rmsnorm kernel's own arithmetic, so no norm kernel and no launch boundary sits between the
-    residual add and the next projections. Decode steps of ≤ NORM_ROWS rows only: prefill keeps the norm
-    kernel (its GEMM has no last block)."""
-    p = g.params
-    if p.get("entry") == "prefill" or p.get("batch", 1) * p.get("tokens", 1) > NORM_ROWS:
-        return g
-    readers: dict[int, list[int]] = {}
-    for i, e in enumerate(g.eqns):
-        for x in e.inputs:
-            if isinstance(x, Var):
-                readers.setdefault(x.uid, []).append(i)
-
-    def match(g, i, uses, prod):
-        e = g.eqns[i]
-        if e.prim != "linear_residual":
-            return None
-        norms = [j for j in readers.get(e.outputs[0].uid, []) if g.eqns[j].prim == "rmsnorm"
-                 and g.eqns[j].inputs[0] is e.outputs[0] and g.eqns[j].params["offset"] == 1.0]
-        if len(norms) != 1:
-            return None
-        norm = g.eqns[norms[0]]
-        fused = Eqn("linear_residual_rmsnorm", [*e.inputs, norm.inputs[1]], dict(norm.params),
-                    [e.outputs[0], norm.outputs[0]])
-        return fused, {norms[0]}      # placed at the projection: the norm's weight is a constant
-    return _rewrite(g, match)
-
-
 def dead_code(g: Graph) -> Graph:
     live = {v.uid for v in g.outputs.values()}
     keep = []
@@ -211,7 +177,7 @@ def dead_code(g: Graph) -> Graph:
 
 
 PIPELINE: list[Pass] = [fuse_linear_residual, fuse_add_rmsnorm, fuse_silu_mul, fuse_gate_up, fuse_norm_rope,
-                        fuse_gdn_gates, fuse_output_gate, fuse_norm_into_residual_projection, dead_code]
+                        fuse_gdn_gates, fuse_output_gate, dead_code]
 
 
 def run_pipeline(g: Graph, passes: list[Pass] = PIPELINE) -> Graph:

@@ -201,12 +201,6 @@ def _linear_residual(x, w, residual):
     return out
 
 
-@_prim("linear_residual_rmsnorm", ref.linear_residual_rmsnorm)
-def _linear_residual_rmsnorm(x, w, residual, norm_w, *, eps, offset):
-    h = _linear_residual(x, w, residual)[0]
-    return [h, *_rmsnorm(h, norm_w, eps=eps, offset=offset)]
-
-
 @_prim("linear_silu_mul", ref.linear_silu_mul)
 def _linear_silu_mul(x, w_gate, w_up):
     _check(w_gate.shape == w_up.shape, lambda: f"linear_silu_mul: {w_gate} vs {w_up}")

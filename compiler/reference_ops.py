@@ -270,11 +270,6 @@ def linear_residual(x, w, residual):
     return residual + linear(x, w)
 
 
-def linear_residual_rmsnorm(x, w, residual, norm_w, *, eps, offset):
-    h = linear_residual(x, w, residual)
-    return h, rmsnorm(h, norm_w, eps=eps, offset=offset)
-
-
 def linear_silu_mul(x, w_gate, w_up):
     return silu_mul(linear(x, w_gate), linear(x, w_up))
 

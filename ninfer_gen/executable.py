@@ -285,11 +285,9 @@ class Executable:
             wname = values.resolve(e.inputs[1])[1]
             if e.prim == "linear_silu_mul":
                 wname = fused_gate_up(wname)
-            res = ptr(e.inputs[2]) if e.prim in ("linear_residual", "linear_residual_rmsnorm") else 0
+            res = ptr(e.inputs[2]) if e.prim == "linear_residual" else 0
             args = {"ws": 0, "tickets": 0} | args                         # split-K workspace, when split
             x = args["xp"] if fam == "gemm_wg" else ptr(e.inputs[0])        # gemm_wg: xperm's output
-            if e.prim == "linear_residual_rmsnorm":                        # the GEMV's fused norm
-                args |= {"norm_w": ptr(e.inputs[3]), "norm_y": ptr(e.outputs[1])}
             return args | {"y": out, "x": x, "res": res} | self._planes(wname)
         if fam == "xperm":                     # into the workspace the gemm_wg call after it reads
             return args | {"x": ptr(e.inputs[0])}

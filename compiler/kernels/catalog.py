@@ -6,8 +6,6 @@ then this list drives `build_kernels` in tests and the kernel lab.
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 from ..targets import Target
 from . import (argmax, attn_combine, attn_decode, attn_prefill, embed, gated_rmsnorm, gdn_chunk, gdn_conv, gdn_step,
                gemm, gemm_wg, gemv, qk_rope_kv, rmsnorm, xperm)
@@ -64,8 +62,6 @@ def _row_keys(spec, m: int, target: Target) -> list:
     a, eps, arch = spec.model, spec.model.rms_norm_eps, target.arch
     g = a.linear_attention
     keys = [gemv.make_key(fmt, n, k, m, target, epi, out) for fmt, n, k, epi, out in gemv_shapes(spec)]
-    # the residual projections that also write the next RMSNorm (passes.fuse_norm_into_residual_projection)
-    keys += [replace(k, norm_eps=eps) for k in keys if k.epilogue == "residual"]
     keys += [rmsnorm.Key(a.hidden_size, m, add, "bf16", eps, arch) for add in (False, True)]
     keys += [embed.Key(spec.quantization.embed, a.hidden_size, m, arch),
              gated_rmsnorm.Key(g.num_value_heads, g.value_head_dim, m, eps, arch),

@@ -58,8 +58,6 @@ class Key(KernelKey):
     prefetch: int = 0      # order batches the block asks L2 to fetch ahead of its loads (0: none)
     interleave: bool = False  # ptxas may interleave a batch's units (more registers)
     min_blocks: int = 2    # __launch_bounds__ blocks per SM: caps the registers so a grid fits fewer waves
-    norm_eps: float = 0.0  # > 0: the last block to finish also writes rmsnorm(y) (weight norm_w, this eps) to
-                           # norm_y, with the rmsnorm kernel's arithmetic (residual epilogue, bf16 out)
 
     def __post_init__(self):
         if self.fmt not in FORMATS:
@@ -77,15 +75,12 @@ class Key(KernelKey):
             raise ValueError(f"gemv: prefetch = {self.prefetch} outside 0..8 batches")
         if not 1 <= self.min_blocks <= 16:
             raise ValueError(f"gemv: min_blocks = {self.min_blocks} outside 1..16")
-        if self.norm_eps and (self.epilogue != "residual" or self.out_dtype != "bf16" or self.n % 8):
-            raise ValueError(f"gemv: the fused norm needs the residual epilogue, bf16 output and N a multiple of 8, "
-                             f"got {self.epilogue}/{self.out_dtype}, N = {self.n}")
 
     def _name_parts(self):
         return (shape_name_parts(self) + [f"w{self.warps}t{self.tiles}"] + ([f"s{self.splits}"] if self.splits > 1 else [])
                 + ([f"d{self.depth}"] if self.depth else [])
                 + ([f"p{self.prefetch}"] if self.prefetch else []) + (["il"] if self.interleave else [])
-                + ([f"b{self.min_blocks}"] if self.min_blocks != 2 else []) + (["rn"] if self.norm_eps else []))
+                + ([f"b{self.min_blocks}"] if self.min_blocks != 2 else []))
 
 
 def load_depth(fmt: str, depth: int = 0) -> int:
@@ -207,12 +202,10 @@ def launch(key: Key, target: Target | None = None) -> Launch:
 
 
 def workspace(key: Key) -> dict[str, int]:
-    """Bytes of each workspace argument (by parameter name): split-K partials and one ticket per row
-    tile when splits > 1, plus the grid's ticket (after the row tiles') with the fused norm; else {}."""
-    out = {"tickets": 4 * (ceil_div(key.n, 16) + 1)} if key.norm_eps else {}
-    if key.splits > 1:
-        out = {"ws": 4 * key.splits * key.m * key.n, "tickets": 4 * (ceil_div(key.n, 16) + bool(key.norm_eps))}
-    return out
+    """Bytes of each workspace argument (by parameter name); {} when splits == 1."""
+    if key.splits == 1:
+        return {}
+    return {"ws": 4 * key.splits * key.m * key.n, "tickets": 4 * ceil_div(key.n, 16)}
 
 
 # The arguments every quantised matrix multiply takes (gemv, and gemm, which has no split-K workspace).
@@ -227,10 +220,8 @@ MATMUL_PARAMS = (Param("y", "ptr", "out [m, n] (n/2 for silu_mul), bf16 or f32; 
 def params(key: Key) -> list[Param]:
     return [*MATMUL_PARAMS,
             Param("ws", "ptr", "f32 workspace [splits, m, n] (splits > 1, else 0)"),
-            Param("tickets", "ptr", "u32 [row tiles (+1 with the fused norm)] arrival counters: zero before the "
-                  "first launch, left zero (splits > 1 or the fused norm, else 0)")] + \
-        ([Param("norm_w", "ptr", "RMSNorm weight [n] bf16, applied as (1 + w)"),
-          Param("norm_y", "ptr", "rmsnorm(y) [m, n] bf16")] if key.norm_eps else [])
+            Param("tickets", "ptr", "u32 [row tiles] arrival counters: zero before the first launch, left zero "
+                  "(splits > 1, else 0)")]
 
 
 def reference(key, x: torch.Tensor, w, res: torch.Tensor | None = None) -> torch.Tensor:
