@@ -143,7 +143,8 @@ def stream_config(fmt: str, n: int, k: int, m: int, warps: int, target: Target) 
     6144×5120: −1.1 %, −0.6 %); grids of many waves (the LM heads) stream best as they are (W8 106.6 %
     of copy against 96–97 with interleave or prefetch). M > 8 keeps units apart (interleaved they spill
     or lose 5–10 points) with one batch ahead (measured before the instruction cut, bench/kernel_lab_notes.md
-    v9). L2 prefetch is measured on sm_90 only, so it is off for the other archs."""
+    v9). L2 prefetch is measured on sm_90 only, so it is off for the other archs; the interleave rule is
+    the H200's, applied to every arch (no other card is at hand to measure it)."""
     waves = ceil_div(n, 16) / (target.sms * 9)
     if m > 8:
         return {"prefetch": 1 if target.arch == "sm_90" else 0}
