@@ -26,8 +26,15 @@ from ninfer_gen.executable import Bucket
 from ninfer_gen.memory_plan import GiB
 
 
-def _ids(n: int, vocab: int) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(5)).tolist()
+def load_at_context(spec: str, context: int):
+    """(model, seq): `spec` on the GPU with weights drawn on the device under the 24 GiB budget, and one
+    sequence prefilled with `context` seeded random tokens (the state a timed decode step starts from)."""
+    model = ninfer_gen.load(spec, backend="gpu", max_context=context + 256, vram_budget=24 * GiB,
+                            random_weights="device", progress=True)
+    ids = torch.randint(0, model.spec.model.vocab_size, (context,), generator=torch.Generator().manual_seed(5))
+    seq = model.backend.new_sequence()
+    model.backend.prefill(seq, ids.tolist())
+    return model, seq
 
 
 def main(argv=None) -> dict:
@@ -44,12 +51,9 @@ def main(argv=None) -> dict:
     variants = [v.strip() for v in args.variants.split("|")]
 
     os.environ.pop("NINFER_GEMV", None)
-    model = ninfer_gen.load(args.spec, backend="gpu", max_context=args.context + 256, vram_budget=24 * GiB,
-                            random_weights="device", progress=True)
+    model, seq = load_at_context(args.spec, args.context)
     be, spec = model.backend, model.spec
     exe = be.exe
-    seq = be.new_sequence()
-    be.prefill(seq, _ids(args.context, spec.model.vocab_size))
     shipped = be.bucket("step", 1, 1)
     buckets: dict[str, Bucket] = {}
     for v in variants:

@@ -18,8 +18,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import ninfer_gen
-from ninfer_gen.memory_plan import GiB
+from bench.step_ab import load_at_context
 
 
 def group_of(name: str) -> str:
@@ -64,12 +63,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--replays", type=int, default=5)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    model = ninfer_gen.load(args.spec, backend="gpu", max_context=args.context + 256, vram_budget=24 * GiB,
-                            random_weights="device", progress=True)
+    model, seq = load_at_context(args.spec, args.context)
     be = model.backend
-    seq = be.new_sequence()
-    be.prefill(seq, torch.randint(0, model.spec.model.vocab_size, (args.context,),
-                                  generator=torch.Generator().manual_seed(5)).tolist())
     be.run("step", [seq], [[1]])
     bucket = be.bucket("step", 1, 1)
     for _ in range(5):
@@ -81,8 +76,7 @@ def main(argv=None) -> dict:
             torch.cuda.synchronize()            # replays apart, so each is cut out whole
     runs = [advances(k) for k in replay_kernels(prof, args.replays)]
     spans = [s for s, _ in runs]
-    mid = runs[spans.index(statistics.median_low(spans))]
-    span, groups = mid
+    span, groups = runs[spans.index(statistics.median_low(spans))]
     order = sorted(groups.items(), key=lambda kv: -kv[1]["advance_us"])
     print(f"replay span {span:.0f} µs (median of {args.replays}; spans {', '.join(f'{s:.0f}' for s in spans)})")
     print(f"{'group':<28} {'launches':>8} {'advance µs':>11} {'share':>6} {'µs/launch':>10} {'Σ duration':>11}")

@@ -54,7 +54,8 @@ template <int S>
 __device__ __forceinline__ void dq_q5(uint32_t (&a)[4], const uint4& w, uint32_t hi) {
   const uint32_t ws = S == 0 ? w.x : S == 1 ? w.y : S == 2 ? w.z : w.w;
   a[0] = q5_reg<0>(ws); a[1] = q5_reg<5>(ws); a[2] = q5_reg<10>(ws);
-  a[3] = S < 3 ? q5_reg<5 * (S % 3)>(hi) : q5_spare(w, hi);
+  if constexpr (S < 3) a[3] = q5_reg<5 * S>(hi);
+  else a[3] = q5_spare(w, hi);
 }
 
 // Two hi bits at 8·(S&1) + 2P (+16) → code bits 4, 5 of each half.
