@@ -7,8 +7,11 @@ omission profile (bench.omission_profile) of some of them.
     python -m bench.step_ab --variants "base|5120x6144:min_blocks=3|5120x17408:depth=8" --omission 0,1
 
 Variants are separated by '|'. A variant is a NINFER_GEMV override (compiler/kernels/gemv.py `_override`:
-';'-separated rules, each optionally limited to a shape NxK); `base` (or an empty string) is the
-shipped configuration.
+';'-separated rules, each optionally limited to a shape NxK), or `env:NAME=value,...`, environment
+settings the compiler reads while planning (e.g. `env:NINFER_NORM_FOLD=0`: the norm kernels kept), or
+NINFER_CONCURRENCY (how many independent GEMVs the variant's graph runs as parallel branches, at most
+the loaded executable's);
+`base` (or an empty string) is the shipped configuration.
 """
 from __future__ import annotations
 
@@ -26,10 +29,12 @@ from ninfer_gen.executable import Bucket
 from ninfer_gen.memory_plan import GiB
 
 
-def load_at_context(spec: str, context: int):
+def load_at_context(spec: str, context: int, max_context: int | None = None):
     """(model, seq): `spec` on the GPU with weights drawn on the device under the 24 GiB budget, and one
-    sequence prefilled with `context` seeded random tokens (the state a timed decode step starts from)."""
-    model = ninfer_gen.load(spec, backend="gpu", max_context=context + 256, vram_budget=24 * GiB,
+    sequence prefilled with `context` seeded random tokens (the state a timed decode step starts from).
+    `max_context` (default context + 256) sizes the KV pool and the attention buckets (`ninfer-gen bench`
+    loads for its longest prompt, 32K + 64)."""
+    model = ninfer_gen.load(spec, backend="gpu", max_context=max_context or context + 256, vram_budget=24 * GiB,
                             random_weights="device", progress=True)
     ids = torch.randint(0, model.spec.model.vocab_size, (context,), generator=torch.Generator().manual_seed(5))
     seq = model.backend.new_sequence()
@@ -37,12 +42,25 @@ def load_at_context(spec: str, context: int):
     return model, seq
 
 
+def variant_env(v: str) -> dict[str, str]:
+    """The environment a variant is planned under (NINFER_GEMV always set, '' when the variant has none)."""
+    if v.startswith("env:"):
+        pairs = [item.partition("=") for item in v[4:].split(",") if item.strip()]
+        if any(not name.strip() or not eq for name, eq, _ in pairs):
+            raise SystemExit(f"variant {v!r}: expected env:NAME=value[,NAME=value...]")
+        return {"NINFER_GEMV": ""} | {name.strip(): value.strip() for name, _, value in pairs}
+    return {"NINFER_GEMV": "" if v == "base" else v}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--spec", default="model_specs/qwen3.8-27b.yaml")
-    ap.add_argument("--variants", default="base", help="'|'-separated NINFER_GEMV overrides ('base': none)")
+    ap.add_argument("--variants", default="base",
+                    help="'|'-separated NINFER_GEMV overrides or env:NAME=value settings ('base': none)")
     ap.add_argument("--context", type=int, default=542, help="tokens in the sequence before the timed step")
+    ap.add_argument("--max-context", type=int, default=None, help="KV pool / attention bucket size "
+                    "(default: context + 256; the bench loads for 32,832)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=50, help="replays per timing (median)")
     ap.add_argument("--omission", default="", help="comma-separated indices of variants to profile")
@@ -51,15 +69,23 @@ def main(argv=None) -> dict:
     variants = [v.strip() for v in args.variants.split("|")]
 
     os.environ.pop("NINFER_GEMV", None)
-    model, seq = load_at_context(args.spec, args.context)
+    model, seq = load_at_context(args.spec, args.context, args.max_context)
     be, spec = model.backend, model.spec
     exe = be.exe
     shipped = be.bucket("step", 1, 1)
     buckets: dict[str, Bucket] = {}
     for v in variants:
-        os.environ["NINFER_GEMV"] = "" if v == "base" else v
-        plan = plan_bucket(exe.rt_spec, exe.target, "step", 1, 1)
-        os.environ.pop("NINFER_GEMV")
+        env = variant_env(v)
+        saved = {name: os.environ.get(name) for name in env}
+        os.environ.update(env)
+        try:
+            plan = plan_bucket(exe.rt_spec, exe.target, "step", 1, 1)
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
         exe.kernels.build(plan.keys())
         spills = sorted({k.name for k in plan.keys()} & set(exe.kernels.spilled()))
         if spills:
@@ -67,9 +93,14 @@ def main(argv=None) -> dict:
             continue
         buckets[v] = Bucket(shipped.shape, plan, shipped.inputs)
         exe._fit(plan)                   # may move the arena: bind and capture only once all fit
-    for b in buckets.values():
-        exe._bind(b)
-        exe.capture(b)
+    shipped_lanes = exe.concurrency
+    for v, b in buckets.items():                     # NINFER_CONCURRENCY: that variant's graph branches (≤ shipped)
+        exe.concurrency = min(shipped_lanes, int(variant_env(v).get("NINFER_CONCURRENCY", shipped_lanes)))
+        try:
+            exe._bind(b)
+            exe.capture(b)
+        finally:
+            exe.concurrency = shipped_lanes
     be.run("step", [seq], [[1]])                     # the sequence's inputs, shared by every variant's graph
     copy = copy_bandwidth()
     moved = step_bytes(spec, shipped.plan, args.context, be.state.kv_dtype)["total"]

@@ -60,10 +60,12 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--spec", default="model_specs/qwen3.8-27b.yaml")
     ap.add_argument("--context", type=int, default=542, help="tokens in the sequence before the traced steps")
+    ap.add_argument("--max-context", type=int, default=None, help="KV pool / attention bucket size "
+                    "(default: context + 256; the bench loads for 32,832)")
     ap.add_argument("--replays", type=int, default=5)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    model, seq = load_at_context(args.spec, args.context)
+    model, seq = load_at_context(args.spec, args.context, args.max_context)
     be = model.backend
     be.run("step", [seq], [[1]])
     bucket = be.bucket("step", 1, 1)
