@@ -9,7 +9,7 @@ executable's job (`kernels.<family>.params`).
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from .ir import Eqn, Graph, Var
@@ -110,6 +110,39 @@ def _linear_silu_mul(ctx, e):
     return _matmul(ctx, e.inputs[0], e.inputs[1], 2 * e.inputs[1].shape[0], "silu_mul")
 
 
+def _gemv_fields(ctx, e, keys, **fields):
+    """Work a pass moved into a projection (the split RMSNorm, the GDN conv) lives in the decode GEMV's
+    prologue and epilogue: its keys with `fields` set."""
+    if any(k.family != "gemv" for k in keys):
+        raise LoweringError(f"{e.prim}: needs the decode GEMV (M = {ctx.m} rows), not a prefill GEMM")
+    return [replace(k, **fields) for k in keys]
+
+
+def _linear_residual_norm(ctx, e):
+    """(x, W, residual, norm weight) → h, xn, ssq: the residual GEMV with `norm_out`."""
+    if e.params["offset"] != 1.0:
+        raise LoweringError(f"{e.prim}: the GEMV normalises with (1 + w) only, not offset {e.params['offset']}")
+    plain = _linear_residual(ctx, Eqn("linear_residual", e.inputs[:3], {}, e.outputs[:1]))
+    return _gemv_fields(ctx, e, plain, norm_out=True)
+
+
+def _scaled(rule):
+    """(xn, ssq, W…) → the plain projection's GEMV with `scale_in`."""
+    def lowered(ctx, e):
+        plain = rule(ctx, Eqn(e.prim, [e.inputs[0], *e.inputs[2:]], {}, e.outputs))
+        return _gemv_fields(ctx, e, plain, scale_in=True, eps=e.params["eps"])
+    return lowered
+
+
+def _with_conv(rule):
+    """(x…, W, conv taps, history, slots) → the projection's GEMV with `conv` (the taps' width)."""
+    def lowered(ctx, e):
+        *head, taps, _, _ = e.inputs
+        plain = rule(ctx, Eqn(e.prim.replace("_conv", ""), head, dict(e.params), e.outputs))
+        return _gemv_fields(ctx, e, plain, conv=taps.shape[-1])
+    return lowered
+
+
 def _norm(add: bool):
     def rule(ctx, e):
         return [rmsnorm.Key(e.inputs[0].shape[-1], ctx.m, add, "bf16", e.params["eps"], ctx.target.arch)]
@@ -160,7 +193,9 @@ RULES: dict[str, Callable[[_Ctx, Eqn], list]] = {
     "embed": _embed, "linear": _linear, "linear_residual": _linear_residual, "linear_silu_mul": _linear_silu_mul,
     "rmsnorm": _norm(False), "add_rmsnorm": _norm(True), "gdn_conv": _gdn_conv, "gdn_step": _gdn_step,
     "gated_rmsnorm": _gated_rmsnorm, "kv_append": _kv_append, "paged_attention": _attention(False),
-    "gated_paged_attention": _attention(True),
+    "gated_paged_attention": _attention(True), "linear_residual_norm": _linear_residual_norm,
+    "scaled_linear": _scaled(_linear), "scaled_linear_silu_mul": _scaled(_linear_silu_mul),
+    "linear_conv": _with_conv(_linear), "scaled_linear_conv": _with_conv(_scaled(_linear)),
 }
 
 

@@ -1,9 +1,13 @@
 """passes: pure Graph → Graph rewrites in one ordered pipeline — the fusions that matter for decode
 (residual add into the projection's epilogue or into RMSNorm, SiLU·mul into a fused gate/up GEMV,
-q/k norm + RoPE, GDN gates into the recurrent step, the output gate into attention) and dead code.
+q/k norm + RoPE, GDN gates into the recurrent step, the output gate into attention, a decode step's
+RMSNorms split over the projections around them, the GDN conv into the qkv projection of a one-token
+step) and dead code.
 
 Each fused primitive's reference is the composition it replaces, so the interpreter checks every pass
-(fused graph == original graph). `NINFER_DEBUG=2` prints the graph after each pass.
+(fused graph == original graph), bit for bit — except the norm fold, which moves the norm's scale past
+the projection: exact in real arithmetic, one bf16 rounding different, checked to a tolerance.
+`NINFER_DEBUG=2` prints the graph after each pass.
 """
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import os
 from dataclasses import replace
 from typing import Callable
 
-from .ir import Eqn, Graph, Var, typecheck
+from .ir import AVal, Eqn, Graph, Var, typecheck
 from .prims import PRIMS
 
 Pass = Callable[[Graph], Graph]
@@ -166,6 +170,99 @@ def fuse_gdn_gates(g: Graph) -> Graph:
     return _rewrite(g, match)
 
 
+NORM_FOLD_ROWS = 32          # decode, verify and cohort steps: every projection there is a GEMV
+NORM_READERS = {"linear": "scaled_linear", "linear_silu_mul": "scaled_linear_silu_mul"}
+
+
+def norm_fold_enabled() -> bool:
+    """NINFER_NORM_FOLD=0 keeps the norm kernels (for A/B measurements); on by default."""
+    return os.environ.get("NINFER_NORM_FOLD", "1") not in ("0", "false")
+
+
+def fold_norms_into_projections(g: Graph) -> Graph:
+    """rmsnorm(h) where h comes from a residual projection and only projections read the norm → the
+    producer also writes xn = h·(1 + w) and Σ h² per 16-column tile (linear_residual_norm), and each
+    reader scales its products by rsqrt(Σ / H + eps) (scaled_linear, scaled_linear_silu_mul). In a
+    decode step that removes the one-block norm kernel between two GEMVs; the sums are fp32 and their
+    order is fixed by the shapes, so every reader of a row applies the same scale. Steps of up to
+    NORM_FOLD_ROWS rows (not prefill); norms that are graph outputs (the final-norm hidden) or have
+    other readers stay."""
+    p = g.params
+    if not norm_fold_enabled() or p.get("entry") == "prefill" or \
+            p.get("batch", 1) * p.get("tokens", 1) > NORM_FOLD_ROWS:
+        return g
+    readers: dict[int, list[int]] = {}
+    for i, e in enumerate(g.eqns):
+        for x in e.inputs:
+            if isinstance(x, Var):
+                readers.setdefault(x.uid, []).append(i)
+    outputs, prod = {v.uid for v in g.outputs.values()}, _producers(g)
+    producers: dict[int, Eqn] = {}             # producer index → its linear_residual_norm
+    consumers: dict[int, Eqn] = {}             # reader index → its scaled projection
+    dropped: set[int] = set()
+    for i, e in enumerate(g.eqns):
+        h, y = e.inputs[0] if e.inputs else None, e.outputs[0] if e.outputs else None
+        if e.prim != "rmsnorm" or e.params["offset"] != 1.0 or y.uid in outputs or h.uid not in prod:
+            continue
+        j = prod[h.uid]
+        if g.eqns[j].prim != "linear_residual" or j in producers or h.shape[-1] % 16:
+            continue
+        uses = readers.get(y.uid, [])
+        if not uses or not all(g.eqns[u].prim in NORM_READERS and g.eqns[u].inputs[0] is y
+                               and sum(x is y for x in g.eqns[u].inputs) == 1 for u in uses):
+            continue
+        xn, ssq = Var(y.aval, "xn"), Var(AVal((h.shape[0], h.shape[1] // 16), "f32"), "ssq")
+        lin = g.eqns[j]
+        producers[j] = Eqn("linear_residual_norm", [*lin.inputs, e.inputs[1]], {"offset": 1.0}, [h, xn, ssq])
+        for u in uses:
+            r = g.eqns[u]
+            consumers[u] = Eqn(NORM_READERS[r.prim], [xn, ssq, *r.inputs[1:]], {"eps": e.params["eps"]}, r.outputs)
+        dropped.add(i)
+    if not dropped:
+        return g
+    eqns = [producers.get(i) or consumers.get(i) or e for i, e in enumerate(g.eqns) if i not in dropped]
+    return replace(g, eqns=eqns)
+
+
+CONV_PROJECTIONS = {"linear": "linear_conv", "scaled_linear": "scaled_linear_conv"}
+
+
+def conv_fold_enabled() -> bool:
+    """NINFER_CONV_FOLD=0 keeps the GDN conv kernel in one-token steps (for A/B measurements); on by default."""
+    return os.environ.get("NINFER_CONV_FOLD", "1") not in ("0", "false")
+
+
+def fold_conv_into_projection(g: Graph) -> Graph:
+    """gdn_conv(reshape(linear(h, W_qkv))) over one token per row → the projection's epilogue runs the
+    conv (linear_conv, scaled_linear_conv): every channel's new column is one output of the GEMV, so
+    the conv and the history shift need nothing from other outputs. Same arithmetic, same bits."""
+    if not conv_fold_enabled():
+        return g
+
+    readers: dict[int, int] = {}
+    for j, e in enumerate(g.eqns):
+        for x in e.inputs:
+            if isinstance(x, Var):
+                readers[x.uid] = j
+
+    def match(g, i, uses, prod):
+        # at the projection's place: its launch order among its layer's input projections stays
+        lin = g.eqns[i]
+        if lin.prim not in CONV_PROJECTIONS or uses.get(lin.outputs[0].uid) != 1 or lin.outputs[0].uid not in readers:
+            return None
+        flat = g.eqns[readers[lin.outputs[0].uid]]
+        if flat.prim != "reshape" or uses.get(flat.outputs[0].uid) != 1 or flat.outputs[0].uid not in readers:
+            return None
+        j = readers[flat.outputs[0].uid]
+        conv = g.eqns[j]
+        if conv.prim != "gdn_conv" or conv.inputs[0] is not flat.outputs[0] or conv.inputs[0].shape[1] != 1 \
+                or conv.inputs[2] is None:
+            return None
+        fused = Eqn(CONV_PROJECTIONS[lin.prim], [*lin.inputs, *conv.inputs[1:]], dict(lin.params), conv.outputs)
+        return fused, {prod[flat.outputs[0].uid], j}
+    return _rewrite(g, match)
+
+
 def dead_code(g: Graph) -> Graph:
     live = {v.uid for v in g.outputs.values()}
     keep = []
@@ -177,7 +274,7 @@ def dead_code(g: Graph) -> Graph:
 
 
 PIPELINE: list[Pass] = [fuse_linear_residual, fuse_add_rmsnorm, fuse_silu_mul, fuse_gate_up, fuse_norm_rope,
-                        fuse_gdn_gates, fuse_output_gate, dead_code]
+                        fuse_gdn_gates, fuse_output_gate, fold_norms_into_projections, fold_conv_into_projection, dead_code]
 
 
 def run_pipeline(g: Graph, passes: list[Pass] = PIPELINE) -> Graph:

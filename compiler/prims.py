@@ -207,6 +207,45 @@ def _linear_silu_mul(x, w_gate, w_up):
     return _linear(x, w_gate)
 
 
+@_prim("linear_residual_norm", ref.linear_residual_norm)
+def _linear_residual_norm(x, w, residual, norm_w, *, offset):
+    (h,) = _linear_residual(x, w, residual)
+    _check(norm_w.shape == (h.shape[1],) and h.shape[1] % 16 == 0, lambda: f"linear_residual_norm: {h} {norm_w}")
+    return [h, h, AVal((h.shape[0], h.shape[1] // 16), "f32")]
+
+
+def _scaled(xn, ssq, name):
+    _check(ssq.dtype == "f32" and ssq.shape == (xn.shape[0], xn.shape[1] // 16),
+           lambda: f"{name}: tile sums {ssq} for {xn}")
+
+
+@_prim("scaled_linear", ref.scaled_linear)
+def _scaled_linear(xn, ssq, w, *, eps):
+    _scaled(xn, ssq, "scaled_linear")
+    return _linear(xn, w)
+
+
+@_prim("scaled_linear_silu_mul", ref.scaled_linear_silu_mul)
+def _scaled_linear_silu_mul(xn, ssq, w_gate, w_up, *, eps):
+    _scaled(xn, ssq, "scaled_linear_silu_mul")
+    return _linear_silu_mul(xn, w_gate, w_up)
+
+
+def _conv_after(y, conv_w, history, slots):
+    (out,) = _gdn_conv(AVal((y.shape[0], 1, y.shape[1]), y.dtype), conv_w, history, slots)
+    return [out]
+
+
+@_prim("linear_conv", ref.linear_conv, effectful=True)
+def _linear_conv(x, w, conv_w, history, slots):
+    return _conv_after(_linear(x, w)[0], conv_w, history, slots)
+
+
+@_prim("scaled_linear_conv", ref.scaled_linear_conv, effectful=True)
+def _scaled_linear_conv(xn, ssq, w, conv_w, history, slots, *, eps):
+    return _conv_after(_scaled_linear(xn, ssq, w, eps=eps)[0], conv_w, history, slots)
+
+
 @_prim("gated_paged_attention", ref.gated_paged_attention)
 def _gated_paged_attention(q, gate, block_table, pos, *cache, page_size, scale):
     B, T, hq, d = _paged_attention(q, block_table, pos, *cache, page_size=page_size, scale=scale)[0].shape

@@ -274,6 +274,40 @@ def linear_silu_mul(x, w_gate, w_up):
     return silu_mul(linear(x, w_gate), linear(x, w_up))
 
 
+# The RMSNorm split over the projections around it (passes.fold_norms_into_projections): the producer
+# writes h, xn = h·(offset + w) and Σ h² per 16-column tile; a reader scales its products by
+# rsqrt(Σ / H + eps). Exact in real arithmetic; in bf16 the normalised activations are rounded before
+# the scale instead of after it.
+def linear_residual_norm(x, w, residual, norm_w, *, offset):
+    h = linear_residual(x, w, residual)
+    hf = h.float()
+    return h, (hf * (offset + norm_w.float())).to(h.dtype), hf.pow(2).reshape(h.shape[0], -1, 16).sum(-1)
+
+
+def _inverse_rms(ssq, eps):
+    return torch.rsqrt(ssq.sum(-1, keepdim=True) / (16 * ssq.shape[-1]) + eps)
+
+
+def scaled_linear(xn, ssq, w, *, eps):
+    return ((xn.float() @ w.float().t()) * _inverse_rms(ssq, eps)).to(xn.dtype)
+
+
+def linear_conv(x, w, conv_w, history, slots):
+    """The GDN qkv projection of a one-token step with its conv (passes.fold_conv_into_projection)."""
+    y = linear(x, w)
+    return gdn_conv(y.reshape(y.shape[0], 1, y.shape[1]), conv_w, history, slots)
+
+
+def scaled_linear_conv(xn, ssq, w, conv_w, history, slots, *, eps):
+    y = scaled_linear(xn, ssq, w, eps=eps)
+    return gdn_conv(y.reshape(y.shape[0], 1, y.shape[1]), conv_w, history, slots)
+
+
+def scaled_linear_silu_mul(xn, ssq, w_gate, w_up, *, eps):
+    r = _inverse_rms(ssq, eps)
+    return silu_mul((xn.float() @ w_gate.float().t()) * r, (xn.float() @ w_up.float().t()) * r).to(xn.dtype)
+
+
 def gated_paged_attention(q, gate, block_table, pos, *cache, page_size, scale):
     o = paged_attention(q, block_table, pos, *cache, page_size=page_size, scale=scale)
     return o.reshape(gate.shape) * torch.sigmoid(gate)

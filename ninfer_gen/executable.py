@@ -282,12 +282,21 @@ class Executable:
         out = ptr(e.outputs[0]) if e.outputs else 0
         args = self._workspace_args(key, lane)
         if fam in MATMUL_FAMILIES:
-            wname = values.resolve(e.inputs[1])[1]
-            if e.prim == "linear_silu_mul":
+            scaled = e.prim in ("scaled_linear", "scaled_linear_silu_mul", "scaled_linear_conv")  # xn, ssq, W…
+            wname = values.resolve(e.inputs[2 if scaled else 1])[1]
+            if e.prim in ("linear_silu_mul", "scaled_linear_silu_mul"):
                 wname = fused_gate_up(wname)
-            res = ptr(e.inputs[2]) if e.prim == "linear_residual" else 0
+            res = ptr(e.inputs[2]) if e.prim in ("linear_residual", "linear_residual_norm") else 0
             args = {"ws": 0, "tickets": 0} | args                         # split-K workspace, when split
             x = args["xp"] if fam == "gemm_wg" else ptr(e.inputs[0])        # gemm_wg: xperm's output
+            if e.prim == "linear_residual_norm":                           # → h, xn, ssq
+                args |= {"xn": ptr(e.outputs[1]), "ssq_out": ptr(e.outputs[2]), "norm_w": ptr(e.inputs[3])}
+            if scaled:
+                args["ssq_in"] = ptr(e.inputs[1])
+            if e.prim in ("linear_conv", "scaled_linear_conv"):              # …, conv taps, history, slots
+                layer = state(e.inputs[-2]).split(".")[1]
+                args |= {"conv_w": ptr(e.inputs[-3]), "hist": self.state.conv[layer].data_ptr(),
+                         "slots": inputs.ptr("slots")}
             return args | {"y": out, "x": x, "res": res} | self._planes(wname)
         if fam == "xperm":                     # into the workspace the gemm_wg call after it reads
             return args | {"x": ptr(e.inputs[0])}

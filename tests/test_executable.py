@@ -147,3 +147,46 @@ def test_concurrent_groups_are_the_independent_input_projections():
         written = {o for c in calls for o in c.outputs}
         assert not written & {x for c in calls for x in c.inputs}
     assert concurrent_groups(plan, has_workspace=lambda key: True) == [[i] for i in range(len(plan.calls))]
+
+
+@pytest.mark.parametrize("shape", [("step", 1, 1), ("step", 2, 4)])
+def test_folded_norm_gemvs_share_xn_and_the_tile_sums(weights, shape):
+    """A decode bucket's split RMSNorms: each `norm_out` GEMV writes xn and ssq into the arena with its
+    layer's norm weight, and every `scale_in` GEMV reads exactly a producer's xn as x and its ssq."""
+    rec = RecordingKernels()
+    exe = Executable(TINY, lookup("rtx3090"), weights, DeviceState(TINY, 64, 2, "int8", "cpu"), rec, 32, "cpu")
+    bucket = exe.bucket(*shape)
+    named = [(k, dict(zip((p.name for p in module_of(k).params(k)), a))) for k, a in bucket.launchers]
+    arena = range(exe.arena.data_ptr(), exe.arena.data_ptr() + exe.arena.numel())
+    norm_ws = {t.data_ptr() for name, t in weights.tensors.items() if "layernorm" in name}
+    made = {}
+    for k, a in named:
+        if k.family == "gemv" and k.scale_in:
+            assert made.get(a["x"]) == a["ssq_in"], f"{k.name}: reads no producer's xn / ssq pair"
+        if k.family == "gemv" and k.norm_out:
+            assert a["xn"] in arena and a["ssq_out"] in arena and a["norm_w"] in norm_ws, k.name
+            assert a["y"] != a["xn"] and a["res"] != 0, k.name
+            made[a["xn"]] = a["ssq_out"]
+    folded = 2 * TINY.model.layers.count - 1
+    assert sum(k.family == "gemv" and k.norm_out for k, _ in named) == folded
+    assert [k.family for k, _ in named].count("rmsnorm") == 2
+
+
+def test_conv_in_the_qkv_gemv_binds_the_layer_history(weights):
+    """A one-token step's qkv GEMVs carry the GDN conv: taps = the layer's conv1d weight, history = the
+    layer's conv state, slots = the step's slot input; a verify step keeps the conv kernel."""
+    rec = RecordingKernels()
+    state = DeviceState(TINY, 64, 2, "int8", "cpu")
+    exe = Executable(TINY, lookup("rtx3090"), weights, state, rec, 32, "cpu")
+    step = exe.bucket("step", 2, 1)
+    hists = {t.data_ptr(): layer for layer, t in state.conv.items()}
+    convs = [(k, dict(zip((p.name for p in module_of(k).params(k)), a))) for k, a in step.launchers
+             if k.family == "gemv" and k.conv]
+    assert len(convs) == sum(kind == "linear_attention" for kind in TINY.model.layers.kinds)
+    layers = [hists[a["hist"]] for _, a in convs]
+    assert len(set(layers)) == len(layers)
+    for (k, a), layer in zip(convs, layers):
+        assert a["conv_w"] == weights.tensors[f"layers.{layer}.linear_attn.conv1d.weight"].data_ptr(), k.name
+        assert a["slots"] == step.inputs.ptr("slots") != 0
+    assert not any(k.family == "gdn_conv" for k, _ in step.launchers)
+    assert any(k.family == "gdn_conv" for k, _ in exe.bucket("step", 2, 4).launchers)

@@ -23,7 +23,13 @@ def test_decode_plan_of_the_27b_model():
     fam = plan.family_counts()
     # 64 layers: GDN qkv, z, a, b, out (48×5) + attention q, k, v, o (16×4) + MLP gate/up, down (64×2) + head
     assert fam["gemv"] == 48 * 5 + 16 * 4 + 64 * 2 + 1
-    assert fam["rmsnorm"] == 2 * 64 + 1 and fam["gdn_step"] == 48 and fam["qk_rope_kv"] == 16
+    assert fam["gdn_step"] == 48 and fam["qk_rope_kv"] == 16
+    # two norm kernels: layer 0's input norm (it reads the embedding) and the final norm (the hidden is an
+    # output); the other 127 ride on the projections around them (passes.fold_norms_into_projections)
+    gemvs = [c.key for c in plan.calls if c.key.family == "gemv"]
+    assert fam["rmsnorm"] == 2 and sum(k.norm_out for k in gemvs) == 2 * 64 - 1
+    assert sum(k.scale_in for k in gemvs) == 48 * 4 + 16 * 3 + 64 - 4      # (layer 0 is GDN: qkv, z, a, b)
+    assert "gdn_conv" not in fam and sum(k.conv == 4 for k in gemvs) == 48  # the conv rides on the qkv GEMV
     assert fam["attn_decode"] == 16 and fam["embed"] == 1
     assert plan.launches == sum(fam.values())
     assert plan.absorbed["norm_rope→qk_rope_kv"] == 32

@@ -40,7 +40,9 @@ def _inputs(entry, batch, tokens):
 
 
 @pytest.mark.parametrize("entry,batch,tokens", [("step", 2, 1), ("step", 2, 4), ("prefill", 1, 20), ("mtp", 2, 2)])
-def test_fused_graph_is_bit_identical(entry, batch, tokens):
+def test_fused_graph_is_bit_identical(monkeypatch, entry, batch, tokens):
+    """Every pass but the norm fold (tested below to a tolerance: it reassociates) keeps the bits."""
+    monkeypatch.setenv("NINFER_NORM_FOLD", "0")
     g = trace(SPEC, entry, batch, tokens, POOLS)
     fused = run_pipeline(g)
     weights = random_weights(SPEC)
@@ -57,11 +59,15 @@ def test_fusions_fire_on_decode_graph():
     g = run_pipeline(trace(SPEC, "step", 1, 1, POOLS))
     counts = Counter(e.prim for e in g.eqns)
     layers = SPEC.model.layers.count
-    assert counts["linear_residual"] == 2 * layers  # every residual add rides on a projection's epilogue
-    assert counts["add"] == 0 and counts["add_rmsnorm"] == 0 and counts["rmsnorm"] == 2 * layers + 1
-    assert counts["linear_silu_mul"] == layers and counts["silu_mul"] == 0
+    # every residual add rides on a projection's epilogue; that projection also carries the next norm,
+    # except the last (the final-norm hidden is an output), and layer 0's input norm reads the embedding
+    assert counts["linear_residual_norm"] == 2 * layers - 1 and counts["linear_residual"] == 1
+    assert counts["add"] == 0 and counts["add_rmsnorm"] == 0 and counts["rmsnorm"] == 2
+    assert counts["scaled_linear_silu_mul"] == layers and counts["linear_silu_mul"] == 0 and counts["silu_mul"] == 0
     assert counts["gated_paged_attention"] == 1 and counts["sigmoid"] == 0 and counts["mul"] == 0
     assert counts["gdn_step"] == 3 and counts["gdn_gates"] == 0 and counts["gdn_recurrence"] == 0
+    # the one-token conv rides on each GDN layer's qkv projection (layer 0's reads the plain norm)
+    assert counts["gdn_conv"] == 0 and counts["linear_conv"] == 1 and counts["scaled_linear_conv"] == 2
     assert counts["norm_rope"] == 2 and counts["rope"] == 0
     assert "silu" not in counts
 
@@ -88,3 +94,39 @@ def test_pipeline_is_ordered_and_pure():
     run_pipeline(g)
     assert str(g) == before
     assert PIPELINE[-1] is dead_code
+
+
+@pytest.mark.parametrize("entry,batch,tokens", [("step", 1, 1), ("step", 2, 4), ("mtp", 2, 2)])
+def test_norm_fold_is_the_norm_to_rounding(entry, batch, tokens):
+    """The fold moves each norm's scale past the projections reading it: in fp32 the logits, the hidden
+    and every state write agree with the unfolded graph to rounding (~1e-6), and the fold fired."""
+    g = trace(SPEC, entry, batch, tokens, POOLS)
+    fused = run_pipeline(g)
+    counts = Counter(e.prim for e in fused.eqns)
+    assert counts["linear_residual_norm"] >= 1 and counts["scaled_linear"] + counts["scaled_linear_silu_mul"] >= 1
+    weights = random_weights(SPEC)
+    s1, s2 = _state(0), _state(0)
+    o1 = run_graph(g, _inputs(entry, batch, tokens), weights, s1)
+    o2 = run_graph(fused, _inputs(entry, batch, tokens), weights, s2)
+    for k in (*o1, *s1):
+        a, b = (o1[k], o2[k]) if k in o1 else (s1[k], s2[k])
+        err = ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+        assert err < 1e-5, (k, err)
+
+
+def test_norm_fold_stays_out_of_prefill_and_can_be_turned_off(monkeypatch):
+    for entry, batch, tokens in (("prefill", 1, 20), ("step", 8, 5)):       # prefill; more than 32 rows
+        counts = Counter(e.prim for e in run_pipeline(trace(SPEC, entry, batch, tokens, POOLS)).eqns)
+        assert counts["linear_residual_norm"] == counts["scaled_linear"] == 0, (entry, batch, tokens)
+    monkeypatch.setenv("NINFER_NORM_FOLD", "0")
+    counts = Counter(e.prim for e in run_pipeline(trace(SPEC, "step", 1, 1, POOLS)).eqns)
+    assert counts["linear_residual_norm"] == 0 and counts["rmsnorm"] == 2 * SPEC.model.layers.count + 1
+
+
+def test_conv_fold_only_for_one_token_steps(monkeypatch):
+    for entry, batch, tokens in (("step", 2, 4), ("prefill", 1, 20)):
+        counts = Counter(e.prim for e in run_pipeline(trace(SPEC, entry, batch, tokens, POOLS)).eqns)
+        assert counts["gdn_conv"] == 3 and counts["linear_conv"] == counts["scaled_linear_conv"] == 0
+    monkeypatch.setenv("NINFER_CONV_FOLD", "0")
+    counts = Counter(e.prim for e in run_pipeline(trace(SPEC, "step", 2, 1, POOLS)).eqns)
+    assert counts["gdn_conv"] == 3 and counts["scaled_linear_conv"] == 0

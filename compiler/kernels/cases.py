@@ -68,15 +68,46 @@ def _gemv(key: gemv.Key, g) -> Case:
         xp = torch.empty(key.k // 64, key.m, 64, device=dev, dtype=torch.bfloat16)
         launches.append((pkey, [xp, x]))
         args[1] = xp
+    outputs, tols, extra = {"y": y}, {"y": key.out_dtype, "tickets": "exact"}, {}
+    ssq_in = norm_w = conv_in = None
+    row_mask = {}
     if key.family == "gemv":                        # split-K workspace; the tickets must come back zero
         ws, tickets = gemv_workspace(key, dev)
         args += [ws, tickets]
         if tickets is not None:
             inplace["tickets"], expect["tickets"] = tickets, torch.zeros_like(tickets)
+        if key.norm_out:                            # the stream's normalised copy and tile sums of squares
+            norm_w = randn((key.n,), g, scale=0.1)
+            outputs["xn"] = torch.empty(key.m, key.n, device=dev, dtype=torch.bfloat16)
+            outputs["ssq_out"] = torch.empty(key.m, key.n // 16, device=dev, dtype=torch.float32)
+            args += [outputs["xn"], outputs["ssq_out"], norm_w]
+            tols |= {"xn": "bf16", "ssq_out": "bf16"}   # from h as rounded to bf16 (an ulp apart at most)
+        if key.scale_in:                            # x stands for xn; ssq_in for the producer's tile sums
+            ssq_in = gemv.norm_tiles(randn((key.m, key.k), g))
+            args.append(ssq_in)
+            extra["ssq"] = ssq_in.numel() * 4
+        if key.conv:                                # one-token GDN conv in the epilogue: taps, history, slots
+            conv_w = randn((key.n, key.conv), g, scale=0.5)
+            hist = randn((key.m + 2, key.conv - 1, key.n), g)
+            slots = torch.randperm(key.m + 2, generator=g, device=dev)[:key.m].to(torch.int32)
+            if key.m >= 2:
+                slots[-1] = -1                      # a padded row: its output and history stay untouched
+            conv_in = (conv_w, hist.clone(), slots)
+            args += [conv_w, hist, slots]
+            inplace["hist"], tols["hist"] = hist, "bf16"
+            row_mask["y"] = slots >= 0
+            extra["conv"] = conv_w.numel() * 2 + 2 * key.m * (key.conv - 1) * key.n * 2
     moved = device_bytes(key.fmt, key.n, key.k) + x.numel() * 2 + y.numel() * y.element_size() + \
-        (res.numel() * 2 if res is not None else 0)
-    return Case(launches + [(key, args)], {"y": y}, inplace, lambda: {"y": gemv.reference(key, x, w, res), **expect},
-                {"y": key.out_dtype, "tickets": "exact"}, moved, 2 * key.m * key.n * key.k)
+        (res.numel() * 2 if res is not None else 0) + sum(t.numel() * t.element_size() for n, t in outputs.items()
+                                                          if n != "y") + sum(extra.values())
+
+    def ref():
+        yr = gemv.reference(key, x, w, res, ssq_in)
+        if conv_in is not None:
+            yr, new_hist = gemv.conv_reference(key, yr, *conv_in)
+            expect["hist"] = new_hist
+        return {"y": yr, **expect, **(gemv.norm_outputs(key, yr, norm_w) if norm_w is not None else {})}
+    return Case(launches + [(key, args)], outputs, inplace, ref, tols, moved, 2 * key.m * key.n * key.k, row_mask)
 
 
 def _xperm(key: xperm.Key, g) -> Case:

@@ -6,6 +6,8 @@ then this list drives `build_kernels` in tests and the kernel lab.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..targets import Target
 from . import (argmax, attn_combine, attn_decode, attn_prefill, embed, gated_rmsnorm, gdn_chunk, gdn_conv, gdn_step,
                gemm, gemm_wg, gemv, qk_rope_kv, rmsnorm, xperm)
@@ -62,11 +64,25 @@ def _row_keys(spec, m: int, target: Target) -> list:
     a, eps, arch = spec.model, spec.model.rms_norm_eps, target.arch
     g = a.linear_attention
     keys = [gemv.make_key(fmt, n, k, m, target, epi, out) for fmt, n, k, epi, out in gemv_shapes(spec)]
+    keys += _folded_norm_keys(spec, keys)
     keys += [rmsnorm.Key(a.hidden_size, m, add, "bf16", eps, arch) for add in (False, True)]
     keys += [embed.Key(spec.quantization.embed, a.hidden_size, m, arch),
              gated_rmsnorm.Key(g.num_value_heads, g.value_head_dim, m, eps, arch),
              argmax.Key(a.vocab_size, m, arch)]
     return keys
+
+
+def _folded_norm_keys(spec, keys) -> list:
+    """The split-RMSNorm variants of a decode step's GEMVs (passes.fold_norms_into_projections): the
+    residual projections with `norm_out`, the hidden-size readers with `scale_in` (not the vocabulary
+    head, which reads the final norm, nor the MTP's input projection, which reads a concat)."""
+    from ..passes import norm_fold_enabled
+    if not norm_fold_enabled():
+        return []
+    a = spec.model
+    return [replace(k, norm_out=True) if k.epilogue == "residual" else replace(k, scale_in=True, eps=a.rms_norm_eps)
+            for k in keys if k.family == "gemv" and (k.epilogue == "residual" or (k.k == a.hidden_size and not (
+                k.n == a.vocab_size and k.epilogue == "none" and k.out_dtype == "f32")))]
 
 
 def _bucket_keys(spec, b: int, t: int, target: Target) -> list:
@@ -84,9 +100,22 @@ def _bucket_keys(spec, b: int, t: int, target: Target) -> list:
             keys += [gdn_conv.Key(g.conv_dim, b, t, g.conv_kernel, mode, arch),
                      gdn_step.make_key(g.num_key_heads, g.num_value_heads, g.key_head_dim, g.value_head_dim, b, t,
                                        mode, target)]
+    if t == 1:  # the qkv projection carrying the conv (passes.fold_conv_into_projection), plain and scaled
+        keys += _conv_qkv_keys(spec, b, target)
     dec = attn_decode.make_key(at.num_heads, at.num_kv_heads, at.head_dim, b, t, rt.kv_dtype, max_pages, target,
                                at.output_gate, rt.page_size)
     return keys + [dec] + ([attn_combine.for_decode(dec)] if dec.splits > 1 else [])
+
+
+def _conv_qkv_keys(spec, m: int, target: Target) -> list:
+    """The GDN qkv projection of a one-token step with the conv in its epilogue: reading the normed
+    input (layer 0) and, with the norm fold, reading xn (every other layer)."""
+    from ..passes import conv_fold_enabled, norm_fold_enabled
+    if not conv_fold_enabled():
+        return []
+    a, g = spec.model, spec.model.linear_attention
+    key = replace(gemv.make_key(spec.quantization.gdn_qkv, g.conv_dim, a.hidden_size, m, target), conv=g.conv_kernel)
+    return [key] + ([replace(key, scale_in=True, eps=a.rms_norm_eps)] if norm_fold_enabled() else [])
 
 
 def prefill_gdn_key(hk, hv, dk, dv, t: int, target: Target):

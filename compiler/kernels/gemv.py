@@ -5,6 +5,12 @@ reduction order (`warps`, `splits`: the K split over warps and over blocks) depe
 target) only, never on M: that is what makes decode, verify and every cohort produce identical bits
 per row.
 
+The RMSNorm between two decode projections is split over them (passes.fold_norms_into_projections):
+`norm_out` keys (a residual projection) also write xn = bf16(h·(1 + norm_w)) and per-tile sums of h²;
+`scale_in` keys (the projections reading xn) scale their rows by rsqrt(Σ / K + eps). A `conv` key (the
+GDN qkv projection of a one-token step, passes.fold_conv_into_projection) runs the depthwise conv + SiLU
+and the slot history update of gdn_conv 'update' in its epilogue.
+
 splits > 1 needs a workspace (`workspace(key)`: an fp32 [splits, m, n] buffer and one u32 ticket per
 row tile, zero before the first launch); the kernel leaves the tickets at zero, so one allocation
 serves every launch and graph replay.
@@ -58,6 +64,10 @@ class Key(KernelKey):
     prefetch: int = 0      # order batches the block asks L2 to fetch ahead of its loads (0: none)
     interleave: bool = False  # ptxas may interleave a batch's units (more registers)
     min_blocks: int = 2    # __launch_bounds__ blocks per SM: caps the registers so a grid fits fewer waves
+    norm_out: bool = False  # also xn = bf16(y·(1 + norm_w)) and ssq_out [m, n/16] (Σ y² per 16-row tile)
+    scale_in: bool = False  # x is xn: row m's products × rsqrt(Σ ssq_in[m] / k + eps) before the epilogue
+    eps: float = 0.0        # (scale_in)
+    conv: int = 0           # > 0: the GDN conv of this width (+ SiLU) on each row's one new column, in the epilogue
 
     def __post_init__(self):
         if self.fmt not in FORMATS:
@@ -75,12 +85,23 @@ class Key(KernelKey):
             raise ValueError(f"gemv: prefetch = {self.prefetch} outside 0..8 batches")
         if not 1 <= self.min_blocks <= 16:
             raise ValueError(f"gemv: min_blocks = {self.min_blocks} outside 1..16")
+        if self.norm_out and (self.epilogue == "silu_mul" or self.out_dtype != "bf16" or self.n % 16):
+            raise ValueError(f"gemv: norm_out writes the bf16 residual stream (n a multiple of 16, epilogue "
+                             f"none/residual), got {self.epilogue}/{self.out_dtype}, n = {self.n}")
+        if self.conv and (self.conv < 2 or self.epilogue != "none" or self.out_dtype != "bf16" or self.n % 16
+                          or self.norm_out):
+            raise ValueError(f"gemv: conv (width {self.conv} ≥ 2) needs a plain bf16 projection with n a multiple "
+                             f"of 16, got {self.epilogue}/{self.out_dtype}, n = {self.n}")
+        if self.scale_in and (self.k % 64 or self.eps <= 0):
+            raise ValueError(f"gemv: scale_in needs k a multiple of 64 and eps > 0, got k = {self.k}, eps = {self.eps}")
 
     def _name_parts(self):
         return (shape_name_parts(self) + [f"w{self.warps}t{self.tiles}"] + ([f"s{self.splits}"] if self.splits > 1 else [])
                 + ([f"d{self.depth}"] if self.depth else [])
                 + ([f"p{self.prefetch}"] if self.prefetch else []) + (["il"] if self.interleave else [])
-                + ([f"b{self.min_blocks}"] if self.min_blocks != 2 else []))
+                + ([f"b{self.min_blocks}"] if self.min_blocks != 2 else [])
+                + (["hn"] if self.norm_out else []) + (["rs"] if self.scale_in else [])
+                + ([f"cv{self.conv}"] if self.conv else []))
 
 
 def load_depth(fmt: str, depth: int = 0) -> int:
@@ -198,6 +219,20 @@ def _override(key: Key, spec: str) -> Key:
     return key
 
 
+def norm_outputs(key: Key, y: torch.Tensor, norm_w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What a `norm_out` key writes beside y (the bf16 stream as returned by `reference`): xn, ssq_out."""
+    h = y.float()
+    return {"xn": (h * (1.0 + norm_w.float())).to(torch.bfloat16), "ssq_out": norm_tiles(h)}
+
+
+def conv_reference(key: Key, y: torch.Tensor, conv_w: torch.Tensor, hist: torch.Tensor, slots: torch.Tensor):
+    """A `conv` key's (y, new history) from its plain bf16 projection y: gdn_conv 'update' on one column."""
+    from . import gdn_conv
+    ck = gdn_conv.Key(key.n, key.m, 1, key.conv, "update", key.arch)
+    out, new_hist = gdn_conv.reference(ck, hist.cpu(), slots.cpu(), y.view(key.m, 1, key.n).cpu(), conv_w.cpu())
+    return out.view(key.m, key.n).to(y.device), new_hist.to(hist.device)
+
+
 def launch(key: Key, target: Target | None = None) -> Launch:
     return Launch((ceil_div(ceil_div(key.n, 16), key.tiles) * key.splits, 1, 1), (32 * key.warps, 1, 1), 0)
 
@@ -222,13 +257,35 @@ def params(key: Key) -> list[Param]:
     return [*MATMUL_PARAMS,
             Param("ws", "ptr", "f32 workspace [splits, m, n] (splits > 1, else 0)"),
             Param("tickets", "ptr", "u32 [row tiles] arrival counters: zero before the first launch, left zero "
-                  "(splits > 1, else 0)")]
+                  "(splits > 1, else 0)")] + \
+        ([Param("xn", "ptr", "out [m, n] bf16: bf16(y · (1 + norm_w)), the next projections' input"),
+          Param("ssq_out", "ptr", "out [m, n/16] f32: Σ y² over each 16-row tile (y as stored)"),
+          Param("norm_w", "ptr", "RMSNorm weight [n] bf16, used as (1 + w)")] if key.norm_out else []) + \
+        ([Param("ssq_in", "ptr", "[m, k/16] f32 tile sums of squares of the un-normalised rows")]
+         if key.scale_in else []) + \
+        ([Param("conv_w", "ptr", "conv taps [n, conv] bf16"),
+          Param("hist", "ptr", "conv history [slots, conv − 1, n] bf16, updated in place"),
+          Param("slots", "ptr", "[m] int32 state slot per row (< 0: a padded row, nothing written)")]
+         if key.conv else [])
 
 
-def reference(key, x: torch.Tensor, w, res: torch.Tensor | None = None) -> torch.Tensor:
+def norm_tiles(h: torch.Tensor) -> torch.Tensor:
+    """[m, n] → [m, n/16] fp32: Σ h² over each 16-column tile (what a `norm_out` projection writes)."""
+    return h.float().pow(2).reshape(h.shape[0], -1, 16).sum(-1)
+
+
+def inverse_rms(ssq: torch.Tensor, k: int, eps: float) -> torch.Tensor:
+    """[m, k/16] tile sums → [m, 1] rsqrt(mean + eps), the scale a `scale_in` projection applies."""
+    return torch.rsqrt(ssq.float().sum(-1, keepdim=True) / k + eps)
+
+
+def reference(key, x: torch.Tensor, w, res: torch.Tensor | None = None, ssq_in: torch.Tensor | None = None):
     """fp32 math on the dequantised weight; `w` is the logical (unpacked) matrix or QMatrix. Shared by
-    every matrix-multiply key (gemv, gemm, gemm_wg: fields n, epilogue, out_dtype)."""
+    every matrix-multiply key (gemv, gemm, gemm_wg: fields n, epilogue, out_dtype). A `scale_in` key
+    scales by inverse_rms(ssq_in) before the epilogue."""
     y = x.float() @ dequantize(w).to(x.device).T
+    if getattr(key, "scale_in", False):
+        y = y * inverse_rms(ssq_in, key.k, key.eps)
     if key.epilogue == "silu_mul":
         f = key.n // 2
         y = torch.nn.functional.silu(y[:, :f]) * y[:, f:]

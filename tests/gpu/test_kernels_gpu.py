@@ -111,6 +111,81 @@ def test_gemv_batch_invariance(h, fmt, n, k):
     assert h.same_bits(outs[4], outs[32][:4]), f"{fmt} {n}x{k}: rows 0-3 differ between M=4 and M=32"
 
 
+@pytest.mark.parametrize("fmt,n,k,epi,out", [("q5g64", 5120, 17408, "residual", "bf16"),
+                                             ("q5g64", 5120, 6144, "residual", "bf16"),
+                                             ("q5g64", 128, 256, "residual", "bf16"),
+                                             ("q4g64", 34816, 5120, "silu_mul", "bf16"),
+                                             ("q5g64", 6144, 5120, "none", "bf16"), ("bf16", 48, 5120, "none", "f32"),
+                                             ("q4g64", 1024, 5120, "none", "bf16"), ("q4g64", 512, 128, "none", "bf16")])
+def test_folded_norm_gemvs_are_batch_invariant(h, fmt, n, k, epi, out):
+    """The split RMSNorm's GEMVs (a residual projection with `norm_out`, the readers with `scale_in`): a
+    row's every output — y, and xn and the tile sums of squares — has the same bits at M = 1, 4 and 32
+    (M = 32 reads its rows' sums straight from global memory, M ≤ 8 through shared memory)."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    packed = pack_for_device(random_qmatrix(fmt, n, k, g), gate_up=epi == "silu_mul")
+    x = torch.randn(32, k, generator=g, device="cuda").bfloat16()
+    res = torch.randn(32, n, generator=g, device="cuda").bfloat16() if epi == "residual" else None
+    norm_w = (0.1 * torch.randn(n, generator=g, device="cuda")).bfloat16()
+    ssq = torch.randn(32, k, generator=g, device="cuda").pow(2).reshape(32, k // 16, 16).sum(-1)
+    fields = {"norm_out": True} if epi == "residual" else {"scale_in": True, "eps": 1e-6}
+    keys = [replace(gemv.make_key(fmt, n, k, m, TARGET, epi, out), **fields) for m in (1, 4, 32)]
+    cache = _variant_cache()
+    cache.build(keys)
+    outs = {}
+    for key in keys:
+        m = key.m
+        y = torch.full((m, n // 2 if epi == "silu_mul" else n), float("nan"), device="cuda",
+                       dtype=torch.float32 if out == "f32" else torch.bfloat16)
+        ws, tickets = gemv_workspace(key, "cuda")
+        args = [y, x[:m].contiguous(), packed["lo"], packed["hi"] if packed["hi"].numel() else None,
+                packed["scales"] if packed["scales"].numel() else None,
+                None if res is None else res[:m].contiguous(), ws, tickets]
+        got = {"y": y}
+        if key.norm_out:
+            got["xn"] = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            got["ssq"] = torch.full((m, n // 16), float("nan"), device="cuda")
+            args += [got["xn"], got["ssq"], norm_w]
+        else:
+            args.append(ssq[:m].contiguous())
+        cache.bind(key, args).launch()
+        outs[m] = got
+    torch.cuda.synchronize()
+    for name in outs[1]:
+        assert not torch.isnan(outs[32][name].float()).any(), f"{fmt} {n}x{k}: {name} not written"
+        assert h.same_bits(outs[1][name][0], outs[32][name][0]), f"{fmt} {n}x{k}: {name} row 0, M=1 vs 32"
+        assert h.same_bits(outs[4][name], outs[32][name][:4]), f"{fmt} {n}x{k}: {name} rows 0-3, M=4 vs 32"
+
+
+@pytest.mark.parametrize("fmt,n,k,m", [("q4g64", 10240, 5120, 1), ("q4g64", 10240, 5120, 8), ("q4g64", 320, 128, 4),
+                                       ("q4g64", 320, 128, 32)])
+def test_conv_in_the_gemv_equals_gemv_then_conv_kernel(h, fmt, n, k, m):
+    """The one-token GDN conv in the qkv GEMV's epilogue gives the bits of the GEMV followed by the
+    gdn_conv 'update' kernel: the output and the new slot history (a padded row left untouched)."""
+    g = torch.Generator(device="cuda").manual_seed(13)
+    packed = pack_for_device(random_qmatrix(fmt, n, k, g))
+    x = torch.randn(m, k, generator=g, device="cuda").bfloat16()
+    taps = (0.5 * torch.randn(n, 4, generator=g, device="cuda")).bfloat16()
+    hist0 = torch.randn(m + 2, 3, n, generator=g, device="cuda").bfloat16()
+    slots = torch.randperm(m + 2, generator=g, device="cuda")[:m].to(torch.int32)
+    if m >= 2:
+        slots[-1] = -1
+    plain = gemv.make_key(fmt, n, k, m, TARGET)
+    fused, conv = replace(plain, conv=4), gdn_conv.Key(n, m, 1, 4, "update", TARGET.arch)
+    cache = _variant_cache()
+    cache.build([plain, fused, conv])
+    planes = [packed["lo"], packed["hi"] if packed["hi"].numel() else None,
+              packed["scales"] if packed["scales"].numel() else None, None, None, None]
+    y_lin, y_two, y_one = (torch.zeros(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    hist_two, hist_one = hist0.clone(), hist0.clone()
+    cache.bind(plain, [y_lin, x, *planes]).launch()
+    cache.bind(conv, [y_two, y_lin, taps, hist_two, slots, None, None, None]).launch()
+    cache.bind(fused, [y_one, x, *planes, taps, hist_one, slots]).launch()
+    torch.cuda.synchronize()
+    assert h.same_bits(y_one, y_two), f"{fused.name}: conv output differs from gemv + gdn_conv"
+    assert h.same_bits(hist_one, hist_two), f"{fused.name}: history differs from gemv + gdn_conv"
+    assert not torch.equal(hist_one, hist0)
+
+
 @lru_cache(maxsize=1)
 def _variant_cache():
     from ninfer_gen.cuda_module import KernelCache
