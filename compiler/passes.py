@@ -238,22 +238,21 @@ def fold_conv_into_projection(g: Graph) -> Graph:
     the conv and the history shift need nothing from other outputs. Same arithmetic, same bits."""
     if not conv_fold_enabled():
         return g
-
-    readers: dict[int, int] = {}
+    reader: dict[int, int] = {}                # value → the (last) equation reading it
     for j, e in enumerate(g.eqns):
         for x in e.inputs:
             if isinstance(x, Var):
-                readers[x.uid] = j
+                reader[x.uid] = j
 
     def match(g, i, uses, prod):
-        # at the projection's place: its launch order among its layer's input projections stays
+        # matched at the projection, so it keeps its launch order among the layer's input projections
         lin = g.eqns[i]
-        if lin.prim not in CONV_PROJECTIONS or uses.get(lin.outputs[0].uid) != 1 or lin.outputs[0].uid not in readers:
+        if lin.prim not in CONV_PROJECTIONS or uses.get(lin.outputs[0].uid) != 1 or lin.outputs[0].uid not in reader:
             return None
-        flat = g.eqns[readers[lin.outputs[0].uid]]
-        if flat.prim != "reshape" or uses.get(flat.outputs[0].uid) != 1 or flat.outputs[0].uid not in readers:
+        flat = g.eqns[reader[lin.outputs[0].uid]]
+        if flat.prim != "reshape" or uses.get(flat.outputs[0].uid) != 1 or flat.outputs[0].uid not in reader:
             return None
-        j = readers[flat.outputs[0].uid]
+        j = reader[flat.outputs[0].uid]
         conv = g.eqns[j]
         if conv.prim != "gdn_conv" or conv.inputs[0] is not flat.outputs[0] or conv.inputs[0].shape[1] != 1 \
                 or conv.inputs[2] is None:
@@ -274,7 +273,8 @@ def dead_code(g: Graph) -> Graph:
 
 
 PIPELINE: list[Pass] = [fuse_linear_residual, fuse_add_rmsnorm, fuse_silu_mul, fuse_gate_up, fuse_norm_rope,
-                        fuse_gdn_gates, fuse_output_gate, fold_norms_into_projections, fold_conv_into_projection, dead_code]
+                        fuse_gdn_gates, fuse_output_gate, fold_norms_into_projections, fold_conv_into_projection,
+                        dead_code]
 
 
 def run_pipeline(g: Graph, passes: list[Pass] = PIPELINE) -> Graph:
