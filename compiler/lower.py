@@ -138,7 +138,7 @@ def _with_conv(rule):
     """(x…, W, conv taps, history, slots) → the projection's GEMV with `conv` (the taps' width)."""
     def lowered(ctx, e):
         *head, taps, _, _ = e.inputs
-        plain = rule(ctx, Eqn(e.prim.replace("_conv", ""), head, dict(e.params), e.outputs))
+        plain = rule(ctx, Eqn(e.prim, head, dict(e.params), e.outputs))
         return _gemv_fields(ctx, e, plain, conv=taps.shape[-1])
     return lowered
 

@@ -32,6 +32,16 @@ def _uses(g: Graph) -> dict[int, int]:
     return count
 
 
+def _readers(g: Graph) -> dict[int, list[int]]:
+    """value uid → the equations reading it, in order."""
+    out: dict[int, list[int]] = {}
+    for i, e in enumerate(g.eqns):
+        for x in e.inputs:
+            if isinstance(x, Var):
+                out.setdefault(x.uid, []).append(i)
+    return out
+
+
 def _producers(g: Graph) -> dict[int, int]:
     return {o.uid: i for i, e in enumerate(g.eqns) for o in e.outputs}
 
@@ -191,12 +201,7 @@ def fold_norms_into_projections(g: Graph) -> Graph:
     if not norm_fold_enabled() or p.get("entry") == "prefill" or \
             p.get("batch", 1) * p.get("tokens", 1) > NORM_FOLD_ROWS:
         return g
-    readers: dict[int, list[int]] = {}
-    for i, e in enumerate(g.eqns):
-        for x in e.inputs:
-            if isinstance(x, Var):
-                readers.setdefault(x.uid, []).append(i)
-    outputs, prod = {v.uid for v in g.outputs.values()}, _producers(g)
+    readers, outputs, prod = _readers(g), {v.uid for v in g.outputs.values()}, _producers(g)
     producers: dict[int, Eqn] = {}             # producer index → its linear_residual_norm
     consumers: dict[int, Eqn] = {}             # reader index → its scaled projection
     dropped: set[int] = set()
@@ -238,27 +243,29 @@ def fold_conv_into_projection(g: Graph) -> Graph:
     the conv and the history shift need nothing from other outputs. Same arithmetic, same bits."""
     if not conv_fold_enabled():
         return g
-    reader: dict[int, int] = {}                # value → the (last) equation reading it
-    for j, e in enumerate(g.eqns):
-        for x in e.inputs:
-            if isinstance(x, Var):
-                reader[x.uid] = j
+    readers = _readers(g)
+
+    def only_reader(v, uses):
+        """The one equation reading v (not a graph output), else None."""
+        got = readers.get(v.uid, [])
+        return got[0] if uses.get(v.uid) == 1 and len(got) == 1 else None
 
     def match(g, i, uses, prod):
         # matched at the projection, so it keeps its launch order among the layer's input projections
         lin = g.eqns[i]
-        if lin.prim not in CONV_PROJECTIONS or uses.get(lin.outputs[0].uid) != 1 or lin.outputs[0].uid not in reader:
+        at = only_reader(lin.outputs[0], uses) if lin.prim in CONV_PROJECTIONS else None
+        if at is None or g.eqns[at].prim != "reshape":
             return None
-        flat = g.eqns[reader[lin.outputs[0].uid]]
-        if flat.prim != "reshape" or uses.get(flat.outputs[0].uid) != 1 or flat.outputs[0].uid not in reader:
+        flat = g.eqns[at]
+        j = only_reader(flat.outputs[0], uses)
+        if j is None:
             return None
-        j = reader[flat.outputs[0].uid]
         conv = g.eqns[j]
         if conv.prim != "gdn_conv" or conv.inputs[0] is not flat.outputs[0] or conv.inputs[0].shape[1] != 1 \
                 or conv.inputs[2] is None:
             return None
         fused = Eqn(CONV_PROJECTIONS[lin.prim], [*lin.inputs, *conv.inputs[1:]], dict(lin.params), conv.outputs)
-        return fused, {prod[flat.outputs[0].uid], j}
+        return fused, {at, j}
     return _rewrite(g, match)
 
 

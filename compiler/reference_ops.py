@@ -278,18 +278,23 @@ def linear_silu_mul(x, w_gate, w_up):
 # writes h, xn = h·(offset + w) and Σ h² per 16-column tile; a reader scales its products by
 # rsqrt(Σ / H + eps). Exact in real arithmetic; in bf16 the normalised activations are rounded before
 # the scale instead of after it.
+def norm_tile_sums(h):
+    """[rows, n] → [rows, n/16] fp32: Σ h² over each 16-column tile."""
+    return h.float().pow(2).reshape(h.shape[0], -1, 16).sum(-1)
+
+
+def inverse_rms(ssq, eps):
+    """[rows, n/16] tile sums → [rows, 1] rsqrt(mean(h²) + eps)."""
+    return torch.rsqrt(ssq.float().sum(-1, keepdim=True) / (16 * ssq.shape[-1]) + eps)
+
+
 def linear_residual_norm(x, w, residual, norm_w, *, offset):
     h = linear_residual(x, w, residual)
-    hf = h.float()
-    return h, (hf * (offset + norm_w.float())).to(h.dtype), hf.pow(2).reshape(h.shape[0], -1, 16).sum(-1)
-
-
-def _inverse_rms(ssq, eps):
-    return torch.rsqrt(ssq.sum(-1, keepdim=True) / (16 * ssq.shape[-1]) + eps)
+    return h, (h.float() * (offset + norm_w.float())).to(h.dtype), norm_tile_sums(h)
 
 
 def scaled_linear(xn, ssq, w, *, eps):
-    return ((xn.float() @ w.float().t()) * _inverse_rms(ssq, eps)).to(xn.dtype)
+    return ((xn.float() @ w.float().t()) * inverse_rms(ssq, eps)).to(xn.dtype)
 
 
 def linear_conv(x, w, conv_w, history, slots):
@@ -304,7 +309,7 @@ def scaled_linear_conv(xn, ssq, w, conv_w, history, slots, *, eps):
 
 
 def scaled_linear_silu_mul(xn, ssq, w_gate, w_up, *, eps):
-    r = _inverse_rms(ssq, eps)
+    r = inverse_rms(ssq, eps)
     return silu_mul((xn.float() @ w_gate.float().t()) * r, (xn.float() @ w_up.float().t()) * r).to(xn.dtype)
 
 

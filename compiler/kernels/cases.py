@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from ..reference_ops import norm_tile_sums
 from . import argmax, embed, gated_rmsnorm, gemv, rmsnorm, xperm
 from .weight_layout import device_bytes, pack_for_device, random_qmatrix
 
@@ -83,7 +84,7 @@ def _gemv(key: gemv.Key, g) -> Case:
             args += [outputs["xn"], outputs["ssq_out"], norm_w]
             tols |= {"xn": "bf16", "ssq_out": "bf16"}   # from h as rounded to bf16 (an ulp apart at most)
         if key.scale_in:                            # x stands for xn; ssq_in for the producer's tile sums
-            ssq_in = gemv.norm_tiles(randn((key.m, key.k), g))
+            ssq_in = norm_tile_sums(randn((key.m, key.k), g))
             args.append(ssq_in)
             extra["ssq"] = ssq_in.numel() * 4
         if key.conv:                                # one-token GDN conv in the epilogue: taps, history, slots

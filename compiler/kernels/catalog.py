@@ -80,9 +80,12 @@ def _folded_norm_keys(spec, keys) -> list:
     if not norm_fold_enabled():
         return []
     a = spec.model
-    return [replace(k, norm_out=True) if k.epilogue == "residual" else replace(k, scale_in=True, eps=a.rms_norm_eps)
-            for k in keys if k.family == "gemv" and (k.epilogue == "residual" or (k.k == a.hidden_size and not (
-                k.n == a.vocab_size and k.epilogue == "none" and k.out_dtype == "f32")))]
+
+    def reads_a_norm(k) -> bool:                   # a hidden-size input that is not the vocabulary head's
+        return k.k == a.hidden_size and not (k.n == a.vocab_size and k.out_dtype == "f32")
+    gemvs = [k for k in keys if k.family == "gemv"]
+    return [replace(k, norm_out=True) for k in gemvs if k.epilogue == "residual"] + \
+        [replace(k, scale_in=True, eps=a.rms_norm_eps) for k in gemvs if k.epilogue != "residual" and reads_a_norm(k)]
 
 
 def _bucket_keys(spec, b: int, t: int, target: Target) -> list:

@@ -23,6 +23,7 @@ from typing import ClassVar
 
 from .._torch import torch
 
+from ..reference_ops import inverse_rms, norm_tile_sums
 from ..targets import Target
 from . import KernelKey, Launch, Param, ceil_div
 from .weight_layout import FORMATS, dequantize, group_of
@@ -222,15 +223,15 @@ def _override(key: Key, spec: str) -> Key:
 def norm_outputs(key: Key, y: torch.Tensor, norm_w: torch.Tensor) -> dict[str, torch.Tensor]:
     """What a `norm_out` key writes beside y (the bf16 stream as returned by `reference`): xn, ssq_out."""
     h = y.float()
-    return {"xn": (h * (1.0 + norm_w.float())).to(torch.bfloat16), "ssq_out": norm_tiles(h)}
+    return {"xn": (h * (1.0 + norm_w.float())).to(torch.bfloat16), "ssq_out": norm_tile_sums(h)}
 
 
 def conv_reference(key: Key, y: torch.Tensor, conv_w: torch.Tensor, hist: torch.Tensor, slots: torch.Tensor):
     """A `conv` key's (y, new history) from its plain bf16 projection y: gdn_conv 'update' on one column."""
     from . import gdn_conv
     ck = gdn_conv.Key(key.n, key.m, 1, key.conv, "update", key.arch)
-    out, new_hist = gdn_conv.reference(ck, hist.cpu(), slots.cpu(), y.view(key.m, 1, key.n).cpu(), conv_w.cpu())
-    return out.view(key.m, key.n).to(y.device), new_hist.to(hist.device)
+    out, new_hist = gdn_conv.reference(ck, hist, slots, y.view(key.m, 1, key.n), conv_w)
+    return out.view(key.m, key.n).to(y.device), new_hist
 
 
 def launch(key: Key, target: Target | None = None) -> Launch:
@@ -269,23 +270,13 @@ def params(key: Key) -> list[Param]:
          if key.conv else [])
 
 
-def norm_tiles(h: torch.Tensor) -> torch.Tensor:
-    """[m, n] → [m, n/16] fp32: Σ h² over each 16-column tile (what a `norm_out` projection writes)."""
-    return h.float().pow(2).reshape(h.shape[0], -1, 16).sum(-1)
-
-
-def inverse_rms(ssq: torch.Tensor, k: int, eps: float) -> torch.Tensor:
-    """[m, k/16] tile sums → [m, 1] rsqrt(mean + eps), the scale a `scale_in` projection applies."""
-    return torch.rsqrt(ssq.float().sum(-1, keepdim=True) / k + eps)
-
-
 def reference(key, x: torch.Tensor, w, res: torch.Tensor | None = None, ssq_in: torch.Tensor | None = None):
     """fp32 math on the dequantised weight; `w` is the logical (unpacked) matrix or QMatrix. Shared by
     every matrix-multiply key (gemv, gemm, gemm_wg: fields n, epilogue, out_dtype). A `scale_in` key
-    scales by inverse_rms(ssq_in) before the epilogue."""
+    scales by reference_ops.inverse_rms(ssq_in) before the epilogue."""
     y = x.float() @ dequantize(w).to(x.device).T
     if getattr(key, "scale_in", False):
-        y = y * inverse_rms(ssq_in, key.k, key.eps)
+        y = y * inverse_rms(ssq_in, key.eps)
     if key.epilogue == "silu_mul":
         f = key.n // 2
         y = torch.nn.functional.silu(y[:, :f]) * y[:, f:]
