@@ -126,7 +126,8 @@ def test_gemv_override_rules_by_shape(monkeypatch):
     h200 = lookup("h200")
     monkeypatch.setenv("NINFER_GEMV", "5120x6144:min_blocks=3,warps=4;prefetch=1")
     out = gemv.make_key("q5g64", 5120, 6144, 1, h200, "residual")
-    assert (out.min_blocks, out.warps, out.prefetch) == (3, 4, 0) and out.name.endswith("_w4t1_b3_sm90")
+    # (the fields a rule does not name keep the shipped choice: stage_x, from the 8-warp default)
+    assert (out.min_blocks, out.warps, out.prefetch) == (3, 4, 0) and out.name.endswith("_w4t1_b3_xs_sm90")
     assert gemv.make_key("q4g64", 34816, 5120, 1, h200, "silu_mul").prefetch == 1    # the catch-all rule
     monkeypatch.setenv("NINFER_GEMV", "5120by6144:prefetch=1")
     with pytest.raises(ValueError, match="is not a shape NxK"):

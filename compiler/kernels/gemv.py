@@ -69,6 +69,9 @@ class Key(KernelKey):
     scale_in: bool = False  # x is xn: row m's products × rsqrt(Σ ssq_in[m] / k + eps) before the epilogue
     eps: float = 0.0        # (scale_in)
     conv: int = 0           # > 0: the GDN conv of this width (+ SiLU) on each row's one new column, in the epilogue
+    stage_x: bool = False   # right after the dependency wait each warp copies its units' activations to shared
+                            # memory, and its loop reads them there (same bits)
+    early_res: bool = False  # the residual is read right after the dependency wait, not after the loop (same bits)
 
     def __post_init__(self):
         if self.fmt not in FORMATS:
@@ -93,6 +96,11 @@ class Key(KernelKey):
                           or self.norm_out):
             raise ValueError(f"gemv: conv (width {self.conv} ≥ 2) needs a plain bf16 projection with n a multiple "
                              f"of 16, got {self.epilogue}/{self.out_dtype}, n = {self.n}")
+        if self.stage_x and stage_x_bytes(self) > STAGE_X_LIMIT:
+            raise ValueError(f"gemv: stage_x needs {stage_x_bytes(self)} B of shared memory for the activations "
+                             f"(limit {STAGE_X_LIMIT}); m = {self.m}, k = {self.k}, splits = {self.splits}")
+        if self.early_res and self.epilogue != "residual":
+            raise ValueError(f"gemv: early_res needs the residual epilogue, got {self.epilogue}")
         if self.scale_in and (self.k % 64 or self.eps <= 0):
             raise ValueError(f"gemv: scale_in needs k a multiple of 64 and eps > 0, got k = {self.k}, eps = {self.eps}")
 
@@ -102,7 +110,21 @@ class Key(KernelKey):
                 + ([f"p{self.prefetch}"] if self.prefetch else []) + (["il"] if self.interleave else [])
                 + ([f"b{self.min_blocks}"] if self.min_blocks != 2 else [])
                 + (["hn"] if self.norm_out else []) + (["rs"] if self.scale_in else [])
-                + ([f"cv{self.conv}"] if self.conv else []))
+                + ([f"cv{self.conv}"] if self.conv else []) + (["xs"] if self.stage_x else [])
+                + (["er"] if self.early_res else []))
+
+
+STAGE_X_LIMIT = 24 * 1024    # bytes of activations a `stage_x` block may stage (static shared memory is 48 KiB)
+
+
+def stage_x_bytes(key: Key) -> int:
+    """Shared memory a `stage_x` key stages activations in: m rows of the block's units (one slice of them
+    when split), each row 16 bytes longer (xs in templates/gemv.cu.j2)."""
+    g, units = group_of(key.fmt), key.k // group_of(key.fmt)
+    batch = key.warps * order_depth(key.fmt)
+    if key.splits > 1:
+        units = min(units, ceil_div(ceil_div(units, batch), key.splits) * batch)
+    return key.m * (units * g + 8) * 2
 
 
 def load_depth(fmt: str, depth: int = 0) -> int:
@@ -156,7 +178,8 @@ def config(fmt: str, n: int, k: int, m: int, target: Target) -> tuple[int, int, 
     return warps, tiles, splits
 
 
-def stream_config(fmt: str, n: int, k: int, m: int, warps: int, target: Target) -> dict:
+def stream_config(fmt: str, n: int, k: int, m: int, warps: int, target: Target, epilogue: str = "none",
+                  splits: int = 1) -> dict:
     """How units stream (fields that never change the bits, so they may follow M), measured in the 27B
     decode step on the H200 (bench/step_ab.py, NOTES.md 2026-12-01 session 4). M ≤ 8: no L2 prefetch —
     since the decode loop lost a third of its instructions (whole-code Q5, batch pointers) the prefetch
@@ -166,20 +189,24 @@ def stream_config(fmt: str, n: int, k: int, m: int, warps: int, target: Target) 
     of copy against 96–97 with interleave or prefetch). M > 8 keeps units apart (interleaved they spill
     or lose 5–10 points) with one batch ahead (measured before the instruction cut, bench/kernel_lab_notes.md
     v9). L2 prefetch is measured on sm_90 only, so it is off for the other archs; the interleave rule is
-    the H200's, applied to every arch (no other card is at hand to measure it)."""
+    the H200's, applied to every arch (no other card is at hand to measure it).
+    One row through an unsplit residual projection (the 5120×6144 output projections): activations
+    staged in shared memory (`stage_x`), −0.6 % per step (NOTES.md 2026-12-02 session 6); everywhere
+    else staging lost (gate/up +12 %, the z projection +1.6 %: their activations are L1 hits)."""
     waves = ceil_div(n, 16) / (target.sms * 9)
     if m > 8:
         return {"prefetch": 1 if target.arch == "sm_90" else 0}
     if waves >= 4:
         return {}
-    return {"interleave": warps == 4}
+    return {"interleave": warps == 4} | ({"stage_x": True} if m == 1 and epilogue == "residual" and splits == 1
+                                         and warps == 8 else {})
 
 
 def make_key(fmt: str, n: int, k: int, m: int, target: Target, epilogue: str = "none",
              out_dtype: str = "bf16") -> Key:
     warps, tiles, splits = config(fmt, n, k, m, target)
     key = Key(fmt, n, k, m, epilogue, out_dtype, warps, tiles, target.arch, splits,
-              **stream_config(fmt, n, k, m, warps, target))
+              **stream_config(fmt, n, k, m, warps, target, epilogue, splits))
     return _override(key, os.environ.get("NINFER_GEMV", ""))
 
 
@@ -189,7 +216,8 @@ def _flag(v: str) -> bool:
     return v not in ("0", "false")
 
 
-_OVERRIDABLE = {"depth": int, "prefetch": int, "interleave": _flag, "min_blocks": int, "warps": int, "splits": int}
+_OVERRIDABLE = {"depth": int, "prefetch": int, "interleave": _flag, "min_blocks": int, "stage_x": _flag,
+                "early_res": _flag, "warps": int, "splits": int}
 
 
 def _override(key: Key, spec: str) -> Key:
