@@ -71,7 +71,6 @@ class Key(KernelKey):
     conv: int = 0           # > 0: the GDN conv of this width (+ SiLU) on each row's one new column, in the epilogue
     stage_x: bool = False   # right after the dependency wait each warp copies its units' activations to shared
                             # memory, and its loop reads them there (same bits)
-    early_res: bool = False  # the residual is read right after the dependency wait, not after the loop (same bits)
 
     def __post_init__(self):
         if self.fmt not in FORMATS:
@@ -99,8 +98,6 @@ class Key(KernelKey):
         if self.stage_x and stage_x_bytes(self) > STAGE_X_LIMIT:
             raise ValueError(f"gemv: stage_x needs {stage_x_bytes(self)} B of shared memory for the activations "
                              f"(limit {STAGE_X_LIMIT}); m = {self.m}, k = {self.k}, splits = {self.splits}")
-        if self.early_res and self.epilogue != "residual":
-            raise ValueError(f"gemv: early_res needs the residual epilogue, got {self.epilogue}")
         if self.scale_in and (self.k % 64 or self.eps <= 0):
             raise ValueError(f"gemv: scale_in needs k a multiple of 64 and eps > 0, got k = {self.k}, eps = {self.eps}")
 
@@ -110,8 +107,7 @@ class Key(KernelKey):
                 + ([f"p{self.prefetch}"] if self.prefetch else []) + (["il"] if self.interleave else [])
                 + ([f"b{self.min_blocks}"] if self.min_blocks != 2 else [])
                 + (["hn"] if self.norm_out else []) + (["rs"] if self.scale_in else [])
-                + ([f"cv{self.conv}"] if self.conv else []) + (["xs"] if self.stage_x else [])
-                + (["er"] if self.early_res else []))
+                + ([f"cv{self.conv}"] if self.conv else []) + (["xs"] if self.stage_x else []))
 
 
 STAGE_X_LIMIT = 24 * 1024    # bytes of activations a `stage_x` block may stage (static shared memory is 48 KiB)
@@ -216,8 +212,8 @@ def _flag(v: str) -> bool:
     return v not in ("0", "false")
 
 
-_OVERRIDABLE = {"depth": int, "prefetch": int, "interleave": _flag, "min_blocks": int, "stage_x": _flag,
-                "early_res": _flag, "warps": int, "splits": int}
+_OVERRIDABLE = {"depth": int, "prefetch": int, "interleave": _flag, "min_blocks": int, "stage_x": _flag, "warps": int,
+                "splits": int}
 
 
 def _override(key: Key, spec: str) -> Key:

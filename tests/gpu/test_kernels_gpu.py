@@ -121,8 +121,8 @@ def test_folded_norm_gemvs_are_batch_invariant(h, fmt, n, k, epi, out):
     """The split RMSNorm's GEMVs (a residual projection with `norm_out`, the readers with `scale_in`): a
     row's every output — y, and xn and the tile sums of squares — has the same bits at M = 1, 4 and 32
     (M = 32 reads its rows' sums straight from global memory, M ≤ 8 through shared memory), and the
-    variant of each with the activations staged in shared memory and the residual read early (where
-    valid) gives the bits of its plain key."""
+    variant of each with the activations staged in shared memory (where valid) gives the bits of its
+    plain key."""
     g = torch.Generator(device="cuda").manual_seed(11)
     packed = pack_for_device(random_qmatrix(fmt, n, k, g), gate_up=epi == "silu_mul")
     x = torch.randn(32, k, generator=g, device="cuda").bfloat16()
@@ -131,16 +131,16 @@ def test_folded_norm_gemvs_are_batch_invariant(h, fmt, n, k, epi, out):
     ssq = torch.randn(32, k, generator=g, device="cuda").pow(2).reshape(32, k // 16, 16).sum(-1)
     fields = {"norm_out": True} if epi == "residual" else {"scale_in": True, "eps": 1e-6}
     keys = [replace(gemv.make_key(fmt, n, k, m, TARGET, epi, out), **fields) for m in (1, 4, 32)]
-    early = {}
+    staged = {}
     for key in keys:
         try:
-            early[key.m] = replace(key, stage_x=True, early_res=epi == "residual")
+            staged[key.m] = replace(key, stage_x=True)
         except ValueError:
             pass                                   # too many activation rows to stage at this shape
     cache = _variant_cache()
-    cache.build(keys + list(early.values()))
-    outs, outs_early = {}, {}
-    for key in keys + list(early.values()):
+    cache.build(keys + list(staged.values()))
+    outs, outs_staged = {}, {}
+    for key in keys + list(staged.values()):
         m = key.m
         y = torch.full((m, n // 2 if epi == "silu_mul" else n), float("nan"), device="cuda",
                        dtype=torch.float32 if out == "f32" else torch.bfloat16)
@@ -156,12 +156,12 @@ def test_folded_norm_gemvs_are_batch_invariant(h, fmt, n, k, epi, out):
         else:
             args.append(ssq[:m].contiguous())
         cache.bind(key, args).launch()
-        (outs_early if key.stage_x else outs)[m] = got
+        (outs_staged if key.stage_x else outs)[m] = got
     torch.cuda.synchronize()
-    assert early, f"{fmt} {n}x{k}: no early variant"
-    for m, got in outs_early.items():
+    assert staged, f"{fmt} {n}x{k}: no staged variant"
+    for m, got in outs_staged.items():
         for name in got:
-            assert h.same_bits(got[name], outs[m][name]), f"{early[m].name}: {name} differs from the plain key"
+            assert h.same_bits(got[name], outs[m][name]), f"{staged[m].name}: {name} differs from the plain key"
     for name in outs[1]:
         assert not torch.isnan(outs[32][name].float()).any(), f"{fmt} {n}x{k}: {name} not written"
         assert h.same_bits(outs[1][name][0], outs[32][name][0]), f"{fmt} {n}x{k}: {name} row 0, M=1 vs 32"
@@ -183,9 +183,9 @@ def test_conv_in_the_gemv_equals_gemv_then_conv_kernel(h, fmt, n, k, m):
         slots[-1] = -1
     plain = gemv.make_key(fmt, n, k, m, TARGET)
     fused, conv = replace(plain, conv=4), gdn_conv.Key(n, m, 1, 4, "update", TARGET.arch)
-    fused_early = replace(fused, stage_x=True) if gemv.stage_x_bytes(fused) <= gemv.STAGE_X_LIMIT else None
+    fused_staged = replace(fused, stage_x=True) if gemv.stage_x_bytes(fused) <= gemv.STAGE_X_LIMIT else None
     cache = _variant_cache()
-    cache.build([plain, fused, conv] + ([fused_early] if fused_early else []))
+    cache.build([plain, fused, conv] + ([fused_staged] if fused_staged else []))
     planes = [packed["lo"], packed["hi"] if packed["hi"].numel() else None,
               packed["scales"] if packed["scales"].numel() else None, None, None, None]
     y_lin, y_two, y_one = (torch.zeros(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -193,14 +193,14 @@ def test_conv_in_the_gemv_equals_gemv_then_conv_kernel(h, fmt, n, k, m):
     cache.bind(plain, [y_lin, x, *planes]).launch()
     cache.bind(conv, [y_two, y_lin, taps, hist_two, slots, None, None, None]).launch()
     cache.bind(fused, [y_one, x, *planes, taps, hist_one, slots]).launch()
-    if fused_early:
-        y_early, hist_early = torch.zeros_like(y_one), hist0.clone()
-        cache.bind(fused_early, [y_early, x, *planes, taps, hist_early, slots]).launch()
+    if fused_staged:
+        y_staged, hist_staged = torch.zeros_like(y_one), hist0.clone()
+        cache.bind(fused_staged, [y_staged, x, *planes, taps, hist_staged, slots]).launch()
     torch.cuda.synchronize()
     assert h.same_bits(y_one, y_two), f"{fused.name}: conv output differs from gemv + gdn_conv"
     assert h.same_bits(hist_one, hist_two), f"{fused.name}: history differs from gemv + gdn_conv"
-    if fused_early:
-        assert h.same_bits(y_early, y_one) and h.same_bits(hist_early, hist_one), f"{fused_early.name} differs"
+    if fused_staged:
+        assert h.same_bits(y_staged, y_one) and h.same_bits(hist_staged, hist_one), f"{fused_staged.name} differs"
     assert not torch.equal(hist_one, hist0)
 
 
@@ -212,8 +212,8 @@ def _variant_cache():
 
 GEMV_STREAMS = ({"interleave": True}, {"interleave": False}, {"prefetch": 0}, {"prefetch": 1},
                 {"prefetch": 2, "interleave": True}, {"prefetch": 4}, {"depth": 2}, {"depth": 8},
-                {"min_blocks": 3}, {"min_blocks": 4, "interleave": False}, {"stage_x": True}, {"early_res": True},
-                {"stage_x": True, "early_res": True, "interleave": True},
+                {"min_blocks": 3}, {"min_blocks": 4, "interleave": False}, {"stage_x": True},
+                {"stage_x": True, "interleave": True},
                 {"stage_x": True, "interleave": False, "min_blocks": 4})
 
 
