@@ -186,16 +186,23 @@ def stream_config(fmt: str, n: int, k: int, m: int, warps: int, target: Target, 
     or lose 5–10 points) with one batch ahead (measured before the instruction cut, bench/kernel_lab_notes.md
     v9). L2 prefetch is measured on sm_90 only, so it is off for the other archs; the interleave rule is
     the H200's, applied to every arch (no other card is at hand to measure it).
-    One row through an unsplit residual projection (the 5120×6144 output projections): activations
-    staged in shared memory (`stage_x`), −0.6 % per step (NOTES.md 2026-12-02 session 6); everywhere
-    else staging lost (gate/up +12 %, the z projection +1.6 %: their activations are L1 hits)."""
+    One row (NOTES.md 2026-12-02 session 6, at the bench's context): an unsplit 8-warp residual projection
+    (the 5120×6144 output projections) stages its activations in shared memory (`stage_x`, −0.6 % per
+    step; everywhere else staging lost: gate/up +12 %, the z projection +1.6 %, their activations being
+    L1 hits); an unsplit interleaved grid of more than two waves (gate/up, 2,176 blocks) asks for six
+    blocks per SM (`min_blocks` 6: 89 → 80 registers, 20 → 24 warps per SM; −1.7 % per step; 7 blocks
+    −0.3 %, and the same cap on the ≈ one-wave qkv and q projections ±0)."""
     waves = ceil_div(n, 16) / (target.sms * 9)
     if m > 8:
         return {"prefetch": 1 if target.arch == "sm_90" else 0}
     if waves >= 4:
         return {}
-    return {"interleave": warps == 4} | ({"stage_x": True} if m == 1 and epilogue == "residual" and splits == 1
-                                         and warps == 8 else {})
+    fields = {"interleave": warps == 4}
+    if m == 1 and splits == 1 and warps == 8 and epilogue == "residual":
+        fields["stage_x"] = True
+    if m == 1 and splits == 1 and warps == 4 and ceil_div(n, 16) > 2 * 5 * target.sms:
+        fields["min_blocks"] = 6
+    return fields
 
 
 def make_key(fmt: str, n: int, k: int, m: int, target: Target, epilogue: str = "none",

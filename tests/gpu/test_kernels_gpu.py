@@ -121,8 +121,7 @@ def test_folded_norm_gemvs_are_batch_invariant(h, fmt, n, k, epi, out):
     """The split RMSNorm's GEMVs (a residual projection with `norm_out`, the readers with `scale_in`): a
     row's every output — y, and xn and the tile sums of squares — has the same bits at M = 1, 4 and 32
     (M = 32 reads its rows' sums straight from global memory, M ≤ 8 through shared memory), and the
-    variant of each with the activations staged in shared memory (where valid) gives the bits of its
-    plain key."""
+    key with activation staging toggled (`stage_x`, where valid) gives the bits of the shipped one."""
     g = torch.Generator(device="cuda").manual_seed(11)
     packed = pack_for_device(random_qmatrix(fmt, n, k, g), gate_up=epi == "silu_mul")
     x = torch.randn(32, k, generator=g, device="cuda").bfloat16()
@@ -131,17 +130,17 @@ def test_folded_norm_gemvs_are_batch_invariant(h, fmt, n, k, epi, out):
     ssq = torch.randn(32, k, generator=g, device="cuda").pow(2).reshape(32, k // 16, 16).sum(-1)
     fields = {"norm_out": True} if epi == "residual" else {"scale_in": True, "eps": 1e-6}
     keys = [replace(gemv.make_key(fmt, n, k, m, TARGET, epi, out), **fields) for m in (1, 4, 32)]
-    staged = {}
+    staged = {}                                    # m → the key with stage_x toggled
     for key in keys:
         try:
-            staged[key.m] = replace(key, stage_x=True)
+            staged[key.m] = replace(key, stage_x=not key.stage_x)
         except ValueError:
             pass                                   # too many activation rows to stage at this shape
     cache = _variant_cache()
     cache.build(keys + list(staged.values()))
     outs, outs_staged = {}, {}
     for key in keys + list(staged.values()):
-        m = key.m
+        m, toggled = key.m, key is staged.get(key.m)
         y = torch.full((m, n // 2 if epi == "silu_mul" else n), float("nan"), device="cuda",
                        dtype=torch.float32 if out == "f32" else torch.bfloat16)
         ws, tickets = gemv_workspace(key, "cuda")
@@ -156,12 +155,12 @@ def test_folded_norm_gemvs_are_batch_invariant(h, fmt, n, k, epi, out):
         else:
             args.append(ssq[:m].contiguous())
         cache.bind(key, args).launch()
-        (outs_staged if key.stage_x else outs)[m] = got
+        (outs_staged if toggled else outs)[m] = got
     torch.cuda.synchronize()
     assert staged, f"{fmt} {n}x{k}: no staged variant"
     for m, got in outs_staged.items():
         for name in got:
-            assert h.same_bits(got[name], outs[m][name]), f"{staged[m].name}: {name} differs from the plain key"
+            assert h.same_bits(got[name], outs[m][name]), f"{staged[m].name}: {name} differs from the shipped key"
     for name in outs[1]:
         assert not torch.isnan(outs[32][name].float()).any(), f"{fmt} {n}x{k}: {name} not written"
         assert h.same_bits(outs[1][name][0], outs[32][name][0]), f"{fmt} {n}x{k}: {name} row 0, M=1 vs 32"
@@ -213,7 +212,7 @@ def _variant_cache():
 GEMV_STREAMS = ({"interleave": True}, {"interleave": False}, {"prefetch": 0}, {"prefetch": 1},
                 {"prefetch": 2, "interleave": True}, {"prefetch": 4}, {"depth": 2}, {"depth": 8},
                 {"min_blocks": 3}, {"min_blocks": 4, "interleave": False}, {"stage_x": True},
-                {"stage_x": True, "interleave": True},
+                {"stage_x": False}, {"stage_x": True, "interleave": True},
                 {"stage_x": True, "interleave": False, "min_blocks": 4})
 
 
