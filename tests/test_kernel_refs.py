@@ -79,17 +79,22 @@ def test_gemm_reference_is_the_gemv_projection(family, target, epilogue):
 def test_gemv_stream_fields_follow_the_shape_and_m():
     """The stream fields (never the bits) follow measured rules: at M ≤ 8 no L2 prefetch, units
     interleaved in 4-warp blocks (split or not) and kept apart in 8-warp ones; at M > 8 units kept apart
-    with one batch of prefetch (sm_90 only); the many-wave LM head streams plain."""
+    with one batch of prefetch (sm_90 only); the many-wave LM head streams plain. One row: gate/up (an
+    unsplit interleaved grid of > 2 waves) asks for six blocks per SM, the unsplit 8-warp residual
+    projection stages its activations."""
     h200 = lookup("h200")
     gate_up = gemv.make_key("q4g64", 34816, 5120, 1, h200, "silu_mul")
     assert (gate_up.warps, gate_up.interleave, gate_up.prefetch) == (4, True, 0)
-    assert gate_up.name == "gemv_q4g64_n34816_k5120_m1_silu_w4t1_il_sm90"
+    assert gate_up.name == "gemv_q4g64_n34816_k5120_m1_silu_w4t1_il_b6_sm90"
+    assert gemv.make_key("q4g64", 34816, 5120, 4, h200, "silu_mul").min_blocks == 2           # measured at M = 1
+    assert gemv.make_key("q4g64", 10240, 5120, 1, h200).min_blocks == 2                        # ≈ one wave
     verify8 = gemv.make_key("q4g64", 34816, 5120, 32, h200, "silu_mul")
     assert (verify8.interleave, verify8.prefetch) == (False, 1)
     down = gemv.make_key("q5g64", 5120, 17408, 1, h200, "residual")
     assert down.splits > 1 and (down.warps, down.interleave, down.prefetch) == (4, True, 0)
     out_proj = gemv.make_key("q5g64", 5120, 6144, 1, h200, "residual")
-    assert (out_proj.warps, out_proj.interleave, out_proj.prefetch) == (8, False, 0)
+    assert (out_proj.warps, out_proj.interleave, out_proj.prefetch, out_proj.stage_x) == (8, False, 0, True)
+    assert not gemv.make_key("q5g64", 6144, 5120, 1, h200).stage_x                              # not residual
     head = gemv.make_key("w8g32", 248320, 5120, 1, h200, out_dtype="f32")
     assert (head.interleave, head.prefetch) == (False, 0)
     on_3090 = gemv.make_key("q4g64", 34816, 5120, 1, T3090, "silu_mul")
@@ -104,7 +109,7 @@ def test_gemv_experiment_override_and_bad_stream_fields(monkeypatch):
     h200 = lookup("h200")
     monkeypatch.setenv("NINFER_GEMV", "prefetch=0,interleave=0,depth=8")
     plain = gemv.make_key("q4g64", 34816, 5120, 1, h200, "silu_mul")
-    assert plain.name == "gemv_q4g64_n34816_k5120_m1_silu_w4t1_d8_sm90"
+    assert plain.name == "gemv_q4g64_n34816_k5120_m1_silu_w4t1_d8_b6_sm90"
     monkeypatch.setenv("NINFER_GEMV", "prefetch=9")                      # not a valid key: unchanged
     assert gemv.make_key("q4g64", 34816, 5120, 1, h200, "silu_mul").prefetch == 0
     monkeypatch.setenv("NINFER_GEMV", "prefetch=two")
