@@ -130,12 +130,7 @@ def test_folded_norm_gemvs_are_batch_invariant(h, fmt, n, k, epi, out):
     ssq = torch.randn(32, k, generator=g, device="cuda").pow(2).reshape(32, k // 16, 16).sum(-1)
     fields = {"norm_out": True} if epi == "residual" else {"scale_in": True, "eps": 1e-6}
     keys = [replace(gemv.make_key(fmt, n, k, m, TARGET, epi, out), **fields) for m in (1, 4, 32)]
-    staged = {}                                    # m → the key with stage_x toggled
-    for key in keys:
-        try:
-            staged[key.m] = replace(key, stage_x=not key.stage_x)
-        except ValueError:
-            pass                                   # too many activation rows to stage at this shape
+    staged = {key.m: t for key in keys if (t := _stage_x_toggled(key))}     # m → the key with stage_x toggled
     cache = _variant_cache()
     cache.build(keys + list(staged.values()))
     outs, outs_staged = {}, {}
@@ -182,7 +177,7 @@ def test_conv_in_the_gemv_equals_gemv_then_conv_kernel(h, fmt, n, k, m):
         slots[-1] = -1
     plain = gemv.make_key(fmt, n, k, m, TARGET)
     fused, conv = replace(plain, conv=4), gdn_conv.Key(n, m, 1, 4, "update", TARGET.arch)
-    fused_staged = replace(fused, stage_x=True) if gemv.stage_x_bytes(fused) <= gemv.STAGE_X_LIMIT else None
+    fused_staged = _stage_x_toggled(fused)
     cache = _variant_cache()
     cache.build([plain, fused, conv] + ([fused_staged] if fused_staged else []))
     planes = [packed["lo"], packed["hi"] if packed["hi"].numel() else None,
@@ -201,6 +196,14 @@ def test_conv_in_the_gemv_equals_gemv_then_conv_kernel(h, fmt, n, k, m):
     if fused_staged:
         assert h.same_bits(y_staged, y_one) and h.same_bits(hist_staged, hist_one), f"{fused_staged.name} differs"
     assert not torch.equal(hist_one, hist0)
+
+
+def _stage_x_toggled(key):
+    """`key` with activation staging toggled, or None where that is not a valid key (too many rows to stage)."""
+    try:
+        return replace(key, stage_x=not key.stage_x)
+    except ValueError:
+        return None
 
 
 @lru_cache(maxsize=1)
