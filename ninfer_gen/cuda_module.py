@@ -155,8 +155,9 @@ class KernelCache:
             self._loaded[(key.name, ptx)] = Kernel.load(built.ptx if ptx else built.cubin, key.name, smem)
         return self._loaded[(key.name, ptx)]
 
-    def bind(self, key, args, ptx: bool = False) -> Launcher:
-        """A launcher for `key` with `args` in the family's parameter order and its launch config."""
+    def bind(self, key, args, ptx: bool = False, programmatic: bool = True) -> Launcher:
+        """A launcher for `key` with `args` in the family's parameter order and its launch config;
+        `programmatic=False` launches it after all earlier work in its stream has finished."""
         from compiler.kernels import module_of
         mod = module_of(key)
-        return self.get(key, ptx).bind(mod.params(key), args, mod.launch(key), pdl_enabled(key.arch))
+        return self.get(key, ptx).bind(mod.params(key), args, mod.launch(key), programmatic and pdl_enabled(key.arch))

@@ -225,7 +225,10 @@ class Executable:
             missing = [p.name for p in params if p.name not in args]
             if missing:
                 raise ExecutableError(f"{call.key.name}: no binding for parameter(s) {', '.join(missing)}")
-            bucket.launchers.append(self.kernels.bind(call.key, [args[p.name] for p in params]))
+            # The first kernel waits for everything before the run (common/ptx.cuh: kernels trigger their
+            # successors before their own wait, so without this a run could start on a state slot that the
+            # previous run's kernels are still writing).
+            bucket.launchers.append(self.kernels.bind(call.key, [args[p.name] for p in params], programmatic=i > 0))
         bucket.logits = self._view(values, g.outputs["logits"], plan)
         bucket.hidden = self._view(values, g.outputs["hidden"], plan)
 
