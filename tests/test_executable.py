@@ -26,6 +26,7 @@ class RecordingKernels:
 
     def __init__(self):
         self.calls = []
+        self.programmatic = []
 
     def build(self, keys):
         pass
@@ -33,8 +34,9 @@ class RecordingKernels:
     def spilled(self):
         return []
 
-    def bind(self, key, args):
+    def bind(self, key, args, programmatic=True):
         self.calls.append((key, args))
+        self.programmatic.append(programmatic)
         return (key, args)
 
 
@@ -73,6 +75,9 @@ def test_every_kernel_parameter_is_bound(weights, shape):
         if key.family in ("gemv", "gemm", "rmsnorm"):
             assert named["y"] in arena, f"{key.name}: output outside the arena"
     assert bucket.logits.dtype == torch.float32 and bucket.logits.shape[-1] == TINY.model.vocab_size
+    # Only the first kernel waits for all earlier work (kernels release their successors before their own
+    # wait, common/ptx.cuh): a run never starts on state the previous run is still writing.
+    assert rec.programmatic == [False] + [True] * (len(rec.programmatic) - 1)
 
 
 def test_hopper_prefill_gemm_reads_what_its_xperm_wrote(weights):
