@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import statistics
+from pathlib import Path
 
 import torch
 
@@ -128,8 +129,7 @@ def main(argv=None) -> dict:
                                              for k, p in list(prof.items())[:10]))
     be.release(seq)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        Path(args.json).write_text(json.dumps(out, indent=1))
     return out
 
 

@@ -14,6 +14,7 @@ import json
 import re
 import statistics
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -88,8 +89,7 @@ def main(argv=None) -> dict:
     be.release(seq)
     out = {"span_us": span, "spans_us": spans, "groups": dict(order)}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        Path(args.json).write_text(json.dumps(out, indent=1))
     return out
 
 

@@ -142,3 +142,16 @@ def test_windowed_greedy_stream_equals_step_by_step(model):
     assert windowed.generate(IDS[:20], 0) == [] and windowed.generate(IDS[:20], 1) == plain[:1]
     near = model.backend.max_context - 25
     assert len(windowed.generate([1] * near, 40)) == 26                 # 25 positions left: 1 + 25 tokens
+
+
+def test_precision_tool_measures_the_bf16_spread(capsys):
+    """bench.precision without a GPU: the interpreter's bf16 mode against its fp32 mode, per position."""
+    from bench.precision import main, rel_l2
+    out = main(["--no-gpu", "--positions", "24", "--token-seeds", "1"])
+    (pair, s), = out["runs"][1].items()
+    assert pair == "ref-bf16 vs ref-f32"
+    assert 0 < s["mean"] <= s["p99"] <= s["max"] < 0.2
+    assert all(0 <= pos < 24 for pos, _ in s["worst"]) and s["worst"][0][1] == round(s["max"], 4)
+    assert "rel-L2 max" in capsys.readouterr().out
+    x = torch.randn(3, 8, dtype=torch.float64)
+    assert rel_l2(x, x).abs().max() == 0 and torch.allclose(rel_l2(2 * x, x), torch.ones(3, dtype=torch.float64))
