@@ -5,8 +5,9 @@ Phases: (1) copy bandwidth; (2) ~30-token prompts, `--output-tokens` (1024) gree
 (decoded in device-loop windows, as `Model.stream` does), one request: TTFT, end-to-end and decode
 tok/s, and the decode step alone (CUDA-event timed graph replays; per call group, its share of the
 replay by omission) with the bytes it must move (weights streamed + GDN state read/written + KV read
-at the context the replays ran at: the end of the output) → bandwidth efficiency; (3) long prompts (8K, 32K): prefill tok/s and effective
-TFLOP/s (2 × matrix parameters × tokens, plus causal attention 2 × 2 × L²/2 × Hq × D per layer).
+at the context the replays ran at: the end of the output) → bandwidth efficiency; (3) long prompts
+(8K, 32K): prefill tok/s and effective TFLOP/s (2 × matrix parameters × tokens, plus causal attention
+2 × 2 × L²/2 × Hq × D per layer).
 Peak memory: torch's allocator peak and the device's used memory (every process and the context).
 Writes JSON (`--json`) and prints a short table last. `--hf-json` adds same-day ratios against
 `bench/hf_baseline.py`'s output.

@@ -91,15 +91,14 @@ __device__ __forceinline__ void prefetch_l2(const void* p, int bytes) {
 // Programmatic dependent launch (sm_90+; compiled out below). The runtime launches each kernel with
 // programmatic stream serialisation, so it may start while its predecessor still runs. Contract kept
 // by every kernel: before pdl_entry() write nothing, and read only constants (weights, norm weights,
-// conv taps) or state that the same kernel wrote in an earlier step (GDN state, conv history, the
-// slots of the step inputs). pdl_entry() first lets the successor launch, then waits for the
-// predecessor grid to finish (its writes visible). A successor takes only the SM resources left over
+// conv taps) or data written before the run began (the step inputs; GDN state and conv history, which
+// the same kernel wrote in an earlier step). pdl_entry() first lets the successor launch, then waits
+// for the predecessor grid to finish (its writes visible). A successor takes only the SM resources left over
 // (every block of this grid has started when it launches) and runs only its prologue until this grid
 // is done, so a chain of one-wave kernels gets its weights streaming early: the trigger before the wait
 // was −1.1 % per decode step against after it (NOTES.md 2026-12-02 session 7). Several grids may then be
 // waiting at once, so the executable launches the first kernel of every bucket run without
-// programmatic serialisation: a run begins once all earlier work is done, which keeps the "earlier
-// step" state reads above safe.
+// programmatic serialisation: a run begins once all earlier work is done, which keeps those reads safe.
 __device__ __forceinline__ void pdl_entry() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.precision import rel_l2
 from compiler.spec import load_spec
 
 pytestmark = pytest.mark.gpu
@@ -25,11 +26,6 @@ TINY = ROOT / "model_specs/qwen3.8-tiny.yaml"
 SMALL = ROOT / "models/qwen3.8-small-py"
 REL_L2 = 2e-2
 AGREE = 0.95
-
-
-def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per row: ‖a − b‖ / ‖b‖."""
-    return (a.double() - b.double()).norm(dim=-1) / b.double().norm(dim=-1)
 
 
 def _tokens(n: int, vocab: int, seed: int) -> list[int]:
@@ -65,7 +61,7 @@ class Setup:
         """(per-position max, mean) rel-L2 the GPU must meet on this model."""
         if self.name != "tiny":
             return REL_L2, REL_L2
-        own = _rel_l2(torch.from_numpy(self.ref_bf16.forward_logits(ids)), expected)
+        own = rel_l2(torch.from_numpy(self.ref_bf16.forward_logits(ids)), expected)
         return max(REL_L2, own.max().item()), REL_L2
 
 
@@ -75,7 +71,7 @@ def setup(request):
 
 
 def _check(label, got, expected, bound):
-    err = _rel_l2(got, expected)
+    err = rel_l2(got, expected)
     agree = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
     print(f"{label}: {len(got)} positions, argmax agreement {agree:.4f}, rel-L2 max {err.max():.4g} "
           f"mean {err.mean():.4g} (bounds {bound[0]:.3g} / {bound[1]:.3g})")
