@@ -1,15 +1,18 @@
 """precision: how far bf16 activations move a model's logits, per position, and where the GPU backend
-sits in that spread. Three logit sets over the same teacher-forced tokens — the reference interpreter in
-fp32 (the oracle), the interpreter in bf16 (activations rounded at every graph value), the GPU backend —
-(whole prefill, and one decode step per token), compared pairwise by rel-L2 per position (max, 99th percentile, mean and the worst positions).
+sits in that spread. Four logit sets over the same teacher-forced tokens — the reference interpreter in
+fp32 (the oracle), the interpreter in bf16 (activations rounded at every graph value), the floor (fp32
+with only the activations entering a linear rounded to bf16: the rounding any backend with bf16 GEMM
+inputs must do), the GPU backend (whole prefill, and one decode step per token) — compared pairwise by
+rel-L2 per position (max, 99th percentile, mean and the worst positions).
 
 The tiny spec's random weights amplify rounding at a few positions (NOTES.md 2026-12-02 session 7: a
 GDN head whose output is a small sum of near-orthogonal terms, made unit-scale again by the gated
-norm), so the interpreter's own bf16 mode is the yardstick for what bf16 activations can reach there.
+norm), so the interpreter's own bf16 mode is the yardstick for what bf16 activations can reach there,
+and the floor shows how much of it the bf16 GEMM inputs alone cause.
 
     python -m bench.precision                       # tiny spec, random weights, seeds as the GPU tier
     python -m bench.precision --model models/qwen3.8-small-py --positions 256
-    python -m bench.precision --no-gpu              # the interpreter's fp32 vs bf16 only (any machine)
+    python -m bench.precision --no-gpu              # the interpreter's modes only (any machine)
 """
 from __future__ import annotations
 
@@ -61,7 +64,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--weight-seed", type=int, default=0)
     ap.add_argument("--positions", type=int, default=256, help="teacher-forced tokens per run")
     ap.add_argument("--token-seeds", default="1,2", help="comma-separated seeds of the random token runs")
-    ap.add_argument("--no-gpu", action="store_true", help="only the interpreter's fp32 vs bf16 (CPU is enough)")
+    ap.add_argument("--no-gpu", action="store_true",
+                    help="only the interpreter's modes: fp32, bf16 and the floor (CPU is enough)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -72,14 +76,15 @@ def main(argv=None) -> dict:
     device = "cpu" if args.no_gpu or not torch.cuda.is_available() else "cuda"
     ctx = args.positions + 64
     models = {name: ninfer_gen.api.Model(spec, ReferenceBackend(spec, deq, device=device, dtype=dt, kv_dtype="int8",
-                                                                max_context=ctx), None, name)
-              for name, dt in (("ref-f32", "float32"), ("ref-bf16", "bfloat16"))}
+                                                                max_context=ctx, bf16_matmul_inputs=floor), None, name)
+              for name, dt, floor in (("ref-f32", "float32", False), ("ref-bf16", "bfloat16", False),
+                                      ("floor", "float32", True))}
     if device == "cuda":
         from ninfer_gen.device_weights import from_host
         from ninfer_gen.gpu_backend import GpuBackend
         models["gpu"] = ninfer_gen.api.Model(spec, GpuBackend(spec, from_host(spec, q), max_context=ctx), None, "gpu")
-    pairs = [("ref-bf16", "ref-f32"), ("gpu", "ref-f32"), ("gpu", "ref-bf16"), ("gpu-step", "ref-f32"),
-             ("gpu-step", "ref-bf16")]
+    pairs = [("ref-bf16", "ref-f32"), ("floor", "ref-f32"), ("gpu", "ref-f32"), ("gpu", "ref-bf16"),
+             ("gpu-step", "ref-f32"), ("gpu-step", "ref-bf16")]
     out = {"model": spec.name, "positions": args.positions, "runs": {}}
     for seed in (int(s) for s in args.token_seeds.split(",")):
         ids = torch.randint(0, spec.model.vocab_size, (args.positions,),

@@ -22,7 +22,9 @@ ACT_DTYPES = {"float32": "f32", "bfloat16": "bf16", "f32": "f32", "bf16": "bf16"
 
 class ReferenceBackend(SequencePool):
     def __init__(self, spec: ModelSpec, weights: dict, device: str = "cpu", dtype: str = "float32",
-                 kv_dtype: str | None = None, max_sequences: int = 2, max_context: int | None = None):
+                 kv_dtype: str | None = None, max_sequences: int = 2, max_context: int | None = None,
+                 bf16_matmul_inputs: bool = False):
+        """`bf16_matmul_inputs` (precision studies): round only what enters a linear to bf16."""
         if dtype not in ACT_DTYPES:
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
         self.spec, self.device, self.act = spec, torch.device(device), ACT_DTYPES[dtype]
@@ -36,6 +38,7 @@ class ReferenceBackend(SequencePool):
         self.state = {name: torch.zeros(shape, dtype=torch_dtype(dt), device=self.device)
                       for name, (shape, dt) in state_avals(spec, self.pools).items()}
         self._graphs: dict = {}
+        self.bf16_matmul_inputs = bf16_matmul_inputs
 
     def _place(self, name: str, w: torch.Tensor) -> torch.Tensor:
         keep_fp32 = self.act == "f32" or name.endswith(("A_log", "dt_bias"))
@@ -72,7 +75,8 @@ class ReferenceBackend(SequencePool):
             inputs["hidden"] = hidden
         else:
             inputs["slots"] = self._i32([s.slot for s in seqs])
-        out = run_graph(self.graph(entry, B, T), inputs, self.weights, self.state)
+        out = run_graph(self.graph(entry, B, T), inputs, self.weights, self.state,
+                        bf16_matmul_inputs=self.bf16_matmul_inputs)
         if entry != "mtp":
             for s, p in zip(seqs, starts):
                 s.table.length = p + T

@@ -145,12 +145,14 @@ def test_windowed_greedy_stream_equals_step_by_step(model):
 
 
 def test_precision_tool_measures_the_bf16_spread(capsys):
-    """bench.precision without a GPU: the interpreter's bf16 mode against its fp32 mode, per position."""
+    """bench.precision without a GPU: the interpreter's bf16 mode and the floor (only the GEMM inputs in
+    bf16) against its fp32 mode, per position; the floor rounds a subset of bf16's values, so it is closer."""
     from bench.precision import main, rel_l2
     out = main(["--no-gpu", "--positions", "24", "--token-seeds", "1"])
-    (pair, s), = out["runs"][1].items()
-    assert pair == "ref-bf16 vs ref-f32"
+    assert list(out["runs"][1]) == ["ref-bf16 vs ref-f32", "floor vs ref-f32"]
+    s, floor = out["runs"][1].values()
     assert 0 < s["mean"] <= s["p99"] <= s["max"] < 0.2
+    assert 0 < floor["mean"] < s["mean"]
     assert all(0 <= pos < 24 for pos, _ in s["worst"]) and s["worst"][0][1] == round(s["max"], 4)
     assert "rel-L2 max" in capsys.readouterr().out
     x = torch.randn(3, 8, dtype=torch.float64)

@@ -10,7 +10,9 @@ interpreter's own bf16 mode, measured here), so there the GPU must be no worse t
 2e-2 on average; on the trained model every position must be within 2e-2. (`python -m bench.precision`
 prints the spread: a few positions amplify any rounding — a GDN head whose output is a small sum of
 near-orthogonal terms, made unit-scale again by the gated norm — so the worst position is set by where
-rounding happens, not by how much: NOTES.md 2026-12-02 session 7.)
+rounding happens, not by how much: NOTES.md 2026-12-02 session 7. Rounding only the activations that
+enter a linear to bf16 — the part no bf16-GEMM backend can avoid — already reaches 0.023 / 0.044 / 0.045
+at the worst position of this file's three token sequences (CPU interpreter; NOTES.md session 8).)
 Run: pytest -m gpu tests/gpu/test_runtime_gpu.py -q -s"""
 from pathlib import Path
 
