@@ -26,7 +26,7 @@ EOF
   [ -n "$win" ] && export NINFER_GEMV="$win"
   echo "bench variant: ${win:-base}"
 fi
-NINFER_GEMV= timeout ${TESTS_S:-240} python3 -m pytest -m gpu tests/gpu -q -rf -p no:cacheprovider 2>&1 \
+NINFER_GEMV= timeout ${TESTS_S:-240} python3 -m pytest -m gpu tests/gpu -q -s -rf -p no:cacheprovider 2>&1 \
   | tee $OUT/gpu_tests.log | grep -E "passed|failed|FAILED|error" | tail -8
 timeout ${HF_S:-240} python3 -m bench.hf_baseline --out $OUT/hf_baseline.json > $OUT/hf_baseline.log 2>&1
 echo "hf_baseline: rc $?"; shown $OUT/hf_baseline.log 8
