@@ -202,6 +202,16 @@ def test_every_kernel_body_waits_for_its_predecessor():
         assert body.count("pdl_entry();") == 1, key.name
 
 
+def test_every_27b_sequence_key_has_a_case_on_cpu():
+    """The GPU tier's inputs for the 27B shape's attention, RoPE/KV and GDN keys (the prefill chunk's among
+    them: a chunk longer than the cases' usual sequence cap once made its case fail to build) can be drawn."""
+    families = ("qk_rope_kv", "attn_prefill", "attn_decode", "gdn_step", "gdn_chunk", "gdn_conv")
+    keys = [k for k in dict.fromkeys(_spec_keys("sm_90")) if k.family in families and k.arch == "sm_90"]
+    assert any(getattr(k, "t", 0) == SPECS["27b"].runtime.prefill_chunk for k in keys)
+    for key in keys:
+        assert make_case(key, "cpu").launches, key.name
+
+
 def test_every_tiny_key_has_a_reference_on_cpu():
     """Every family's case reference (what the GPU tier compares kernels with) runs for the tiny spec's
     keys on CPU, sm_90 keys included (gemm_wg, whose cases share gemv's reference)."""

@@ -140,7 +140,8 @@ def _table(b, max_pages, lens, page, g):
 
 def _lens(key, g, ctx):
     top = key.max_pages * key.page
-    lens = torch.randint(key.t, min(top, 2048) + 1, (key.b,), generator=g, device=g.device, dtype=torch.int32)
+    lens = torch.randint(key.t, min(top, max(2048, key.t)) + 1, (key.b,), generator=g, device=g.device,
+                         dtype=torch.int32)     # ≤ 2,048 tokens (or the chunk) keeps the cases quick
     if ctx is not None:
         lens.fill_(min(ctx, top))
     if key.b >= 2:
@@ -150,7 +151,7 @@ def _lens(key, g, ctx):
 
 def _rope_kv(key: qk_rope_kv.Key, g, theta: float = 1e7) -> Case:
     b, t, rows, dev = key.b, key.t, key.b * key.t, g.device
-    lens = torch.randint(t, min(key.max_pages * key.page, 2048) + 1, (b,), generator=g, device=dev)
+    lens = torch.randint(t, min(key.max_pages * key.page, max(2048, t)) + 1, (b,), generator=g, device=dev)
     table, n_pages = _table(b, key.max_pages, lens, key.page, g)
     pages = _pages(n_pages, key.hkv, key.page, key.d, key.kv_dtype, g)
     pages0 = {n: p.clone() for n, p in pages.items()}
