@@ -138,10 +138,15 @@ def _table(b, max_pages, lens, page, g):
     return table, sum(need) + 1
 
 
+def _max_len(key) -> int:
+    """The longest sequence a case draws: 2,048 tokens keeps the cases quick, but never fewer than the
+    key's own tokens (a prefill chunk), nor more than its pages hold."""
+    return min(key.max_pages * key.page, max(2048, key.t))
+
+
 def _lens(key, g, ctx):
     top = key.max_pages * key.page
-    lens = torch.randint(key.t, min(top, max(2048, key.t)) + 1, (key.b,), generator=g, device=g.device,
-                         dtype=torch.int32)     # ≤ 2,048 tokens (or the chunk) keeps the cases quick
+    lens = torch.randint(key.t, _max_len(key) + 1, (key.b,), generator=g, device=g.device, dtype=torch.int32)
     if ctx is not None:
         lens.fill_(min(ctx, top))
     if key.b >= 2:
@@ -151,7 +156,7 @@ def _lens(key, g, ctx):
 
 def _rope_kv(key: qk_rope_kv.Key, g, theta: float = 1e7) -> Case:
     b, t, rows, dev = key.b, key.t, key.b * key.t, g.device
-    lens = torch.randint(t, min(key.max_pages * key.page, max(2048, t)) + 1, (b,), generator=g, device=dev)
+    lens = torch.randint(t, _max_len(key) + 1, (b,), generator=g, device=dev)
     table, n_pages = _table(b, key.max_pages, lens, key.page, g)
     pages = _pages(n_pages, key.hkv, key.page, key.d, key.kv_dtype, g)
     pages0 = {n: p.clone() for n, p in pages.items()}
