@@ -10,7 +10,7 @@ at the context the replays ran at: the end of the output) → bandwidth efficien
 2 × 2 × L²/2 × Hq × D per layer).
 Peak memory: torch's allocator peak and the device's used memory (every process and the context).
 Writes JSON (`--json`) and prints a short table last. `--hf-json` adds same-day ratios against
-`bench/hf_baseline.py`'s output.
+`lab/hf_baseline.py`'s output.
 """
 from __future__ import annotations
 
@@ -278,7 +278,7 @@ def run_bench(args) -> dict:
 
 
 def _hf_ratios(hf: dict, ours: dict) -> dict:
-    """Same-day ratios against bench/hf_baseline.py's JSON (its `measurements`: decode at batch 1,
+    """Same-day ratios against lab/hf_baseline.py's JSON (its `measurements`: decode at batch 1,
     prefill per length)."""
     ms = [m for m in hf.get("measurements", []) if "tok_s" in m]
     out: dict = {"transformers": hf.get("versions", {}).get("transformers") if isinstance(hf.get("versions"), dict)

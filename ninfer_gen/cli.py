@@ -245,7 +245,7 @@ def _bench_arguments(p) -> None:
     p.add_argument("--repeats", type=int, default=2, help="requests of the short workload (median reported)")
     p.add_argument("--prefill", default="8192,32768", help="long prompt lengths, comma separated ('' = none)")
     p.add_argument("--vram-budget", default="24GiB", help="memory budget, enforced on the allocator (default 24GiB)")
-    p.add_argument("--hf-json", default=None, help="bench/hf_baseline.py output for same-day ratios")
+    p.add_argument("--hf-json", default=None, help="lab/hf_baseline.py output for same-day ratios")
     p.add_argument("--json", default=None, help="write the full results here")
 
 

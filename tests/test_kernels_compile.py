@@ -10,9 +10,9 @@ import pytest
 from compiler import codegen
 from compiler.build_cache import KernelCacheMiss, build_kernels
 from compiler.kernels import FAMILY_MODULES, catalog, gemm, gemm_wg, gemv, module_of, rmsnorm
-from compiler.kernels.cases import make_case
 from compiler.spec import load_spec
 from compiler.targets import TargetError, lookup, resolve
+from lab.cases import make_case
 from ninfer_gen.nvrtc import KernelCompileError, parse_ptxas
 
 ROOT = Path(__file__).resolve().parent.parent

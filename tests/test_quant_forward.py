@@ -3,7 +3,7 @@
 Stated tolerances (relative L2 of the logits over 100 positions of the tiny spec with O(1) random
 weights, every matrix in one format): W8G32 ≤ 0.05, Q6G64 ≤ 0.2, Q5G64 ≤ 0.4, Q4G64 ≤ 0.7; the error
 roughly doubles per bit removed. A random network amplifies weight noise far more than a trained one
-(see NOTES.md for the trained small model's figure)."""
+(see lab/NOTES.md for the trained small model's figure)."""
 import dataclasses
 from pathlib import Path
 

@@ -145,9 +145,9 @@ def test_windowed_greedy_stream_equals_step_by_step(model):
 
 
 def test_precision_tool_measures_the_bf16_spread(capsys):
-    """bench.precision without a GPU: the interpreter's bf16 mode and the floor (only the GEMM inputs in
+    """lab.precision without a GPU: the interpreter's bf16 mode and the floor (only the GEMM inputs in
     bf16) against its fp32 mode, per position; the floor rounds a subset of bf16's values, so it is closer."""
-    from bench.precision import main, rel_l2
+    from lab.precision import main, rel_l2
     out = main(["--no-gpu", "--positions", "24", "--token-seeds", "1"])
     assert list(out["runs"][1]) == ["ref-bf16 vs ref-f32", "floor vs ref-f32"]
     s, floor = out["runs"][1].values()

@@ -9,10 +9,21 @@ import os
 
 import torch
 
-from compiler.kernels.cases import TOLERANCES, Case
+from compiler.targets import lookup
+from lab.cases import TOLERANCES, Case
 from ninfer_gen.cuda_module import KernelCache
 
 KERNELS = KernelCache(os.environ.get("NINFER_BUILD_DIR"), jobs=os.cpu_count())
+
+
+def _target():
+    if not torch.cuda.is_available():
+        return lookup("h200")                   # collection only: these tests are skipped without a GPU
+    major, minor = torch.cuda.get_device_capability()
+    return lookup(f"sm_{major}{minor}")
+
+
+TARGET = _target()
 
 
 def build(keys, ptx: bool = False) -> None:
@@ -22,6 +33,11 @@ def build(keys, ptx: bool = False) -> None:
 
 def kernel_for(key, ptx: bool = False):
     return KERNELS.get(key, ptx)
+
+
+def launch_key(key, mod, args) -> None:
+    """One launch of `key` with its family module's parameters and launch config."""
+    kernel_for(key).bind(mod.params(key), args, mod.launch(key)).launch()
 
 
 def launchers(case: Case, ptx: bool = False) -> list:

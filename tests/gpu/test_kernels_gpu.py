@@ -1,7 +1,7 @@
 """GPU tier for the kernel families: every family against its torch reference on fresh random inputs
-(tiny and 27B shapes, outputs poisoned), batch invariance, ReplaySSM fold == sequential steps bit for
-bit, graph replay == eager, the compute_86 PTX running on this GPU, and on Hopper the warpgroup GEMM
-(gemm_wg) at ragged shapes, every tiling and with zero-scale groups.
+(tiny and 27B shapes, outputs poisoned), batch invariance, graph replay == eager, the compute_86 PTX
+running on this GPU, and on Hopper the warpgroup GEMM (gemm_wg) at ragged shapes, every tiling and
+with zero-scale groups. The stateful families' fold checks are in test_kernels_seq_gpu.py.
 Run: pytest -m gpu tests/gpu -q   (test ids name the family and the shape)."""
 import os
 from dataclasses import replace
@@ -11,27 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from compiler.kernels import catalog, gdn_chunk, gdn_conv, gdn_step, gemm, gemm_wg, gemv, xperm
-from compiler.kernels.cases import gemv_workspace, make_case
-from compiler.kernels.cases_seq import gdn_inputs
+from compiler.kernels import catalog, gdn_chunk, gdn_conv, gemm, gemm_wg, gemv, xperm
 from compiler.kernels.weight_layout import pack_for_device, random_qmatrix
 from compiler.spec import load_spec
 from compiler.targets import lookup
+from harness import TARGET
+from lab.cases import gemv_workspace, make_case
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 TINY = load_spec(ROOT / "model_specs/qwen3.8-tiny.yaml")
 BIG = load_spec(ROOT / "model_specs/qwen3.8-27b.yaml")
-
-
-def _target():
-    if not torch.cuda.is_available():
-        return lookup("h200")                   # collection only: these tests are skipped without a GPU
-    major, minor = torch.cuda.get_device_capability()
-    return lookup(f"sm_{major}{minor}")
-
-
-TARGET = _target()
 
 
 def _keys(spec, big: bool):
@@ -307,9 +297,9 @@ def test_gemm_wg_zero_scale_groups(h, fmt):
     y = torch.full((m, n), float("nan"), device="cuda")
     xp = torch.empty(k // 64, m, 64, device="cuda", dtype=torch.bfloat16)
     pkey = xperm.make_key(m, k, TARGET)
-    _launch(h, pkey, xperm, [xp, x])
-    _launch(h, key, gemm_wg, [y, xp, packed["lo"], packed["hi"] if packed["hi"].numel() else None,
-                              packed["scales"], None])
+    h.launch_key(pkey, xperm, [xp, x])
+    h.launch_key(key, gemm_wg, [y, xp, packed["lo"], packed["hi"] if packed["hi"].numel() else None,
+                                 packed["scales"], None])
     torch.cuda.synchronize()
     h._check_close(key.name + " (zero-scale groups)", y, gemm_wg.reference(key, x, w), "bf16")
     assert not y[:, 48:64].any(), "all-zero rows must give exact zeros"
@@ -323,94 +313,6 @@ def _unpacked(case):
     planes = {"lo": lo, "hi": hi if hi is not None else empty,
               "scales": sc if sc is not None else torch.zeros(0, dtype=torch.float16, device="cuda")}
     return unpack_from_device(planes, key.fmt, key.n, key.k, gate_up=key.epilogue == "silu_mul")
-
-
-def _launch(h, key, mod, args):
-    h.kernel_for(key).bind(mod.params(key), args, mod.launch(key)).launch()
-
-
-@pytest.mark.parametrize("shape", [(2, 6, 32, 32, 3, 4), (16, 48, 128, 128, 4, 4)], ids=["tiny", "27b"])
-def test_gdn_fold_equals_sequential_steps(h, shape):
-    """ReplaySSM: record never writes S0; fold of m records == m decode steps, bit for bit (state, conv)."""
-    hk, hv, dk, dv, b, t = shape
-    rec_key = gdn_step.make_key(hk, hv, dk, dv, b, t, "record", TARGET)
-    fold_key = gdn_step.make_key(hk, hv, dk, dv, b, t, "fold", TARGET)
-    step_key = gdn_step.make_key(hk, hv, dk, dv, b, 1, "step", TARGET)
-    g = torch.Generator(device="cuda").manual_seed(3)
-    inp = gdn_inputs(rec_key, g)
-    inp["slots"] = torch.arange(b, dtype=torch.int32, device="cuda")
-    commit = torch.tensor([(0, t, 1, t - 1)[i % 4] for i in range(b)], dtype=torch.int32, device="cuda")
-    s_fold, s_seq = inp["state"].clone(), inp["state"].clone()
-    rk, rv = torch.empty(b, t, hk, dk, device="cuda").bfloat16(), torch.empty(b, t, hv, dv, device="cuda").bfloat16()
-    rg, o_ver = torch.empty(b, t, hv, 2, device="cuda"), torch.empty(b, t, hv, dv, device="cuda")
-    fixed = [inp["a_log"], inp["dt_bias"]]
-    _launch(h, rec_key, gdn_step, [o_ver, inp["qkv"], inp["a"], inp["b"], *fixed, s_fold, inp["slots"], rk, rv, rg,
-                                   None, None, None, None])
-    torch.cuda.synchronize()
-    assert h.same_bits(s_fold, inp["state"]), "record mode wrote the committed state"
-    s_before = s_fold.clone()
-    _launch(h, fold_key, gdn_step, [None, None, None, None, *fixed, s_fold, inp["slots"], rk, rv, rg, commit,
-                                    None, None, None])
-    for tt in range(t):
-        slots_tt = torch.where(commit > tt, inp["slots"], -1).to(torch.int32)
-        o_step = torch.full((b, 1, hv, dv), float("nan"), device="cuda")
-        cols = [inp[n][:, tt:tt + 1].contiguous() for n in ("qkv", "a", "b")]
-        _launch(h, step_key, gdn_step, [o_step, *cols, *fixed, s_seq, slots_tt, *[None] * 7])
-        torch.cuda.synchronize()
-        live = commit > tt
-        assert h.same_bits(o_step[live, 0], o_ver[live, tt]), f"token {tt}: verify output != decode output"
-    assert h.same_bits(s_fold, s_seq), "fold != sequential decode steps"
-    _fused_commit_check(h, shape, s_before, (rk, rv, rg), commit, fixed, g)
-    _conv_fold_check(h, 2 * hk * dk + hv * dv, b, t, commit, g)
-
-
-def _fused_commit_check(h, shape, s0, prev, commit, fixed, g):
-    """commit_record (fold the previous round, then verify) == fold, then record: same bits everywhere."""
-    hk, hv, dk, dv, b, t = shape
-    keys = {m: gdn_step.make_key(hk, hv, dk, dv, b, t, m, TARGET) for m in ("fold", "record", "commit_record")}
-    nxt = gdn_inputs(keys["record"], g)
-    slots = torch.arange(b, dtype=torch.int32, device="cuda")
-    outs = {}
-    for fused in (False, True):
-        s = s0.clone()
-        o = torch.full((b, t, hv, dv), float("nan"), device="cuda")
-        rec = [torch.empty_like(prev[0]), torch.empty_like(prev[1]), torch.empty_like(prev[2])]
-        cur = [o, nxt["qkv"], nxt["a"], nxt["b"], *fixed, s, slots, *rec]
-        if fused:
-            _launch(h, keys["commit_record"], gdn_step, [*cur, commit, *prev])
-        else:
-            _launch(h, keys["fold"], gdn_step, [None] * 4 + [*fixed, s, slots, *prev, commit, None, None, None])
-            _launch(h, keys["record"], gdn_step, [*cur, None, None, None, None])
-        torch.cuda.synchronize()
-        outs[fused] = [s, o, *rec]
-    for name, a, c in zip(("state", "o", "rec_k", "rec_v", "rec_g"), outs[False], outs[True]):
-        assert h.same_bits(a, c), f"commit_record {name} != fold then record"
-
-
-def _conv_fold_check(h, c, b, t, commit, g):
-    rec_key, fold_key = gdn_conv.Key(c, b, t, 4, "record", TARGET.arch), gdn_conv.Key(c, b, t, 4, "fold", TARGET.arch)
-    upd_key = gdn_conv.Key(c, b, 1, 4, "update", TARGET.arch)
-    x, w = torch.randn(b, t, c, generator=g, device="cuda").bfloat16(), torch.randn(c, 4, generator=g, device="cuda").bfloat16()
-    hist = torch.randn(b, 3, c, generator=g, device="cuda").bfloat16()
-    slots = torch.arange(b, dtype=torch.int32, device="cuda")
-    h_fold, h_seq, rec = hist.clone(), hist.clone(), torch.empty_like(x)
-    y_ver = torch.empty_like(x)
-    _launch(h, rec_key, gdn_conv, [y_ver, x, w, h_fold, slots, rec, None, None])
-    h_fused, rec2, y_fused = hist.clone(), torch.empty_like(x), torch.empty_like(x)
-    _launch(h, gdn_conv.Key(c, b, t, 4, "commit_record", TARGET.arch), gdn_conv,
-            [y_fused, x, w, h_fused, slots, rec2, commit, rec])
-    _launch(h, fold_key, gdn_conv, [None, None, None, h_fold, slots, rec, commit, None])
-    for tt in range(t):
-        y = torch.empty(b, 1, c, device="cuda").bfloat16()
-        _launch(h, upd_key, gdn_conv, [y, x[:, tt:tt + 1].contiguous(), w, h_seq,
-                                       torch.where(commit > tt, slots, -1).to(torch.int32), None, None, None])
-        torch.cuda.synchronize()
-        assert h.same_bits(y[commit > tt, 0], y_ver[commit > tt, tt]), f"conv token {tt}: verify != decode"
-    assert h.same_bits(h_fold, h_seq), "conv history fold != sequential updates"
-    _launch(h, rec_key, gdn_conv, [y_ver, x, w, h_fold, slots, rec, None, None])     # verify on the folded history
-    torch.cuda.synchronize()
-    assert h.same_bits(h_fused, h_fold) and h.same_bits(y_fused, y_ver) and h.same_bits(rec2, x), \
-        "conv commit_record != fold then record"
 
 
 @pytest.mark.parametrize("n,k", [(2048, 1024), (2048, 5120)], ids=["one-block", "split-k"])

@@ -7,20 +7,20 @@ drawn on the device under the 24 GiB budget.
 Tolerances: the reference runs in fp32 with INT8 KV; the GPU keeps activations in bf16. On the tiny
 spec's random O(1) weights bf16 activations alone move the logits by up to ~4.5e-2 per position (the
 interpreter's own bf16 mode, measured here), so there the GPU must be no worse than that and within
-2e-2 on average; on the trained model every position must be within 2e-2. (`python -m bench.precision`
+2e-2 on average; on the trained model every position must be within 2e-2. (`python -m lab.precision`
 prints the spread: a few positions amplify any rounding — a GDN head whose output is a small sum of
 near-orthogonal terms, made unit-scale again by the gated norm — so the worst position is set by where
-rounding happens, not by how much: NOTES.md 2026-12-02 session 7. Rounding only the activations that
+rounding happens, not by how much: lab/NOTES.md 2026-12-02 session 7. Rounding only the activations that
 enter a linear to bf16 — the part no bf16-GEMM backend can avoid — already reaches 0.023 / 0.044 / 0.045
-at the worst position of this file's three token sequences (CPU interpreter; NOTES.md session 8).)
+at the worst position of this file's three token sequences (CPU interpreter; lab/NOTES.md session 8).)
 Run: pytest -m gpu tests/gpu/test_runtime_gpu.py -q -s"""
 from pathlib import Path
 
 import pytest
 import torch
 
-from bench.precision import rel_l2
 from compiler.spec import load_spec
+from lab.precision import rel_l2
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]

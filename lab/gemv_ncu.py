@@ -3,7 +3,7 @@ copies (bigger than L2), for a profiler to read: run it under Nsight Compute to 
 warps stall. Each shape is launched `--launches` times after a warm-up; the kernel names say the shape.
 
     ncu --clock-control none --kernel-name regex:gemv --launch-skip 8 --launch-count 1 \\
-        --section SpeedOfLight --section WarpStateStats python -m bench.gemv_ncu --shapes q5g64:5120x17408:residual
+        --section SpeedOfLight --section WarpStateStats python -m lab.gemv_ncu --shapes q5g64:5120x17408:residual
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import argparse
 
 import torch
 
-from bench.kernel_lab import KERNELS, gemv_runs, time_chain
+from lab.kernel_lab import KERNELS, gemv_runs, time_chain
 from compiler.targets import lookup
 
 DEFAULT = "q5g64:5120x17408:residual,q4g64:34816x5120:silu_mul,q5g64:5120x6144:residual"

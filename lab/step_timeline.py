@@ -5,7 +5,7 @@ add up to the replay's span, so unlike summed durations (which double-count prog
 overlap and parallel branches) they split the step between kernel groups — the critical path as the
 GPU ran it, including each kernel's share of launch and dependency latency.
 
-    python -m bench.step_timeline [--context 542] [--replays 5] [--json out.json]
+    python -m lab.step_timeline [--context 542] [--replays 5] [--json out.json]
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.step_ab import load_at_context
+from lab.step_ab import load_at_context
 
 
 def group_of(name: str) -> str:

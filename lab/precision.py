@@ -10,9 +10,9 @@ GDN head whose output is a small sum of near-orthogonal terms, made unit-scale a
 norm), so the interpreter's own bf16 mode is the yardstick for what bf16 activations can reach there,
 and the floor shows how much of it the bf16 GEMM inputs alone cause.
 
-    python -m bench.precision                       # tiny spec, random weights, seeds as the GPU tier
-    python -m bench.precision --model models/qwen3.8-small-py --positions 256
-    python -m bench.precision --no-gpu              # the interpreter's modes only (any machine)
+    python -m lab.precision                        # tiny spec, random weights, seeds as the GPU tier
+    python -m lab.precision --model models/qwen3.8-small-py --positions 256
+    python -m lab.precision --no-gpu               # the interpreter's modes only (any machine)
 """
 from __future__ import annotations
 

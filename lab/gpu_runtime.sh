@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runtime checks in one device call: GPU tests (TESTS=…, default the runtime's), then the 27B bench
-# (BENCH_ARGS=… adds options, e.g. --hf-json bench/results/hf_baseline_h200_2026-11-29.json).
-# Run from the repository root on the GPU machine:  bash bench/gpu_runtime.sh   (logs to $OUT)
+# (BENCH_ARGS=… adds options, e.g. --hf-json lab/results/hf_baseline_h200_2026-11-29.json).
+# Run from the repository root on the GPU machine:  bash lab/gpu_runtime.sh   (logs to $OUT)
 set -uo pipefail
 : "${OUT:?set OUT}"
 export PYTHONUNBUFFERED=1 NINFER_BUILD_DIR=${NINFER_BUILD_DIR:-/tmp/ninfer-build}

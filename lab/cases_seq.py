@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from . import attn_combine, attn_decode, attn_prefill, gdn_chunk, gdn_conv, gdn_step, qk_rope_kv
-from .cases import Case, randn
+from compiler.kernels import attn_combine, attn_decode, attn_prefill, gdn_chunk, gdn_conv, gdn_step, qk_rope_kv
+from lab.cases import Case, randn
 
 
 def _slots(b, g):

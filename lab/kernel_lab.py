@@ -4,7 +4,7 @@ inputs rotated over copies bigger than L2), and per launch in a back-to-back cha
 kernels run in a decode step, overlapping under programmatic launch on sm_90+). Writes JSON to --out
 and prints a short table last.
 
-  python -m bench.kernel_lab --out lab.json [--only gemv,gdn_step] [--iters 50]   (from the repo root)
+  python -m lab.kernel_lab --out lab.json [--only gemv,gdn_step] [--iters 50]   (from the repo root)
 """
 from __future__ import annotations
 
@@ -22,15 +22,16 @@ from compiler.kernels import Launch, ceil_div
 from compiler.kernels import (argmax, attn_decode, attn_prefill, gdn_chunk, gdn_conv, gdn_step, gemm, gemm_wg, gemv,
                               qk_rope_kv, rmsnorm, xperm)
 from compiler.kernels import catalog
-from compiler.kernels.cases import gemv_workspace, make_case
 from compiler.spec import load_spec
 from compiler.kernels.weight_layout import device_bytes, pack_for_device, random_qmatrix
 from compiler.targets import lookup
+from lab.cases import gemv_workspace, make_case
 from ninfer_gen.bench import copy_bandwidth
 from ninfer_gen.cuda_module import KernelCache
 
 KERNELS = KernelCache(os.environ.get("NINFER_BUILD_DIR"), jobs=os.cpu_count())
 DEVICE = "cuda"
+LAB_TEMPLATES = Path(__file__).resolve().parent / "templates"    # archived versions; codegen renders key.template_dir
 
 
 def time_launches(runs, iters: int, warmup: int = 10) -> list[float]:
@@ -66,9 +67,9 @@ def time_chain(runs, iters: int) -> float:
 
 @dataclass(frozen=True)
 class GemvV1Key(gemv.Key):
-    """The gemv of 2026-11-29…30 (templates/gemv_v1.cu.j2: per-unit bounds checks, addresses recomputed per
+    """The archived v1 gemv (lab/templates/gemv_v1.cu.j2: per-unit bounds checks, addresses recomputed per
     load), built beside the current template for same-run comparisons; the stream fields are unused."""
-    template = "gemv_v1.cu.j2"
+    template, template_dir = "gemv_v1.cu.j2", LAB_TEMPLATES
 
     def _name_parts(self):
         return super()._name_parts() + ["v1"]
@@ -178,16 +179,16 @@ SMALL_GEMV = [("q5g64", 6144, 5120, "none"), ("q5g64", 5120, 6144, "residual"), 
               ("w8g32", 5120, 17408, "residual"), ("q4g64", 1024, 5120, "none")]
 
 
-# How units stream in the current gemv (bench/kernel_lab_notes.md, v9): every variant gives v1's bits.
+# How units stream in the current gemv (lab/kernel_lab_notes.md, v9): every variant gives v1's bits.
 GEMV_VARIANTS = [V1, PLAIN, {**PLAIN, "prefetch": 1}, {**PLAIN, "prefetch": 2}, {**PLAIN, "prefetch": 4},
                  {**PLAIN, "interleave": True}, {**PLAIN, "interleave": True, "prefetch": 2}]
 
 
 @dataclass(frozen=True)
 class GemmV1Key(gemm.Key):
-    """The archived v1 prefill GEMM (templates/gemm_v1.cu.j2: 4 warps × 16 rows × 64 tokens, weights
+    """The archived v1 prefill GEMM (lab/templates/gemm_v1.cu.j2: 4 warps × 16 rows × 64 tokens, weights
     straight from global), built beside v2 for same-run comparisons. Its tiling fields are unused."""
-    template = "gemm_v1.cu.j2"
+    template, template_dir = "gemm_v1.cu.j2", LAB_TEMPLATES
 
     def _name_parts(self):
         return super()._name_parts()[:-1] + ["v1"]

@@ -1,6 +1,6 @@
 """cases: fresh random inputs, argument lists, references and byte/FLOP counts for one kernel key.
 
-Used by the GPU tests (correctness, poisoned outputs) and bench/kernel_lab.py (timing). Pure torch on
+Used by the GPU tests (correctness, poisoned outputs) and lab/kernel_lab.py (timing). Pure torch on
 any device: no CUDA calls. A Case is a list of launches (key, args) — attention with splits adds its
 combine — plus the tensors each launch writes and a lazy reference.
 """
@@ -11,9 +11,9 @@ from typing import Callable
 
 import torch
 
-from ..reference_ops import norm_tile_sums
-from . import argmax, embed, gated_rmsnorm, gemv, rmsnorm, xperm
-from .weight_layout import device_bytes, pack_for_device, random_qmatrix
+from compiler.reference_ops import norm_tile_sums
+from compiler.kernels import argmax, embed, gated_rmsnorm, gemv, rmsnorm, xperm
+from compiler.kernels.weight_layout import device_bytes, pack_for_device, random_qmatrix
 
 
 @dataclass(frozen=True)
@@ -178,7 +178,7 @@ BUILDERS = {"gemv": _gemv, "gemm": _gemv, "gemm_wg": _gemv, "xperm": _xperm, "rm
 
 def make_case(key, device="cuda", seed: int = 0, **options) -> Case:
     """Random inputs for `key` on `device`; options go to the family builder (e.g. ctx for attention)."""
-    from . import cases_seq
+    from lab import cases_seq
     g = torch.Generator(device=device).manual_seed(seed)
     builder = BUILDERS.get(key.family) or cases_seq.BUILDERS[key.family]
     return builder(key, g, **options)

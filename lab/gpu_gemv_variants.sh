@@ -2,14 +2,14 @@
 # Decode-GEMV variants in one device call: the gemv GPU tests (every stream setting gives the same bits), the
 # kernel lab's variant group (gemv9: each variant against v1 in the same run), then the 27B decode
 # bench once per NINFER_GEMV setting in VARIANTS (';'-separated, '' = the shipped config).
-# Run from the repository root on the GPU machine:  bash bench/gpu_gemv_variants.sh   (logs to $OUT)
+# Run from the repository root on the GPU machine:  bash lab/gpu_gemv_variants.sh   (logs to $OUT)
 set -uo pipefail
 : "${OUT:?set OUT}"
 export PYTHONUNBUFFERED=1 NINFER_BUILD_DIR=${NINFER_BUILD_DIR:-/tmp/ninfer-build}
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
 timeout ${TESTS_S:-200} python3 -m pytest -m gpu tests/gpu/test_kernels_gpu.py -k "${TESTS_K:-gemv}" -q -rf \
   -p no:cacheprovider 2>&1 | tee $OUT/gemv_tests.log | tail -${TESTS_TAIL:-8}
-timeout ${LAB_S:-200} python3 -m bench.kernel_lab --only ${LAB_ONLY:-gemv9} --out $OUT/lab.json > $OUT/lab.log 2>&1
+timeout ${LAB_S:-200} python3 -m lab.kernel_lab --only ${LAB_ONLY:-gemv9} --out $OUT/lab.json > $OUT/lab.log 2>&1
 echo "lab rc $?"
 python3 - "$OUT/lab.json" <<'EOF'
 import json, sys

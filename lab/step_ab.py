@@ -2,9 +2,9 @@
 process, one weight set, one sequence: each variant is planned, compiled and captured as its own
 step graph over the same inputs, and the graphs are timed in alternating rounds, so the ratios are
 free of run-to-run drift. Variants whose kernels spill are reported and skipped. Optionally the
-omission profile (bench.omission_profile) of some of them.
+omission profile (ninfer_gen.bench.omission_profile) of some of them.
 
-    python -m bench.step_ab --variants "base|5120x6144:min_blocks=3|5120x17408:depth=8" --omission 0,1
+    python -m lab.step_ab --variants "base|5120x6144:min_blocks=3|5120x17408:depth=8" --omission 0,1
 
 Variants are separated by '|'. A variant is a NINFER_GEMV override (compiler/kernels/gemv.py `_override`:
 ';'-separated rules, each optionally limited to a shape NxK), or `env:NAME=value,...`, environment
