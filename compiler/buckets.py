@@ -1,48 +1,134 @@
-"""buckets: the static shapes a runtime profile needs (decode and verify per cohort size, MTP drafting,
-the prefill chunk) traced, fused and lowered into Plans — and the kernel set `ninfer-gen build` compiles.
+"""buckets: the runtime profile — the static shapes (entry, batch, tokens) a runtime runs — and their
+Plans, traced, fused and lowered. The one source of kernel keys: `ninfer-gen build` compiles the keys
+of a profile's plans, and the executable launches exactly those plans (asking it for a shape outside
+its profile is an error).
 
-Kernels the graphs do not express yet (ReplaySSM record/fold/commit modes, on-device argmax) come
-from `kernels.catalog`, which lists what the runtime will launch beside the graphs."""
+Shapes: `step` with T = 1 (decode) and T = draft + 1 (verify; also a prompt's tail) for every cohort
+size with B·T ≤ 32 rows, and `prefill` (one sequence) at the chunk and every 16·2^i below it, so a prompt
+is cut into full chunks, then prefill pieces of decreasing powers of two, then steps for the last < 16
+tokens. The MTP entry joins the profile when the executable binds it (speculative decoding).
+"""
 from __future__ import annotations
 
-from .kernels import catalog
-from .lower import Plan, lower
+import gc
+from dataclasses import dataclass, field
+
+from .kernels import KernelKey
+from .lower import lower
+from .options import CompileOptions
 from .passes import run_pipeline
+from .plan import Plan
 from .spec import ModelSpec
 from .targets import Target
 from .trace import StatePools, trace
 
+MAX_ROWS = 32          # B·T of a step bucket: the skinny GEMV's limit
+MIN_PREFILL = 16       # the prefill attention tiles 16 queries
 
-def bucket_shapes(spec: ModelSpec, cohorts, draft: int) -> list[tuple[str, int, int]]:
-    """(entry, B, T): step at T = 1 (decode) and T = draft + 1 (verify), MTP drafting at T = 1, for
-    every cohort size with B·T ≤ 32 rows; one prefill chunk and its teacher-forced MTP pass."""
-    shapes = [("step", b, t) for b, t in catalog.buckets(cohorts, draft)]
-    if spec.model.mtp.num_layers and draft:
-        shapes += [("mtp", b, 1) for b in sorted(set(cohorts))]
-        shapes.append(("mtp", 1, spec.runtime.prefill_chunk))
-    return shapes + [("prefill", 1, spec.runtime.prefill_chunk)]
+
+@dataclass(frozen=True)
+class Profile:
+    cohorts: tuple[int, ...] = (1,)
+    draft: int = 0                      # MTP draft tokens: verify buckets have T = draft + 1
+    prefill_chunk: int = 256
+    max_context: int = 4096             # tokens per sequence (the block table's width × page size)
+    page_size: int = 64
+    kv_dtype: str = "int8"
+    all_logits: bool = False            # prefill buckets keep every row's logits (evaluation), else the last
+    options: CompileOptions = field(default_factory=CompileOptions)
+
+    def __post_init__(self):
+        if not self.cohorts or any(not isinstance(b, int) or b < 1 for b in self.cohorts):
+            raise ValueError(f"cohorts {self.cohorts!r}: expected positive integers")
+        if not 0 <= self.draft < MAX_ROWS:
+            raise ValueError(f"draft {self.draft}: expected 0..{MAX_ROWS - 1} tokens")
+        if self.prefill_chunk < MIN_PREFILL or self.prefill_chunk % MIN_PREFILL:
+            raise ValueError(f"prefill chunk {self.prefill_chunk}: expected a multiple of {MIN_PREFILL}")
+        if self.max_context < self.prefill_chunk:
+            raise ValueError(f"max context {self.max_context} is shorter than the prefill chunk {self.prefill_chunk}")
+        if self.kv_dtype not in ("int8", "bf16"):
+            raise ValueError(f"KV dtype {self.kv_dtype!r}: expected int8 or bf16")
+
+    @property
+    def pages_per_seq(self) -> int:
+        return -(-self.max_context // self.page_size)
+
+    @property
+    def tail_tokens(self) -> int:
+        """Tokens of the step bucket that runs a prompt's tail in fours (the verify shape), 1 without drafts."""
+        return self.draft + 1 if self.draft else 1
+
+    def prefill_sizes(self) -> list[int]:
+        """The chunk, then 16·2^i below it, largest first."""
+        sizes, s = [self.prefill_chunk], MIN_PREFILL
+        while s < self.prefill_chunk:
+            sizes.append(s)
+            s *= 2
+        return sorted(set(sizes), reverse=True)
+
+    def shapes(self) -> list[tuple[str, int, int]]:
+        ts = sorted({1, self.tail_tokens})
+        steps = [("step", b, t) for b in sorted(set(self.cohorts)) for t in ts if b * t <= MAX_ROWS]
+        return steps + [("prefill", 1, t) for t in self.prefill_sizes()]
+
+    def prompt_pieces(self, n: int, chunk: int | None = None) -> list[tuple[str, int]]:
+        """How a prompt of n tokens is cut, in order: (entry, tokens) — prefill pieces of `chunk` (one of
+        the prefill sizes; default the profile's chunk) while they fit, then smaller prefill sizes, then
+        steps of `tail_tokens` and of 1 token for the rest (< 16)."""
+        chunk = chunk or self.prefill_chunk
+        sizes = self.prefill_sizes()
+        if chunk not in sizes:
+            raise ValueError(f"prefill chunk {chunk} is not a bucket of this profile ({', '.join(map(str, sizes))})")
+        out = []
+        for size in (s for s in sizes if s <= chunk):
+            out += [("prefill", size)] * (n // size)
+            n %= size
+        tail = self.tail_tokens
+        return out + [("step", tail)] * (n // tail) + [("step", 1)] * (n % tail)
+
+    def describe(self) -> str:
+        return (f"cohorts {','.join(map(str, self.cohorts))}, draft {self.draft}, prefill chunk {self.prefill_chunk}, "
+                f"max context {self.max_context}, {self.kv_dtype} KV"
+                + (", all prefill logits" if self.all_logits else "") + f", options {self.options.describe()}")
+
+
+def profile_of(spec: ModelSpec, *, cohorts=None, draft: int | None = None, max_context: int | None = None,
+               kv_dtype: str | None = None, prefill_chunk: int | None = None, all_logits: bool = False,
+               options: CompileOptions | None = None) -> Profile:
+    """The spec's runtime section, with the caller's choices where given; a context shorter than the
+    spec's chunk takes the largest multiple of 16 that fits as its chunk."""
+    rt = spec.runtime
+    context = max_context or rt.max_context
+    chunk = prefill_chunk or min(rt.prefill_chunk, context - context % MIN_PREFILL)
+    return Profile(tuple(cohorts or rt.cohorts), rt.draft_tokens if draft is None else draft, chunk, context,
+                   rt.page_size, kv_dtype or rt.kv_dtype, all_logits, options or CompileOptions())
 
 
 def plan_bucket(spec: ModelSpec, target: Target, entry: str, batch: int, tokens: int,
-                last_logits: bool | None = None) -> Plan:
-    """`last_logits` (default: more than 32 tokens) keeps only the last row's logits."""
-    rt = spec.runtime
-    per_seq = -(-rt.max_context // rt.page_size)
-    pools = StatePools(per_seq * batch, batch, per_seq, rt.page_size, rt.kv_dtype)
-    last = tokens > 32 if last_logits is None else last_logits
+                profile: Profile | None = None) -> Plan:
+    """One shape's plan. Prefill buckets of more than 32 tokens keep the last row's logits unless the
+    profile keeps them all."""
+    profile = profile or profile_of(spec)
+    per_seq = profile.pages_per_seq
+    pools = StatePools(per_seq * batch, batch, per_seq, profile.page_size, profile.kv_dtype)
+    last = entry == "prefill" and tokens > MAX_ROWS and not profile.all_logits
     graph = trace(spec, entry, batch, tokens, pools, "bf16", last_logits=last)
-    return lower(run_pipeline(graph), spec, target)
+    return lower(run_pipeline(graph, profile.options), spec, target, profile.options)
 
 
-def plan_all(spec: ModelSpec, target: Target, cohorts=None, draft: int | None = None) -> dict:
-    cohorts = cohorts or spec.runtime.cohorts
-    draft = spec.runtime.draft_tokens if draft is None else draft
-    return {shape: plan_bucket(spec, target, *shape) for shape in bucket_shapes(spec, cohorts, draft)}
+def plan_profile(spec: ModelSpec, target: Target, profile: Profile) -> dict[tuple[str, int, int], Plan]:
+    """Every shape's plan. The cyclic garbage collector is paused meanwhile: the graphs hold ~10^5 live
+    objects that it would rescan at every generation-2 pass (27B, 17 buckets: 5.4 → 3.0 s), and
+    planning makes no cycles that need it."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return {shape: plan_bucket(spec, target, *shape, profile) for shape in profile.shapes()}
+    finally:
+        if enabled:
+            gc.enable()
 
 
-def kernel_set(spec: ModelSpec, target: Target, plans: dict, cohorts=None, draft: int | None = None):
-    """(keys from the lowered graphs, extra keys from the catalog), de-duplicated, in order."""
-    from_graphs = list(dict.fromkeys(k for p in plans.values() for k in p.keys()))
-    seen = set(from_graphs)
-    extra = [k for k in catalog.spec_keys(spec, target, cohorts, draft) if k not in seen]
-    return from_graphs, extra
+def profile_keys(plans: dict[tuple[str, int, int], Plan]) -> list[KernelKey]:
+    """Every kernel key the plans launch, once, in order of first launch."""
+    return list(dict.fromkeys(k for p in plans.values() for k in p.keys()))

@@ -15,9 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ninfer_gen import nvrtc
-
-from . import codegen
+from . import codegen, nvrtc
 from .build_worker import compile_job
 from .kernels import KernelKey
 from .targets import parse_arch
@@ -77,12 +75,12 @@ def _job(rendered: codegen.Rendered, out: Path, ptx: bool) -> dict:
 
 
 class _Worker:
-    """One `python -m compiler.build_worker` process: a clean interpreter (no torch, no CUDA context)."""
+    """One `python -m compiler.build_worker` process: a clean interpreter (no torch, no CUDA context),
+    started in the repository root so `-m` finds the compiler package there."""
 
     def __init__(self):
         root = str(Path(__file__).resolve().parent.parent)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-        self.proc = subprocess.Popen([sys.executable, "-m", "compiler.build_worker"], cwd=root, env=env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "compiler.build_worker"], cwd=root,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def run(self, job: dict) -> dict:

@@ -1,24 +1,18 @@
 """build_worker: compiles one rendered kernel into its cache folder, atomically (temp dir + rename).
 
-Runs inside build worker processes (`python -m compiler.build_worker`), which load ninfer_gen/nvrtc.py
-without the package's __init__ (that imports torch, 4 s per worker): the worker needs NVRTC only.
+Runs inside build worker processes (`python -m compiler.build_worker`): a clean interpreter that imports
+the compiler's NVRTC wrapper only (no torch, no CUDA context).
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import tempfile
 import sys
-import types
+import tempfile
 from pathlib import Path
 
-if __name__ == "__main__" and "ninfer_gen" not in sys.modules:
-    _pkg = types.ModuleType("ninfer_gen")           # bare package: skips ninfer_gen/__init__.py
-    _pkg.__path__ = [str(Path(__file__).resolve().parent.parent / "ninfer_gen")]
-    sys.modules["ninfer_gen"] = _pkg
-
-from ninfer_gen import nvrtc  # noqa: E402
+from . import nvrtc
 
 
 def compile_job(job: dict) -> dict:

@@ -21,7 +21,7 @@ from .kernels import KernelKey
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TEMPLATE_DIR = REPO_ROOT / "templates"
 
-# (option, why). Include directories are added by ninfer_gen.nvrtc.include_options and are not hashed:
+# (option, why). Include directories are added by compiler.nvrtc.include_options and are not hashed:
 # they differ between machines, and the header text they point to is hashed instead.
 NVRTC_OPTIONS: tuple[tuple[str, str], ...] = (
     ("-std=c++17", "constexpr if and structured bindings in templates; what CUDA.md checked"),

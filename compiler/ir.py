@@ -20,7 +20,8 @@ class AVal:
 
     def __post_init__(self):
         assert self.dtype in DTYPES, f"unknown dtype {self.dtype}"
-        assert all(isinstance(d, int) and d >= 0 for d in self.shape), f"bad shape {self.shape}"
+        for d in self.shape:           # a loop, not all(genexpr): tracing makes ~10^5 of these
+            assert type(d) is int and d >= 0, f"bad shape {self.shape}"
 
     def __str__(self) -> str:
         return f"{self.dtype}[{','.join(map(str, self.shape))}]"
@@ -90,24 +91,35 @@ def _fmt_param(v: Any) -> str:
     return str(v)
 
 
-def format_graph(g: Graph) -> str:
-    """Stable jaxpr-like text: names are given in order of first appearance."""
+def value_names(g: Graph) -> dict[int, str]:
+    """uid → the name the graph's text gives it: `%key` for inputs, `@key` for weights and state, then
+    `%0`, `%1`, … in order of first appearance (stable across traces of the same program)."""
     names: dict[int, str] = {}
+    for title, group in (("in", g.inputs), ("weight", g.weights), ("state", g.state)):
+        for key, v in group.items():
+            names[v.uid] = f"%{key}" if title == "in" else f"@{key}"
     counter = itertools.count()
+    for e in g.eqns:
+        for v in (*e.inputs, *e.outputs):
+            if isinstance(v, Var) and v.uid not in names:
+                names[v.uid] = f"%{next(counter)}"
+    return names
+
+
+def format_graph(g: Graph) -> str:
+    """Stable jaxpr-like text (names from `value_names`)."""
+    names = value_names(g)
 
     def name(v: Var | Lit | None) -> str:
         if v is None:
             return "_"
         if isinstance(v, Lit):
             return str(v)
-        if v.uid not in names:
-            names[v.uid] = f"%{next(counter)}"
         return names[v.uid]
 
     lines = [f"graph {g.name} " + " ".join(f"{k}={_fmt_param(v)}" for k, v in sorted(g.params.items())) + " {"]
     for title, group in (("in", g.inputs), ("weight", g.weights), ("state", g.state)):
         for key, v in group.items():
-            names[v.uid] = f"%{key}" if title == "in" else f"@{key}"
             lines.append(f"  {title} {names[v.uid]}: {v.aval}")
     for e in g.eqns:
         params = " ".join(f"{k}={_fmt_param(v)}" for k, v in sorted(e.params.items()))

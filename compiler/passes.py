@@ -7,15 +7,15 @@ step) and dead code.
 Each fused primitive's reference is the composition it replaces, so the interpreter checks every pass
 (fused graph == original graph), bit for bit — except the norm fold, which moves the norm's scale past
 the projection: exact in real arithmetic, one bf16 rounding different, checked to a tolerance.
-`NINFER_DEBUG=2` prints the graph after each pass.
+`CompileOptions.debug = 2` prints the graph after each pass; `pipeline(options)` gives the passes in order.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 from typing import Callable
 
 from .ir import AVal, Eqn, Graph, Var, typecheck
+from .options import CompileOptions
 from .prims import PRIMS
 
 Pass = Callable[[Graph], Graph]
@@ -180,13 +180,47 @@ def fuse_gdn_gates(g: Graph) -> Graph:
     return _rewrite(g, match)
 
 
+ATTENTION_CACHE_AT = {"paged_attention": 3, "gated_paged_attention": 4}    # where an attention's cache inputs start
+
+
+def fuse_qk_rope_kv(g: Graph) -> Graph:
+    """A layer's norm_rope(q) and norm_rope(k) → reshape → kv_append, where the attention over that cache
+    reads the reshaped roped q → one equation at q's place (qk_rope_kv): the kernel that norms and ropes
+    both and appends K/V to the pages, its output the roped q. Nothing between may touch the cache."""
+    readers = _readers(g)
+    appends = {tuple(x.uid for x in e.inputs[4:]): i for i, e in enumerate(g.eqns) if e.prim == "kv_append"}
+
+    def only_reader(v, uses) -> Eqn | None:
+        got = readers.get(v.uid, [])
+        return g.eqns[got[0]] if uses.get(v.uid) == 1 and len(got) == 1 else None
+
+    def match(g, i, uses, prod):
+        qn = g.eqns[i]
+        flat = only_reader(qn.outputs[0], uses) if qn.prim == "norm_rope" else None
+        attn = only_reader(flat.outputs[0], uses) if flat is not None and flat.prim == "reshape" else None
+        if attn is None or attn.prim not in ATTENTION_CACHE_AT or attn.inputs[0] is not flat.outputs[0]:
+            return None
+        cache = attn.inputs[ATTENTION_CACHE_AT[attn.prim]:]
+        j = appends.get(tuple(x.uid for x in cache))
+        append = g.eqns[j] if j is not None and j > i else None
+        k_flat = append and _single_use_producer(g, append.inputs[0], "reshape", uses, prod)
+        kn = k_flat and _single_use_producer(g, k_flat.inputs[0], "norm_rope", uses, prod)
+        if kn is None or kn.params != qn.params or kn.inputs[2] is not qn.inputs[2]:
+            return None
+        k, v, q_norm, k_norm = kn.inputs[0], append.inputs[1], qn.inputs[1], kn.inputs[1]
+        if any(prod.get(x.uid, -1) >= i for x in (k, v)):
+            return None                   # the fused equation runs at q's place: its inputs must exist there
+        cache_ids = {x.uid for x in cache}
+        if any(x.uid in cache_ids for e in g.eqns[i + 1:j] for x in e.inputs if isinstance(x, Var)):
+            return None
+        fused = Eqn("qk_rope_kv", [qn.inputs[0], k, v, q_norm, k_norm, qn.inputs[2], *append.inputs[2:]],
+                    {**qn.params, "page_size": append.params["page_size"]}, qn.outputs)
+        return fused, {prod[k_flat.inputs[0].uid], prod[append.inputs[0].uid], j}
+    return _rewrite(g, match)
+
+
 NORM_FOLD_ROWS = 32          # decode, verify and cohort steps: every projection there is a GEMV
 NORM_READERS = {"linear": "scaled_linear", "linear_silu_mul": "scaled_linear_silu_mul"}
-
-
-def norm_fold_enabled() -> bool:
-    """NINFER_NORM_FOLD=0 keeps the norm kernels (for A/B measurements); on by default."""
-    return os.environ.get("NINFER_NORM_FOLD", "1") not in ("0", "false")
 
 
 def fold_norms_into_projections(g: Graph) -> Graph:
@@ -198,7 +232,7 @@ def fold_norms_into_projections(g: Graph) -> Graph:
     NORM_FOLD_ROWS rows (not prefill); norms that are graph outputs (the final-norm hidden) or have
     other readers stay."""
     p = g.params
-    if not norm_fold_enabled() or p.get("entry") == "prefill" or \
+    if p.get("entry") == "prefill" or \
             p.get("batch", 1) * p.get("tokens", 1) > NORM_FOLD_ROWS:
         return g
     readers, outputs, prod = _readers(g), {v.uid for v in g.outputs.values()}, _producers(g)
@@ -232,17 +266,10 @@ def fold_norms_into_projections(g: Graph) -> Graph:
 CONV_PROJECTIONS = {"linear": "linear_conv", "scaled_linear": "scaled_linear_conv"}
 
 
-def conv_fold_enabled() -> bool:
-    """NINFER_CONV_FOLD=0 keeps the GDN conv kernel in one-token steps (for A/B measurements); on by default."""
-    return os.environ.get("NINFER_CONV_FOLD", "1") not in ("0", "false")
-
-
 def fold_conv_into_projection(g: Graph) -> Graph:
     """gdn_conv(reshape(linear(h, W_qkv))) over one token per row → the projection's epilogue runs the
     conv (linear_conv, scaled_linear_conv): every channel's new column is one output of the GEMV, so
     the conv and the history shift need nothing from other outputs. Same arithmetic, same bits."""
-    if not conv_fold_enabled():
-        return g
     readers = _readers(g)
 
     def only_reader(v, uses):
@@ -279,21 +306,24 @@ def dead_code(g: Graph) -> Graph:
     return replace(g, eqns=keep[::-1])
 
 
-PIPELINE: list[Pass] = [fuse_linear_residual, fuse_add_rmsnorm, fuse_silu_mul, fuse_gate_up, fuse_norm_rope,
-                        fuse_gdn_gates, fuse_output_gate, fold_norms_into_projections, fold_conv_into_projection,
-                        dead_code]
+def pipeline(options: CompileOptions = CompileOptions()) -> list[Pass]:
+    """The passes in order; the decode folds only where `options` keep them (A/B measurements)."""
+    folds = ([fold_norms_into_projections] if options.norm_fold else []) + \
+        ([fold_conv_into_projection] if options.conv_fold else [])
+    return [fuse_linear_residual, fuse_add_rmsnorm, fuse_silu_mul, fuse_gate_up, fuse_norm_rope, fuse_gdn_gates,
+            fuse_output_gate, fuse_qk_rope_kv, *folds, dead_code]
 
 
-def run_pipeline(g: Graph, passes: list[Pass] = PIPELINE) -> Graph:
-    """The passes in order, type-checking the result (after every pass with NINFER_DEBUG ≥ 1: a
-    check costs as much as a pass, and a warm `ninfer-gen build` runs 14 pipelines)."""
-    debug = int(os.environ.get("NINFER_DEBUG", "0"))
-    for p in passes:
+def run_pipeline(g: Graph, options: CompileOptions = CompileOptions(), passes: list[Pass] | None = None) -> Graph:
+    """The passes in order (`pipeline(options)` unless given), type-checking the result (after every pass
+    with `options.debug` ≥ 1: a check costs as much as a pass, and a warm `ninfer-gen build` runs a
+    pipeline per bucket)."""
+    for p in pipeline(options) if passes is None else passes:
         g = p(g)
-        if debug >= 1:
+        if options.debug >= 1:
             typecheck(g)
-        if debug >= 2:
+        if options.debug >= 2:
             print(f"# after {p.__name__}\n{g}")
-    if not debug:
+    if not options.debug:
         typecheck(g)
     return g

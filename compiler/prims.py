@@ -187,6 +187,17 @@ def _norm_rope(x, w, pos, *, eps, offset, rotary_dim, theta):
     return _rope(x, pos, rotary_dim=rotary_dim, theta=theta)
 
 
+@_prim("qk_rope_kv", ref.qk_rope_kv, effectful=True)
+def _qk_rope_kv(q, k, v, q_norm, k_norm, row_pos, block_table, pos, *cache, eps, offset, rotary_dim, theta,
+                page_size):
+    rope_params = dict(eps=eps, offset=offset, rotary_dim=rotary_dim, theta=theta)
+    (k_roped,) = _norm_rope(k, k_norm, row_pos, **rope_params)
+    _check(len(k_roped.shape) == 3 and (k_roped.shape[0], *k_roped.shape[1:]) == (v.shape[0] * v.shape[1], *v.shape[2:]),
+           lambda: f"qk_rope_kv: k {k} does not match v {v}")
+    _kv_append(v, v, block_table, pos, *cache, page_size=page_size)
+    return _norm_rope(q, q_norm, row_pos, **rope_params)
+
+
 @_prim("gdn_step", ref.gdn_step, effectful=True)
 def _gdn_step(q, k, v, a, b, a_log, dt_bias, state, slots):
     B, T, hv = v.shape[:3]

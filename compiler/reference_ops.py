@@ -260,6 +260,15 @@ def norm_rope(x, w, pos, *, eps, offset, rotary_dim, theta):
     return rope(rmsnorm(x, w, eps=eps, offset=offset), pos, rotary_dim=rotary_dim, theta=theta)
 
 
+def qk_rope_kv(q, k, v, q_norm, k_norm, row_pos, block_table, pos, *cache, eps, offset, rotary_dim, theta,
+               page_size):
+    """q and k normed and roped, K/V appended to the pages; returns the roped q."""
+    rope_params = dict(eps=eps, offset=offset, rotary_dim=rotary_dim, theta=theta)
+    k_roped = norm_rope(k, k_norm, row_pos, **rope_params).reshape(v.shape)
+    kv_append(k_roped, v, block_table, pos, *cache, page_size=page_size)
+    return norm_rope(q, q_norm, row_pos, **rope_params)
+
+
 def gdn_step(q, k, v, a, b, a_log, dt_bias, state, slots):
     g, beta = gdn_gates(a, b, a_log, dt_bias)
     shape = v.shape[:3]

@@ -62,6 +62,12 @@ def parse_arch(arch: str) -> str:
     return f"sm_{m.group(1)}"
 
 
+def supports_pdl(arch: str) -> bool:
+    """Programmatic dependent launch (a kernel may start while its predecessor finishes): sm_90 and newer,
+    where the templates compile `pdl_entry()` in (common/ptx.cuh)."""
+    return int(parse_arch(arch)[3:]) >= 90
+
+
 def lookup(name: str) -> Target:
     """A target by card name (`rtx3090`) or by arch (`sm_86`, taking that arch's reference card's numbers)."""
     key = name.strip().lower()

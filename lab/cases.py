@@ -182,3 +182,30 @@ def make_case(key, device="cuda", seed: int = 0, **options) -> Case:
     g = torch.Generator(device=device).manual_seed(seed)
     builder = BUILDERS.get(key.family) or cases_seq.BUILDERS[key.family]
     return builder(key, g, **options)
+
+
+def case_keys(spec, target, cohorts=(1, 2, 4, 8), draft: int = 3) -> list:
+    """The keys the tests and the kernel lab exercise for a spec: every key of the runtime profile's step
+    plans and of its prefill chunk's plan, with the shipped options and with the decode folds off (the
+    A/B variant: plain norms, the conv kernel, unscaled GEMVs), plus the variants the speculative round
+    will launch once its entry points are lowered — GDN conv and step in record / fold / commit_record
+    modes at the verify shapes, the on-device argmax, the norm that adds in place. A test list, never a
+    build list: `ninfer-gen build` compiles the plans' keys only."""
+    from compiler.buckets import plan_bucket, profile_of
+    from compiler.kernels import gdn_conv, gdn_step
+    from compiler.options import CompileOptions
+
+    keys = []
+    for options in (CompileOptions(), CompileOptions(norm_fold=False, conv_fold=False)):
+        profile = profile_of(spec, cohorts=cohorts, draft=draft, options=options)
+        shapes = [s for s in profile.shapes() if s[0] == "step"] + [("prefill", 1, profile.prefill_chunk)]
+        keys += [k for shape in shapes for k in plan_bucket(spec, target, *shape, profile).keys()]
+    a, g, arch = spec.model, spec.model.linear_attention, target.arch
+    for _, b, t in (s for s in shapes if s[0] == "step" and s[2] > 1):
+        for mode in ("record", "fold", "commit_record"):
+            keys += [gdn_conv.Key(g.conv_dim, b, t, g.conv_kernel, mode, arch),
+                     gdn_step.make_key(g.num_key_heads, g.num_value_heads, g.key_head_dim, g.value_head_dim, b, t,
+                                       mode, target)]
+    for m in sorted({b * t for e, b, t in shapes if e == "step"}):
+        keys += [argmax.Key(a.vocab_size, m, arch), rmsnorm.Key(a.hidden_size, m, True, "bf16", a.rms_norm_eps, arch)]
+    return list(dict.fromkeys(keys))

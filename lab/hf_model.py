@@ -86,7 +86,7 @@ def materialize(model, config, device: torch.device, seed: int) -> list[str]:
     """meta -> `device` (uninitialised storage), then every parameter drawn on the device from a seeded
     generator and the RoPE buffers recomputed. Values: matrices and embedding N(0, 0.02); zero-centred
     RMSNorm weights 0 (scale 1); GDN gated-norm weight 1 (it multiplies directly); conv N(0, 0.5);
-    A_log = log U(0.5, 4) and dt_bias = -2 + N(0, 0.3) as in ninfer_gen/random_weights.py. Returns the
+    A_log = log U(0.5, 4) and dt_bias = -2 + N(0, 0.3) as in ninfer_gen/weights/random_weights.py. Returns the
     names of the buffers it recomputed."""
     model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)

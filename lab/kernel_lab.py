@@ -21,15 +21,16 @@ import torch
 from compiler.kernels import Launch, ceil_div
 from compiler.kernels import (argmax, attn_decode, attn_prefill, gdn_chunk, gdn_conv, gdn_step, gemm, gemm_wg, gemv,
                               qk_rope_kv, rmsnorm, xperm)
-from compiler.kernels import catalog
+from compiler.buckets import plan_bucket
 from compiler.spec import load_spec
 from compiler.kernels.weight_layout import device_bytes, pack_for_device, random_qmatrix
 from compiler.targets import lookup
 from lab.cases import gemv_workspace, make_case
-from ninfer_gen.bench import copy_bandwidth
-from ninfer_gen.cuda_module import KernelCache
+from ninfer_gen.cli.bench import copy_bandwidth
+from ninfer_gen.executor.cuda_module import KernelCache
+from ninfer_gen.cli.env import build_root
 
-KERNELS = KernelCache(os.environ.get("NINFER_BUILD_DIR"), jobs=os.cpu_count())
+KERNELS = KernelCache(build_root(), jobs=os.cpu_count())
 DEVICE = "cuda"
 LAB_TEMPLATES = Path(__file__).resolve().parent / "templates"    # archived versions; codegen renders key.template_dir
 
@@ -52,7 +53,7 @@ def time_launches(runs, iters: int, warmup: int = 10) -> list[float]:
 
 def time_chain(runs, iters: int) -> float:
     """Microseconds per iteration when `iters` iterations run back to back between one pair of events:
-    how a kernel runs inside a decode step, where (on sm_90+, cuda_module.pdl_enabled) each launch may
+    how a kernel runs inside a decode step, where (on sm_90+, targets.supports_pdl) each launch may
     overlap its predecessor's tail; `time_launches` puts an event between launches, which stops that."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda._sleep(100_000_000)
@@ -75,24 +76,8 @@ class GemvV1Key(gemv.Key):
         return super()._name_parts() + ["v1"]
 
 
-@dataclass(frozen=True)
-class GemvProbeKey(gemv.Key):
-    """gemv with part of each unit left out, to place time inside the kernel (results are wrong on
-    purpose): probe bit 1 = no dequantisation (raw words as A registers), 2 = no mma (registers XORed
-    into the sums, so every load stays live)."""
-    probe: int = 0
-
-    def _name_parts(self):
-        return super()._name_parts() + [f"probe{self.probe}"]
-
-
-def probe_of(probe: int, **fields):
-    """A gemv_runs config: the shape's key with `fields` replaced, as a GemvProbeKey."""
-    return lambda key: GemvProbeKey(**{**key.fields(), **fields}, probe=probe)
-
-
 V1 = "v1"          # a gemv_runs config: the archived v1 kernel of the shape
-PLAIN = {"depth": 0, "prefetch": 0, "interleave": False}        # the stream fields v1 had
+PLAIN = {"prefetch": 0, "interleave": False}        # the stream fields v1 had
 
 
 def v1_of(key: gemv.Key) -> GemvV1Key:
@@ -194,17 +179,6 @@ class GemmV1Key(gemm.Key):
         return super()._name_parts()[:-1] + ["v1"]
 
 
-@dataclass(frozen=True)
-class WgProbeKey(gemm_wg.Key):
-    """gemm_wg with one part left out, to place time inside the kernel (results are wrong on purpose):
-    probe bits 1 = no activation staging in the loop, 2 = no rescale, 4 = no dequantisation (raw
-    codes), 8 = no wgmma."""
-    probe: int = 0
-
-    def _name_parts(self):
-        return super()._name_parts() + [f"probe{self.probe}"]
-
-
 def v1_key(key: gemm.Key) -> GemmV1Key:
     return GemmV1Key(key.fmt, key.n, key.k, key.m, key.epilogue, key.out_dtype, 2, 1, 4, 2, key.arch)
 
@@ -290,7 +264,8 @@ def plan(target):
     # every prefill GEMM of a 27B chunk (per distinct shape), v2 then v1: the chunk-level saving
     spec = load_spec(Path(__file__).resolve().parent.parent / "model_specs/qwen3.8-27b.yaml")
     chunk = [gemm.make_key(k.fmt, k.n, k.k, k.m, target, k.epilogue, k.out_dtype)
-             for k in catalog.prefill_keys(spec, target) if k.family in ("gemm", "gemm_wg")]
+             for k in plan_bucket(spec, target, "prefill", 1, spec.runtime.prefill_chunk).keys()
+             if k.family in ("gemm", "gemm_wg")]
     yield "gemm_27b", [case_runs(k, l2) for k in chunk] + [gemm_v1_runs(k, l2) for k in chunk]
     if gemm_wg.arch_supported(target.arch):
         # the warpgroup GEMM: the config's pick for every prefill shape of a 27B chunk, then its tilings
@@ -304,9 +279,6 @@ def plan(target):
                  for st in (3, 4) if (w, r, b, st) != (k.wgs, k.rt, k.bn, k.stages)
                  and gemm_wg.shared_bytes(k.fmt, w, r, b, st) <= target.smem_per_block]
         yield "wg_sweep", [case_runs(k, l2) for k in sweep]
-        probes = [WgProbeKey(*[getattr(k, f) for f in k.fields()], probe=p) for k in picks[:2]
-                  for p in (1, 2, 3, 8)]
-        yield "wg_probe", [case_runs(k, l2) for k in probes]
     # v1 (splits = 1) in the same run for every decode GEMM shape, and the neighbours of the split
     # choice; splits and warps fix the reduction order: chosen per shape, never per M
     v1 = {"splits": 1}
@@ -320,8 +292,8 @@ def plan(target):
         yield "sweep", gemv_runs(fmt, n, k, (1, 8, 32), epi, "bf16", target, l2, [v1])
     yield "sweep", gemv_runs("w8g32", 5120, 17408, (1, 8, 32), "residual", "bf16", target, l2,
                              [{"splits": 5}, {"splits": 9}])
-    # load depth (units in flight per warp) and warps per block on the decode shapes
-    depth = [{}, {"depth": 8}, {"warps": 8}, {"warps": 8, "depth": 8}]
+    # warps per block on the decode shapes
+    depth = [{}, {"warps": 8}]
     for fmt, n, k, epi, out in DECODE_GEMV:
         fit = [c | {"splits": min(gemv.make_key(fmt, n, k, 1, target, epi, out).splits,
                                    gemv.load_batches(fmt, k, c.get("warps", 4)))}
@@ -330,10 +302,6 @@ def plan(target):
     # config neighbours (warps, row tiles per block, K splits) of every decode GEMV shape, timed chained
     for fmt, n, k, epi, out in DECODE_GEMV[:6]:
         yield "tune", gemv_runs(fmt, n, k, (1,), epi, out, target, l2, tune_configs(fmt, n, k, epi, out, target))
-    # where a decode GEMV's time goes: without dequantisation, without mma, without both (and no L2 prefetch)
-    probes = [{}, probe_of(1), probe_of(2), probe_of(3), probe_of(3, prefetch=0)]
-    for fmt, n, k, epi, out in (DECODE_GEMV[0], DECODE_GEMV[5], DECODE_GEMV[4]):
-        yield "gemv_probe", gemv_runs(fmt, n, k, (1,), epi, out, target, l2, probes)
     misc = [rmsnorm.Key(5120, 1, True, "bf16", 1e-6, target.arch), rmsnorm.Key(5120, 32, True, "bf16", 1e-6, target.arch),
             qk_rope_kv.Key(24, 4, 256, 64, 8, 4, "int8", 64, 512, 1e-6, target.arch), argmax.Key(248320, 8, target.arch)]
     yield "misc", [case_runs(k, l2) for k in misc]
@@ -369,7 +337,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="kernel_lab.json")
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--only", default="", help="comma-separated labels: gemv9,gemv,gemv_probe,gdn_step,gdn_chunk,gdn_conv,attn_decode,prefill,gemm_sweep,gemm_27b,wg_27b,wg_sweep,wg_probe,sweep,depth,tune,misc")
+    ap.add_argument("--only", default="", help="comma-separated labels: gemv9,gemv,gdn_step,gdn_chunk,gdn_conv,attn_decode,prefill,gemm_sweep,gemm_27b,wg_27b,wg_sweep,sweep,depth,tune,misc")
     args = ap.parse_args(argv)
     major, minor = torch.cuda.get_device_capability()
     target = lookup(f"sm_{major}{minor}")

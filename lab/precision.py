@@ -48,8 +48,8 @@ def decode_steps(be, ids: list[int]) -> torch.Tensor:
 
 def load(model: str | None, seed: int):
     """(spec, quantised weights): a checkpoint directory, or a spec with seeded random weights."""
-    from ninfer_gen.checkpoint import load_checkpoint, quantize_weights
-    from ninfer_gen.random_weights import random_weights
+    from ninfer_gen.weights.checkpoint import load_checkpoint, quantize_weights
+    from ninfer_gen.weights.random_weights import random_weights
     if model and not model.endswith((".yaml", ".yml")):
         spec, tensors = load_checkpoint(model, require_mtp=False)
         return spec, quantize_weights(spec, tensors)
@@ -69,20 +69,22 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
-    from ninfer_gen.checkpoint import dequantized
+    from ninfer_gen.weights.checkpoint import dequantized
     from ninfer_gen.reference import ReferenceBackend
     spec, q = load(args.model, args.weight_seed)
     deq = dequantized(q)
     device = "cpu" if args.no_gpu or not torch.cuda.is_available() else "cuda"
     ctx = args.positions + 64
-    models = {name: ninfer_gen.api.Model(spec, ReferenceBackend(spec, deq, device=device, dtype=dt, kv_dtype="int8",
+    models = {name: ninfer_gen.Model(spec, ReferenceBackend(spec, deq, device=device, dtype=dt, kv_dtype="int8",
                                                                 max_context=ctx, bf16_matmul_inputs=floor), None, name)
               for name, dt, floor in (("ref-f32", "float32", False), ("ref-bf16", "bfloat16", False),
                                       ("floor", "float32", True))}
     if device == "cuda":
-        from ninfer_gen.device_weights import from_host
-        from ninfer_gen.gpu_backend import GpuBackend
-        models["gpu"] = ninfer_gen.api.Model(spec, GpuBackend(spec, from_host(spec, q), max_context=ctx), None, "gpu")
+        from ninfer_gen.executor.device_weights import from_host
+        from ninfer_gen.executor.gpu_backend import GpuBackend
+        from ninfer_gen.cli.env import build_root
+        gpu = GpuBackend(spec, from_host(spec, q), max_context=ctx, all_logits=True, build_root=build_root())
+        models["gpu"] = ninfer_gen.Model(spec, gpu, None, "gpu")
     pairs = [("ref-bf16", "ref-f32"), ("floor", "ref-f32"), ("gpu", "ref-f32"), ("gpu", "ref-bf16"),
              ("gpu-step", "ref-f32"), ("gpu-step", "ref-bf16")]
     out = {"model": spec.name, "positions": args.positions, "runs": {}}

@@ -2,32 +2,33 @@
 process, one weight set, one sequence: each variant is planned, compiled and captured as its own
 step graph over the same inputs, and the graphs are timed in alternating rounds, so the ratios are
 free of run-to-run drift. Variants whose kernels spill are reported and skipped. Optionally the
-omission profile (ninfer_gen.bench.omission_profile) of some of them.
+omission profile (ninfer_gen.cli.bench.omission_profile) of some of them.
 
-    python -m lab.step_ab --variants "base|5120x6144:min_blocks=3|5120x17408:depth=8" --omission 0,1
+    python -m lab.step_ab --variants "base|5120x6144:min_blocks=3|env:NINFER_NORM_FOLD=0" --omission 0,1
 
-Variants are separated by '|'. A variant is a NINFER_GEMV override (compiler/kernels/gemv.py `_override`:
-';'-separated rules, each optionally limited to a shape NxK), or `env:NAME=value,...`, environment
-settings the compiler reads while planning (e.g. `env:NINFER_NORM_FOLD=0`: the norm kernels kept), or
-NINFER_CONCURRENCY (how many independent GEMVs the variant's graph runs as parallel branches, at most
-the loaded executable's);
+Variants are separated by '|'. A variant is a decode-GEMV override (CompileOptions.gemv, parsed by
+compiler/kernels/gemv.py `parse_overrides`: ';'-separated rules, each optionally limited to a shape NxK),
+or `env:NAME=value,...`: NINFER_* variables turned into that variant's CompileOptions (ninfer_gen.cli.env;
+e.g. `env:NINFER_NORM_FOLD=0` keeps the norm kernels, `env:NINFER_CONCURRENCY=1` runs the graph serially);
 `base` (or an empty string) is the shipped configuration.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 import ninfer_gen
 from compiler.buckets import plan_bucket
-from ninfer_gen.bench import copy_bandwidth, omission_profile, step_bytes, time_replays
-from ninfer_gen.executable import Bucket
-from ninfer_gen.memory_plan import GiB
+from compiler.options import CompileOptions
+from ninfer_gen.cli.bench import copy_bandwidth, omission_profile, step_bytes, time_replays
+from ninfer_gen.cli.env import build_root, compile_options
+from ninfer_gen.executor.executable import Bucket
+from ninfer_gen.executor.memory_plan import GiB
 
 
 def load_at_context(spec: str, context: int, max_context: int | None = None):
@@ -36,21 +37,21 @@ def load_at_context(spec: str, context: int, max_context: int | None = None):
     `max_context` (default context + 256) sizes the KV pool and the attention buckets (`ninfer-gen bench`
     loads for its longest prompt, 32K + 64)."""
     model = ninfer_gen.load(spec, backend="gpu", max_context=max_context or context + 256, vram_budget=24 * GiB,
-                            random_weights="device", progress=True)
+                            random_weights="device", progress=True, build_root=build_root())
     ids = torch.randint(0, model.spec.model.vocab_size, (context,), generator=torch.Generator().manual_seed(5))
     seq = model.backend.new_sequence()
     model.backend.prefill(seq, ids.tolist())
     return model, seq
 
 
-def variant_env(v: str) -> dict[str, str]:
-    """The environment a variant is planned under (NINFER_GEMV always set, '' when the variant has none)."""
+def variant_options(v: str) -> CompileOptions:
+    """The CompileOptions a variant is planned with."""
     if v.startswith("env:"):
         pairs = [item.partition("=") for item in v[4:].split(",") if item.strip()]
         if any(not name.strip() or not eq for name, eq, _ in pairs):
             raise SystemExit(f"variant {v!r}: expected env:NAME=value[,NAME=value...]")
-        return {"NINFER_GEMV": ""} | {name.strip(): value.strip() for name, _, value in pairs}
-    return {"NINFER_GEMV": "" if v == "base" else v}
+        return compile_options({name.strip(): value.strip() for name, _, value in pairs})
+    return CompileOptions(gemv="" if v == "base" else v)
 
 
 def main(argv=None) -> dict:
@@ -69,39 +70,22 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     variants = [v.strip() for v in args.variants.split("|")]
 
-    os.environ.pop("NINFER_GEMV", None)
     model, seq = load_at_context(args.spec, args.context, args.max_context)
     be, spec = model.backend, model.spec
     exe = be.exe
     shipped = be.bucket("step", 1, 1)
     buckets: dict[str, Bucket] = {}
     for v in variants:
-        env = variant_env(v)
-        saved = {name: os.environ.get(name) for name in env}
-        os.environ.update(env)
-        try:
-            plan = plan_bucket(exe.rt_spec, exe.target, "step", 1, 1)
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+        plan = plan_bucket(spec, exe.target, "step", 1, 1, replace(be.profile, options=variant_options(v)))
         exe.kernels.build(plan.keys())
         spills = sorted({k.name for k in plan.keys()} & set(exe.kernels.spilled()))
         if spills:
             print(f"variant {v!r}: skipped, spills in {', '.join(spills)}")
             continue
-        buckets[v] = Bucket(shipped.shape, plan, shipped.inputs)
-        exe._fit(plan)                   # may move the arena: bind and capture only once all fit
-    shipped_lanes = exe.concurrency
-    for v, b in buckets.items():                     # NINFER_CONCURRENCY: that variant's graph branches (≤ shipped)
-        exe.concurrency = min(shipped_lanes, int(variant_env(v).get("NINFER_CONCURRENCY", shipped_lanes)))
-        try:
-            exe._bind(b)
-            exe.capture(b)
-        finally:
-            exe.concurrency = shipped_lanes
+        buckets[v] = exe.bind_plan(plan, inputs=shipped.inputs)   # the shipped bucket's inputs: one sequence
+    for b in buckets.values():             # bound only once all fit: binding a larger plan moves the arena
+        exe._bind(b)
+        exe.capture(b)
     be.run("step", [seq], [[1]])                     # the sequence's inputs, shared by every variant's graph
     copy = copy_bandwidth()
     moved = step_bytes(spec, shipped.plan, args.context, be.state.kv_dtype)["total"]

@@ -15,7 +15,7 @@ from compiler.reference_ops import torch_dtype
 from compiler.spec import ModelSpec
 from compiler.trace import StatePools, state_avals, trace
 
-from .sequences import Sequence, SequencePool
+from ninfer_gen.allocators.sequences import Sequence, SequencePool
 
 ACT_DTYPES = {"float32": "f32", "bfloat16": "bf16", "f32": "f32", "bf16": "bf16"}
 

@@ -70,9 +70,11 @@ def test_compile_only_commands_do_not_import_torch():
             "'--max-context', '16384']) == 0; "
             "assert main(['inspect', 'model_specs/qwen3.8-tiny.yaml', '--entry', 'step', '--batch', '2', "
             "'--tokens', '4']) == 0; "
-            "from compiler.buckets import plan_all; from compiler.spec import load_spec; "
-            "from compiler.targets import lookup; "
-            "plan_all(load_spec('model_specs/qwen3.8-tiny.yaml'), lookup('rtx3090')); "
+            "assert main(['inspect', 'model_specs/qwen3.8-tiny.yaml', '--entry', 'prefill', '--tokens', '64', "
+            "'--plan']) == 0; "
+            "from compiler.buckets import plan_profile, profile_of; from compiler.spec import load_spec; "
+            "from compiler.targets import lookup; spec = load_spec('model_specs/qwen3.8-tiny.yaml'); "
+            "plan_profile(spec, lookup('rtx3090'), profile_of(spec)); "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]

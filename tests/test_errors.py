@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from compiler.quant import QTensor
 from compiler.schema import SpecError
 from compiler.spec import load_spec, spec_from_hf_config, tensor_table
-from ninfer_gen.checkpoint import (CheckpointError, dequantized, load_checkpoint, quantize_weights,
+from ninfer_gen.weights.checkpoint import (CheckpointError, dequantized, load_checkpoint, quantize_weights,
                                    read_hf_config)
 
 TINY = Path(__file__).resolve().parents[1] / "model_specs" / "qwen3.8-tiny.yaml"

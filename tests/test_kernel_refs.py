@@ -2,6 +2,7 @@
 kernel), and every family's torch reference against a straightforward loop at tiny shapes."""
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import torch
 from compiler.kernels import (argmax, attn_decode, embed, gated_rmsnorm, gdn_conv, gdn_step, gemm, gemm_wg,
                               gemv, qk_rope_kv, rmsnorm)
 from compiler.kernels.weight_layout import FORMATS, dequantize, pack_for_device, random_qmatrix, unpack_from_device
+from compiler.options import CompileOptions
 from compiler.targets import lookup
 from gemv_emulator import emulate
 
@@ -105,20 +107,19 @@ def test_gemv_stream_fields_follow_the_shape_and_m():
         assert len({(key.warps, key.splits) for key in keys}) == 1
 
 
-def test_gemv_experiment_override_and_bad_stream_fields(monkeypatch):
+def test_gemv_experiment_override_and_bad_stream_fields():
+    """CompileOptions.gemv rules replace key fields where the result is a valid key; a malformed rule
+    is refused when the options are made, naming itself."""
     h200 = lookup("h200")
-    monkeypatch.setenv("NINFER_GEMV", "prefetch=0,interleave=0,depth=8")
-    plain = gemv.make_key("q4g64", 34816, 5120, 1, h200, "silu_mul")
-    assert plain.name == "gemv_q4g64_n34816_k5120_m1_silu_w4t1_d8_b6_sm90"
-    monkeypatch.setenv("NINFER_GEMV", "prefetch=9")                      # not a valid key: unchanged
-    assert gemv.make_key("q4g64", 34816, 5120, 1, h200, "silu_mul").prefetch == 0
-    monkeypatch.setenv("NINFER_GEMV", "prefetch=two")
-    with pytest.raises(ValueError, match="expected prefetch=<integer>"):
-        gemv.make_key("q4g64", 34816, 5120, 1, h200)
-    monkeypatch.setenv("NINFER_GEMV", "tiles=2")
-    with pytest.raises(ValueError, match="NINFER_GEMV: 'tiles' is not one of"):
-        gemv.make_key("q4g64", 34816, 5120, 1, h200)
-    monkeypatch.delenv("NINFER_GEMV")
+    plain = gemv.make_key("q4g64", 34816, 5120, 1, h200, "silu_mul", overrides="prefetch=0,interleave=0")
+    assert plain.name == "gemv_q4g64_n34816_k5120_m1_silu_w4t1_b6_sm90"
+    assert gemv.make_key("q4g64", 34816, 5120, 1, h200, "silu_mul", overrides="prefetch=9").prefetch == 0  # invalid: kept
+    with pytest.raises(ValueError, match="'prefetch=two' needs a value"):
+        CompileOptions(gemv="prefetch=two")
+    with pytest.raises(ValueError, match="'tiles' is not one of"):
+        CompileOptions(gemv="tiles=2")
+    with pytest.raises(ValueError, match="'depth' is not one of"):          # retired: 0 in every shipped key
+        CompileOptions(gemv="depth=8")
     base = gemv.make_key("q4g64", 34816, 5120, 1, h200)
     with pytest.raises(ValueError, match="prefetch = 9 outside 0..8"):
         replace(base, prefetch=9)
@@ -126,17 +127,38 @@ def test_gemv_experiment_override_and_bad_stream_fields(monkeypatch):
         replace(base, min_blocks=0)
 
 
-def test_gemv_override_rules_by_shape(monkeypatch):
+def test_gemv_override_rules_by_shape():
     """';'-separated rules, a rule limited to one NxK shape; the first rule that applies wins."""
     h200 = lookup("h200")
-    monkeypatch.setenv("NINFER_GEMV", "5120x6144:min_blocks=3,warps=4;prefetch=1")
-    out = gemv.make_key("q5g64", 5120, 6144, 1, h200, "residual")
+    rules = "5120x6144:min_blocks=3,warps=4;prefetch=1"
+    out = gemv.make_key("q5g64", 5120, 6144, 1, h200, "residual", overrides=rules)
     # (the fields a rule does not name keep the shipped choice: stage_x, from the 8-warp default)
     assert (out.min_blocks, out.warps, out.prefetch) == (3, 4, 0) and out.name.endswith("_w4t1_b3_xs_sm90")
-    assert gemv.make_key("q4g64", 34816, 5120, 1, h200, "silu_mul").prefetch == 1    # the catch-all rule
-    monkeypatch.setenv("NINFER_GEMV", "5120by6144:prefetch=1")
+    assert gemv.make_key("q4g64", 34816, 5120, 1, h200, "silu_mul", overrides=rules).prefetch == 1  # the catch-all
     with pytest.raises(ValueError, match="is not a shape NxK"):
-        gemv.make_key("q5g64", 5120, 6144, 1, h200)
+        CompileOptions(gemv="5120by6144:prefetch=1")
+
+
+def test_options_reach_the_plan_not_the_environment(monkeypatch):
+    """Planning reads no environment variable: the same options give the same plan whatever the shell
+    says; the CLI edge (ninfer_gen.cli.env) turns NINFER_* into options."""
+    from compiler.buckets import plan_bucket, profile_of
+    from compiler.spec import load_spec
+    from ninfer_gen.cli.env import compile_options
+
+    spec = load_spec(Path(__file__).parent.parent / "model_specs/qwen3.8-tiny.yaml")
+    h200 = lookup("h200")
+    before = [c.key.name for c in plan_bucket(spec, h200, "step", 1, 1).calls]
+    for name in ("NINFER_GEMV", "NINFER_NORM_FOLD", "NINFER_CONV_FOLD", "NINFER_PDL", "NINFER_CONCURRENCY"):
+        monkeypatch.setenv(name, {"NINFER_GEMV": "prefetch=2", "NINFER_CONCURRENCY": "1"}.get(name, "0"))
+    assert [c.key.name for c in plan_bucket(spec, h200, "step", 1, 1).calls] == before
+    assert compile_options() == CompileOptions(norm_fold=False, conv_fold=False, pdl=False, concurrency=1,
+                                               gemv="prefetch=2")
+    monkeypatch.setenv("NINFER_CONCURRENCY", "3")
+    plan = plan_bucket(spec, h200, "step", 1, 1, profile_of(spec, options=compile_options()))
+    assert plan.options.digest != CompileOptions().digest and not any(c.programmatic for c in plan.calls)
+    assert plan.family_counts()["rmsnorm"] > 2 and max(len(g) for g in plan.groups) <= 3
+    assert all(c.key.prefetch == 2 for c in plan.calls if c.key.family == "gemv")
 
 
 def test_rmsnorm_reference_is_a_loop():

@@ -9,11 +9,12 @@ import pytest
 
 from compiler import codegen
 from compiler.build_cache import KernelCacheMiss, build_kernels
-from compiler.kernels import FAMILY_MODULES, catalog, gemm, gemm_wg, gemv, module_of, rmsnorm
+from compiler.kernels import FAMILY_MODULES, gemm, gemm_wg, gemv, module_of, rmsnorm
+from compiler.lower_rules import matmul_key
 from compiler.spec import load_spec
 from compiler.targets import TargetError, lookup, resolve
-from lab.cases import make_case
-from ninfer_gen.nvrtc import KernelCompileError, parse_ptxas
+from lab.cases import case_keys, make_case
+from compiler.nvrtc import KernelCompileError, parse_ptxas
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = {name: load_spec(ROOT / f"model_specs/qwen3.8-{name}.yaml") for name in ("27b", "tiny")}
@@ -21,7 +22,7 @@ SPECS = {name: load_spec(ROOT / f"model_specs/qwen3.8-{name}.yaml") for name in 
 
 def _spec_keys(arch: str) -> list:
     target = lookup(arch)
-    keys = catalog.spec_keys(SPECS["27b"], target) + catalog.spec_keys(SPECS["tiny"], target)
+    keys = case_keys(SPECS["27b"], target) + case_keys(SPECS["tiny"], target)
     a = SPECS["27b"].model
     keys += [gemv.make_key("q6g64", a.hidden_size, a.intermediate_size, m, target, "residual") for m in (1, 32)]
     return keys
@@ -108,16 +109,14 @@ def test_every_gemm_wg_tiling_compiles_without_spills_or_serialised_wgmma(build_
 def test_prefill_matmul_dispatch():
     """Up to 32 rows the gemv; above, gemm_wg on sm_90 for group-64 formats, else the mma.sync gemm."""
     h200, rtx = lookup("h200"), lookup("rtx3090")
-    assert catalog.matmul_key("q4g64", 1024, 512, 32, h200).family == "gemv"
-    assert catalog.matmul_key("q4g64", 1024, 512, 1024, h200).family == "gemm_wg"
-    assert catalog.matmul_key("bf16", 512, 512, 64, h200).family == "gemm_wg"
-    assert catalog.matmul_key("bf16", 96, 512, 64, h200).family == "gemm"        # below gemm_wg.MIN_N
-    assert catalog.matmul_key("q4g64", 1024, 512, 48, h200).family == "gemm"      # below gemm_wg.MIN_M
-    assert catalog.matmul_key("w8g32", 1024, 512, 1024, h200).family == "gemm"    # group 32
-    assert catalog.matmul_key("q4g64", 1024, 512, 1024, rtx).family == "gemm"
-    perm, k = catalog.matmul_calls("q5g64", 5120, 17408, 1024, h200, "residual")
-    assert perm.family == "xperm" and (perm.m, perm.k) == (1024, 17408)
-    assert [c.family for c in catalog.matmul_calls("q4g64", 1024, 512, 1024, rtx)] == ["gemm"]
+    assert matmul_key("q4g64", 1024, 512, 32, h200).family == "gemv"
+    assert matmul_key("q4g64", 1024, 512, 1024, h200).family == "gemm_wg"
+    assert matmul_key("bf16", 512, 512, 64, h200).family == "gemm_wg"
+    assert matmul_key("bf16", 96, 512, 64, h200).family == "gemm"        # below gemm_wg.MIN_N
+    assert matmul_key("q4g64", 1024, 512, 48, h200).family == "gemm"      # below gemm_wg.MIN_M
+    assert matmul_key("w8g32", 1024, 512, 1024, h200).family == "gemm"    # group 32
+    assert matmul_key("q4g64", 1024, 512, 1024, rtx).family == "gemm"
+    k = matmul_key("q5g64", 5120, 17408, 1024, h200, "residual")
     assert k.compile_arch == "sm_90a" and k.arch == "sm_90" and k.name.endswith("_sm90")
     with pytest.raises(ValueError, match="needs sm_90"):
         replace(k, arch="sm_86").check_arch()
@@ -187,7 +186,7 @@ def test_ptxas_report_parsing():
 
 def test_every_key_has_matching_params_and_args():
     """Launch argument lists built by the cases match each family's parameter list (tiny, on CPU)."""
-    for key in catalog.spec_keys(SPECS["tiny"], lookup("rtx3090")):
+    for key in case_keys(SPECS["tiny"], lookup("rtx3090")):
         if key.family == "attn_combine":
             continue
         for k, args in make_case(key, "cpu").launches:
@@ -195,7 +194,7 @@ def test_every_key_has_matching_params_and_args():
 
 
 def test_every_kernel_body_waits_for_its_predecessor():
-    """The runtime launches sm_90+ kernels programmatically (cuda_module.pdl_enabled): each kernel may
+    """The runtime launches sm_90+ kernels programmatically (Call.programmatic): each kernel may
     start before its predecessor ends, so every kernel body must call pdl_entry() (common/ptx.cuh)."""
     for key in dict.fromkeys(_spec_keys("sm_90")):
         body = codegen.render(key, "13.0").source.split("KERNEL_NAME(", 1)[1]
@@ -215,7 +214,7 @@ def test_every_27b_sequence_key_has_a_case_on_cpu():
 def test_every_tiny_key_has_a_reference_on_cpu():
     """Every family's case reference (what the GPU tier compares kernels with) runs for the tiny spec's
     keys on CPU, sm_90 keys included (gemm_wg, whose cases share gemv's reference)."""
-    for key in dict.fromkeys(catalog.spec_keys(SPECS["tiny"], lookup("sm_90"))):
+    for key in dict.fromkeys(case_keys(SPECS["tiny"], lookup("sm_90"))):
         if key.family == "attn_combine":
             continue
         assert make_case(key, "cpu").reference(), key.name

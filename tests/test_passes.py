@@ -8,11 +8,12 @@ import torch
 
 from compiler.interpret import run_graph
 from compiler.ir import AVal, Eqn, Var
-from compiler.passes import PIPELINE, dead_code, run_pipeline
+from compiler.options import CompileOptions
+from compiler.passes import dead_code, pipeline, run_pipeline
 from compiler.reference_ops import torch_dtype
 from compiler.spec import load_spec
 from compiler.trace import StatePools, state_avals, trace
-from ninfer_gen.random_weights import random_weights
+from ninfer_gen.weights.random_weights import random_weights
 
 SPEC = load_spec(Path(__file__).parent.parent / "model_specs" / "qwen3.8-tiny.yaml")
 POOLS = StatePools(num_pages=16, num_slots=2, pages_per_seq=8, kv_dtype="int8")
@@ -40,11 +41,12 @@ def _inputs(entry, batch, tokens):
 
 
 @pytest.mark.parametrize("entry,batch,tokens", [("step", 2, 1), ("step", 2, 4), ("prefill", 1, 20), ("mtp", 2, 2)])
-def test_fused_graph_is_bit_identical(monkeypatch, entry, batch, tokens):
+def test_fused_graph_is_bit_identical(entry, batch, tokens):
     """Every pass but the norm fold (tested below to a tolerance: it reassociates) keeps the bits."""
-    monkeypatch.setenv("NINFER_NORM_FOLD", "0")
     g = trace(SPEC, entry, batch, tokens, POOLS)
-    fused = run_pipeline(g)
+    fused = run_pipeline(g, CompileOptions(norm_fold=False))
+    if entry != "mtp":               # the layer's q/k norm + RoPE + KV append became one equation
+        assert Counter(e.prim for e in fused.eqns)["qk_rope_kv"] == 1
     weights = random_weights(SPEC)
     s1, s2 = _state(0), _state(0)
     o1 = run_graph(g, _inputs(entry, batch, tokens), weights, s1)
@@ -68,7 +70,8 @@ def test_fusions_fire_on_decode_graph():
     assert counts["gdn_step"] == 3 and counts["gdn_gates"] == 0 and counts["gdn_recurrence"] == 0
     # the one-token conv rides on each GDN layer's qkv projection (layer 0's reads the plain norm)
     assert counts["gdn_conv"] == 0 and counts["linear_conv"] == 1 and counts["scaled_linear_conv"] == 2
-    assert counts["norm_rope"] == 2 and counts["rope"] == 0
+    # the attention layer's q and k norm + RoPE and its KV append: one equation (the qk_rope_kv kernel)
+    assert counts["qk_rope_kv"] == 1 and counts["norm_rope"] == counts["kv_append"] == counts["rope"] == 0
     assert "silu" not in counts
 
 
@@ -93,7 +96,10 @@ def test_pipeline_is_ordered_and_pure():
     before = str(g)
     run_pipeline(g)
     assert str(g) == before
-    assert PIPELINE[-1] is dead_code
+    assert pipeline()[-1] is dead_code
+    folds = {p.__name__ for p in pipeline()} - {p.__name__ for p in pipeline(CompileOptions(norm_fold=False,
+                                                                                          conv_fold=False))}
+    assert folds == {"fold_norms_into_projections", "fold_conv_into_projection"}
 
 
 @pytest.mark.parametrize("entry,batch,tokens", [("step", 1, 1), ("step", 2, 4), ("mtp", 2, 2)])
@@ -114,19 +120,17 @@ def test_norm_fold_is_the_norm_to_rounding(entry, batch, tokens):
         assert err < 1e-5, (k, err)
 
 
-def test_norm_fold_stays_out_of_prefill_and_can_be_turned_off(monkeypatch):
+def test_norm_fold_stays_out_of_prefill_and_can_be_turned_off():
     for entry, batch, tokens in (("prefill", 1, 20), ("step", 8, 5)):       # prefill; more than 32 rows
         counts = Counter(e.prim for e in run_pipeline(trace(SPEC, entry, batch, tokens, POOLS)).eqns)
         assert counts["linear_residual_norm"] == counts["scaled_linear"] == 0, (entry, batch, tokens)
-    monkeypatch.setenv("NINFER_NORM_FOLD", "0")
-    counts = Counter(e.prim for e in run_pipeline(trace(SPEC, "step", 1, 1, POOLS)).eqns)
+    counts = Counter(e.prim for e in run_pipeline(trace(SPEC, "step", 1, 1, POOLS), CompileOptions(norm_fold=False)).eqns)
     assert counts["linear_residual_norm"] == 0 and counts["rmsnorm"] == 2 * SPEC.model.layers.count + 1
 
 
-def test_conv_fold_only_for_one_token_steps(monkeypatch):
+def test_conv_fold_only_for_one_token_steps():
     for entry, batch, tokens in (("step", 2, 4), ("prefill", 1, 20)):
         counts = Counter(e.prim for e in run_pipeline(trace(SPEC, entry, batch, tokens, POOLS)).eqns)
         assert counts["gdn_conv"] == 3 and counts["linear_conv"] == counts["scaled_linear_conv"] == 0
-    monkeypatch.setenv("NINFER_CONV_FOLD", "0")
-    counts = Counter(e.prim for e in run_pipeline(trace(SPEC, "step", 2, 1, POOLS)).eqns)
+    counts = Counter(e.prim for e in run_pipeline(trace(SPEC, "step", 2, 1, POOLS), CompileOptions(conv_fold=False)).eqns)
     assert counts["gdn_conv"] == 3 and counts["scaled_linear_conv"] == 0

@@ -133,7 +133,7 @@ class _WindowedReference(ninfer_gen.reference.ReferenceBackend):
 def test_windowed_greedy_stream_equals_step_by_step(model):
     """Model.stream on a backend with a device loop: same tokens as one step per token, windows of
     GREEDY_WINDOW, stop tokens end the stream at once, the context limit holds."""
-    windowed = ninfer_gen.api.Model(model.spec, _WindowedReference(model.backend), None, "windowed")
+    windowed = ninfer_gen.Model(model.spec, _WindowedReference(model.backend), None, "windowed")
     plain = model.generate(IDS[:20], 40)
     assert windowed.generate(IDS[:20], 40) == plain
     assert windowed.backend.windows == [16, 16, 7]                     # 1 token from the prefill + 39

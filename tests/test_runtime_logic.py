@@ -5,9 +5,9 @@ import pytest
 
 from compiler.spec import load_spec
 from ninfer_gen.cli import main
-from ninfer_gen.kv import BlockManager, BlockTable, OutOfPages
-from ninfer_gen.memory_plan import GiB, MemoryPlanError, parse_bytes, plan_memory
-from ninfer_gen.state import OutOfSlots, SlotAllocator
+from ninfer_gen.allocators.kv import BlockManager, BlockTable, OutOfPages
+from ninfer_gen.executor.memory_plan import GiB, MemoryPlanError, parse_bytes, plan_memory
+from ninfer_gen.allocators.slots import OutOfSlots, SlotAllocator
 
 SPECS = Path(__file__).parent.parent / "model_specs"
 BIG = load_spec(SPECS / "qwen3.8-27b.yaml")

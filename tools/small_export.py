@@ -1,7 +1,7 @@
 """small_export: writes the small model in HF layout — config.json, generation_config.json,
 tokenizer.json, bf16 safetensors shards with their index — and reads the shards back.
 
-Owns HF tensor naming and sharding for this tool only; the runtime's loader is ninfer_gen.checkpoint.
+Owns HF tensor naming and sharding for this tool only; the runtime's loader is ninfer_gen.weights.checkpoint.
 """
 from __future__ import annotations
 

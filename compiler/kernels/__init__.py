@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+from functools import lru_cache
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -57,6 +58,7 @@ FAMILY_MODULES = ("gemv", "gemm", "gemm_wg", "xperm", "rmsnorm", "gated_rmsnorm"
 MATMUL_FAMILIES = ("gemv", "gemm", "gemm_wg")
 
 
+@lru_cache(maxsize=None)
 def family(name: str):
     """The module of one family (imported lazily so compile workers stay light)."""
     if name not in FAMILY_MODULES:

@@ -25,7 +25,7 @@ MIN_N = 256                                       # below (the a/b projections),
 # Two warpgroups: one alone has nothing to overlap its waits with (H200: 1.3–1.9× slower, v1/v2 sweeps).
 TILINGS = ((2, 1, 256), (2, 2, 128), (2, 1, 128), (2, 1, 64))
 MAX_STAGES = 6
-CONFIG_STAGES = 4                                 # H200 sweep (kernel_lab_notes, gemm_wg v2): 4 beat 6
+CONFIG_STAGES = 4                                 # H200 kernel-lab sweep: 4 beat 6
 UNIT_CYCLES, CYCLES_PER_ELEMENT = 278, 8.29 / 128  # per unit of a block (see _cost)
 
 

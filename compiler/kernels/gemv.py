@@ -17,7 +17,6 @@ serves every launch and graph replay.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -60,8 +59,6 @@ class Key(KernelKey):
     tiles: int             # 16-row tiles per block
     arch: str
     splits: int = 1        # K slices over blocks (whole order batches), summed in slice order by the last block
-    depth: int = 0         # units each warp loads per batch (0: the format's default, 2 for bf16, else 4);
-                           # the order units are summed in does not change with it
     prefetch: int = 0      # order batches the block asks L2 to fetch ahead of its loads (0: none)
     interleave: bool = False  # ptxas may interleave a batch's units (more registers)
     min_blocks: int = 2    # __launch_bounds__ blocks per SM: caps the registers so a grid fits fewer waves
@@ -103,7 +100,6 @@ class Key(KernelKey):
 
     def _name_parts(self):
         return (shape_name_parts(self) + [f"w{self.warps}t{self.tiles}"] + ([f"s{self.splits}"] if self.splits > 1 else [])
-                + ([f"d{self.depth}"] if self.depth else [])
                 + ([f"p{self.prefetch}"] if self.prefetch else []) + (["il"] if self.interleave else [])
                 + ([f"b{self.min_blocks}"] if self.min_blocks != 2 else [])
                 + (["hn"] if self.norm_out else []) + (["rs"] if self.scale_in else [])
@@ -123,11 +119,6 @@ def stage_x_bytes(key: Key) -> int:
     return key.m * (units * g + 8) * 2
 
 
-def load_depth(fmt: str, depth: int = 0) -> int:
-    """Units per warp per load batch (PD in templates/gemv.cu.j2)."""
-    return depth or order_depth(fmt)
-
-
 def order_depth(fmt: str) -> int:
     """Units per warp in one order batch (OB in templates/gemv.cu.j2): split-K slices are whole order batches."""
     return 2 if fmt == "bf16" else 4
@@ -141,7 +132,7 @@ def load_batches(fmt: str, k: int, warps: int) -> int:
 def split_count(fmt: str, n: int, k: int, warps: int, target: Target) -> int:
     """Blocks per row-tile group along K (reads the shape and the card, never M).
 
-    Measured on the H200 (bench/kernel_lab_notes.md, v6): a split costs every block a partial write,
+    Measured on the H200 (kernel lab): a split costs every block a partial write,
     a fence, an atomic and a barrier, which the one-block-per-tile kernel, occupancy/latency-bound at
     ~36 warps per SM, pays in throughput (the LM head lost 9 points at S = 2, gate/up 7). It pays only
     where one block per tile gives less than a wave of blocks and each block walks a long K (Q5 down
@@ -166,8 +157,8 @@ def config(fmt: str, n: int, k: int, m: int, target: Target) -> tuple[int, int, 
     warps = 8 if row_tiles < 2 * target.sms and units >= 32 else 4
     tiles = 2 if m > 8 and row_tiles >= 16 * target.sms else 1
     splits = split_count(fmt, n, k, warps, target)
-    # Under 3 waves of 4-warp blocks and unsplit (H200 sweep, bench/kernel_lab_notes.md "depth"):
-    # 8 warps gave Q5 6144×5120 35.8 → 39.2 % and Q5 5120×6144 32.3 → 35.3 %; split shapes lost.
+    # Under 3 waves of 4-warp blocks and unsplit (H200 kernel-lab sweep): 8 warps gave Q5 6144×5120
+    # 35.8 → 39.2 % and Q5 5120×6144 32.3 → 35.3 %; split shapes lost.
     if warps == 4 and splits == 1 and row_tiles < 3 * target.sms and units >= 64:
         warps = 8
         splits = split_count(fmt, n, k, warps, target)
@@ -177,16 +168,16 @@ def config(fmt: str, n: int, k: int, m: int, target: Target) -> tuple[int, int, 
 def stream_config(fmt: str, n: int, k: int, m: int, warps: int, target: Target, epilogue: str = "none",
                   splits: int = 1) -> dict:
     """How units stream (fields that never change the bits, so they may follow M), measured in the 27B
-    decode step on the H200 (bench/step_ab.py, NOTES.md 2026-12-01 session 4). M ≤ 8: no L2 prefetch —
-    since the decode loop lost a third of its instructions (whole-code Q5, batch pointers) the prefetch
-    costs more than it hides (step 6.45 → 5.99 ms without it); ptxas interleaves a batch's units in
+    decode step on the H200 (lab/step_ab.py). M ≤ 8: no L2 prefetch — with the lean decode loop
+    (whole-code Q5, batch pointers) the prefetch costs more than it hides (step 6.45 → 5.99 ms without
+    it); ptxas interleaves a batch's units in
     4-warp blocks (gate/up, split-K down: interleaved −0.6 %) but not in 8-warp ones (Q5 5120×6144 and
     6144×5120: −1.1 %, −0.6 %); grids of many waves (the LM heads) stream best as they are (W8 106.6 %
     of copy against 96–97 with interleave or prefetch). M > 8 keeps units apart (interleaved they spill
-    or lose 5–10 points) with one batch ahead (measured before the instruction cut, bench/kernel_lab_notes.md
-    v9). L2 prefetch is measured on sm_90 only, so it is off for the other archs; the interleave rule is
-    the H200's, applied to every arch (no other card is at hand to measure it).
-    One row (NOTES.md 2026-12-02 session 6, at the bench's context): an unsplit 8-warp residual projection
+    or lose 5–10 points) with one batch ahead (kernel lab). L2 prefetch is measured on sm_90 only, so it
+    is off for the other archs; the interleave rule is the H200's, applied to every arch (no other card is
+    at hand to measure it).
+    One row (step A/B at the bench's context): an unsplit 8-warp residual projection
     (the 5120×6144 output projections) stages its activations in shared memory (`stage_x`, −0.6 % per
     step; everywhere else staging lost: gate/up +12 %, the z projection +1.6 %, their activations being
     L1 hits); an unsplit interleaved grid of more than two waves (gate/up, 2,176 blocks) asks for six
@@ -206,44 +197,57 @@ def stream_config(fmt: str, n: int, k: int, m: int, warps: int, target: Target, 
 
 
 def make_key(fmt: str, n: int, k: int, m: int, target: Target, epilogue: str = "none",
-             out_dtype: str = "bf16") -> Key:
+             out_dtype: str = "bf16", overrides: str = "") -> Key:
+    """The shipped key of one decode matrix multiply; `overrides` (CompileOptions.gemv) are experiment
+    rules that may replace some fields (`apply_overrides`)."""
     warps, tiles, splits = config(fmt, n, k, m, target)
     key = Key(fmt, n, k, m, epilogue, out_dtype, warps, tiles, target.arch, splits,
               **stream_config(fmt, n, k, m, warps, target, epilogue, splits))
-    return _override(key, os.environ.get("NINFER_GEMV", ""))
+    return apply_overrides(key, overrides) if overrides else key
 
 
-# Fields NINFER_GEMV may set for experiments: how units stream and the registers (never the bits), and
-# `warps` and `splits`, which change the summation order (bits; batch invariance still holds).
+# Fields an experiment rule may set: how units stream and the registers (never the bits), and `warps` and
+# `splits`, which change the summation order (bits; batch invariance still holds).
 def _flag(v: str) -> bool:
-    return v not in ("0", "false")
+    if v not in ("0", "1", "false", "true"):
+        raise ValueError(v)
+    return v in ("1", "true")
 
 
-_OVERRIDABLE = {"depth": int, "prefetch": int, "interleave": _flag, "min_blocks": int, "stage_x": _flag, "warps": int,
-                "splits": int}
+OVERRIDABLE = {"prefetch": int, "interleave": _flag, "min_blocks": int, "stage_x": _flag, "warps": int, "splits": int}
 
 
-def _override(key: Key, spec: str) -> Key:
-    """NINFER_GEMV="prefetch=2,interleave=0": every key takes those fields where they make a valid key.
-    Several rules are separated by ';', and a rule may start with a shape `NxK:` that limits it to keys of
-    that shape (e.g. "5120x6144:min_blocks=3;prefetch=1"); the first rule that applies wins."""
-    for rule in (r.strip() for r in spec.split(";") if r.strip()):
+def parse_overrides(rules: str) -> list[tuple[tuple[int, int] | None, dict]]:
+    """"prefetch=2,interleave=0" → [(None, fields)]. Rules are separated by ';', and a rule may start
+    with a shape `NxK:` that limits it to keys of that shape (e.g. "5120x6144:min_blocks=3;prefetch=1").
+    A malformed rule raises ValueError naming it."""
+    out = []
+    for rule in (r.strip() for r in rules.split(";") if r.strip()):
         shape, _, body = rule.rpartition(":")
+        where = None
         if shape:
             n, _, k = shape.partition("x")
             if not (n.strip().isdigit() and k.strip().isdigit()):
-                raise ValueError(f"NINFER_GEMV: {shape!r} is not a shape NxK (e.g. 5120x6144)")
-            if (int(n), int(k)) != (key.n, key.k):
-                continue
+                raise ValueError(f"gemv override {rule!r}: {shape!r} is not a shape NxK (e.g. 5120x6144)")
+            where = (int(n), int(k))
         fields = {}
         for item in body.split(","):
-            name, _, value = item.partition("=")
-            if name.strip() not in _OVERRIDABLE:
-                raise ValueError(f"NINFER_GEMV: {name.strip()!r} is not one of {', '.join(_OVERRIDABLE)}")
+            name, _, value = (part.strip() for part in item.partition("="))
+            if name not in OVERRIDABLE:
+                raise ValueError(f"gemv override {rule!r}: {name!r} is not one of {', '.join(OVERRIDABLE)}")
             try:
-                fields[name.strip()] = _OVERRIDABLE[name.strip()](value.strip())
+                fields[name] = OVERRIDABLE[name](value)
             except ValueError:
-                raise ValueError(f"NINFER_GEMV: {item.strip()!r}: expected {name.strip()}=<integer>") from None
+                raise ValueError(f"gemv override {rule!r}: {item.strip()!r} needs a value, e.g. {name}=1") from None
+        out.append((where, fields))
+    return out
+
+
+def apply_overrides(key: Key, rules: str) -> Key:
+    """The first rule that applies to the key's shape and gives a valid key wins; else the key as it is."""
+    for where, fields in parse_overrides(rules):
+        if where is not None and where != (key.n, key.k):
+            continue
         try:
             return replace(key, **fields)
         except ValueError:

@@ -96,8 +96,8 @@ __device__ __forceinline__ void prefetch_l2(const void* p, int bytes) {
 // for the predecessor grid to finish (its writes visible). A successor takes only the SM resources left over
 // (every block of this grid has started when it launches) and runs only its prologue until this grid
 // is done, so a chain of one-wave kernels gets its weights streaming early: the trigger before the wait
-// was −1.1 % per decode step against after it (NOTES.md 2026-12-02 session 7). Several grids may then be
-// waiting at once, so the executable launches the first kernel of every bucket run without
+// was −1.1 % per decode step against after it (H200 tree A/B). Several grids may then be
+// waiting at once, so a plan launches the first kernel of every bucket run without
 // programmatic serialisation: a run begins once all earlier work is done, which keeps those reads safe.
 __device__ __forceinline__ void pdl_entry() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

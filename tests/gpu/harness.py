@@ -1,6 +1,6 @@
 """harness: run Cases on the GPU for tests/gpu and compare them with their references.
 
-Kernels come from one ninfer_gen.cuda_module.KernelCache over NINFER_BUILD_DIR (default build/),
+Kernels come from one ninfer_gen.executor.cuda_module.KernelCache over NINFER_BUILD_DIR (default build/),
 compiled for the device's own arch with all cores.
 """
 from __future__ import annotations
@@ -11,9 +11,10 @@ import torch
 
 from compiler.targets import lookup
 from lab.cases import TOLERANCES, Case
-from ninfer_gen.cuda_module import KernelCache
+from ninfer_gen.executor.cuda_module import KernelCache
+from ninfer_gen.cli.env import build_root
 
-KERNELS = KernelCache(os.environ.get("NINFER_BUILD_DIR"), jobs=os.cpu_count())
+KERNELS = KernelCache(build_root(), jobs=os.cpu_count())
 
 
 def _target():

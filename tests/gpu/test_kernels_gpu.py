@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from compiler.kernels import catalog, gdn_chunk, gdn_conv, gemm, gemm_wg, gemv, xperm
+from compiler.kernels import gdn_chunk, gdn_conv, gemm, gemm_wg, gemv, xperm
 from compiler.kernels.weight_layout import pack_for_device, random_qmatrix
 from compiler.spec import load_spec
 from compiler.targets import lookup
 from harness import TARGET
-from lab.cases import gemv_workspace, make_case
+from lab.cases import case_keys, gemv_workspace, make_case
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,7 +25,7 @@ BIG = load_spec(ROOT / "model_specs/qwen3.8-27b.yaml")
 
 
 def _keys(spec, big: bool):
-    keys = [k for k in catalog.spec_keys(spec, TARGET) if k.family != "attn_combine"]
+    keys = [k for k in case_keys(spec, TARGET) if k.family != "attn_combine"]
     if big:   # every 27B shape, at M = 1, 8, 32 for the GEMMs
         keys = [k for k in keys if k.family != "gemv" or k.m in (1, 8, 32)]
     a = spec.model
@@ -198,8 +198,9 @@ def _stage_x_toggled(key):
 
 @lru_cache(maxsize=1)
 def _variant_cache():
-    from ninfer_gen.cuda_module import KernelCache
-    return KernelCache(os.environ.get("NINFER_BUILD_DIR"), jobs=os.cpu_count())
+    from ninfer_gen.executor.cuda_module import KernelCache
+    from ninfer_gen.cli.env import build_root
+    return KernelCache(build_root(), jobs=os.cpu_count())
 
 
 GEMV_STREAMS = ({"interleave": True}, {"interleave": False}, {"prefetch": 0}, {"prefetch": 1},

@@ -10,9 +10,9 @@ interpreter's own bf16 mode, measured here), so there the GPU must be no worse t
 2e-2 on average; on the trained model every position must be within 2e-2. (`python -m lab.precision`
 prints the spread: a few positions amplify any rounding — a GDN head whose output is a small sum of
 near-orthogonal terms, made unit-scale again by the gated norm — so the worst position is set by where
-rounding happens, not by how much: lab/NOTES.md 2026-12-02 session 7. Rounding only the activations that
-enter a linear to bf16 — the part no bf16-GEMM backend can avoid — already reaches 0.023 / 0.044 / 0.045
-at the worst position of this file's three token sequences (CPU interpreter; lab/NOTES.md session 8).)
+rounding happens, not by how much. Rounding only the activations that enter a linear to bf16 — the part
+no bf16-GEMM backend can avoid — already reaches 0.023 / 0.044 / 0.045 at the worst position of this
+file's three token sequences (CPU interpreter).)
 Run: pytest -m gpu tests/gpu/test_runtime_gpu.py -q -s"""
 from pathlib import Path
 
@@ -21,6 +21,7 @@ import torch
 
 from compiler.spec import load_spec
 from lab.precision import rel_l2
+from ninfer_gen.cli.env import build_root
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,10 +39,10 @@ def _tokens(n: int, vocab: int, seed: int) -> list[int]:
 class Setup:
     def __init__(self, name):
         import ninfer_gen
-        from ninfer_gen.checkpoint import dequantized, load_checkpoint, quantize_weights
-        from ninfer_gen.device_weights import from_host
-        from ninfer_gen.gpu_backend import GpuBackend
-        from ninfer_gen.random_weights import random_weights
+        from ninfer_gen.weights.checkpoint import dequantized, load_checkpoint, quantize_weights
+        from ninfer_gen.executor.device_weights import from_host
+        from ninfer_gen.executor.gpu_backend import GpuBackend
+        from ninfer_gen.weights.random_weights import random_weights
         from ninfer_gen.reference import ReferenceBackend
 
         self.name = name
@@ -52,11 +53,12 @@ class Setup:
             self.spec, tensors = load_checkpoint(SMALL, require_mtp=False)
             q = quantize_weights(self.spec, tensors)
         deq = dequantized(q)
-        Model = ninfer_gen.api.Model
+        Model = ninfer_gen.Model
         self.ref = Model(self.spec, ReferenceBackend(self.spec, deq, device="cuda", kv_dtype="int8"), None, "ref")
         self.ref_bf16 = Model(self.spec, ReferenceBackend(self.spec, deq, device="cuda", dtype="bfloat16",
                                                           kv_dtype="int8"), None, "ref-bf16")
-        self.gpu = Model(self.spec, GpuBackend(self.spec, from_host(self.spec, q), max_context=2048), None, "gpu")
+        self.gpu = Model(self.spec, GpuBackend(self.spec, from_host(self.spec, q), max_context=2048, prefill_chunk=1024, build_root=build_root(),
+                                               all_logits=True), None, "gpu")
         self.vocab = self.spec.model.vocab_size
 
     def bound(self, expected, ids) -> tuple[float, float]:
@@ -94,12 +96,12 @@ def test_teacher_forced_decode_matches_reference(setup):
     _check(f"{setup.name} teacher-forced decode", got, expected, setup.bound(expected, ids))
 
 
-@pytest.mark.parametrize("chunk", [64, 1024, None])
+@pytest.mark.parametrize("chunk", [64, 256, 1024])
 def test_prefill_chunks_match_reference(setup, chunk):
-    ids = _tokens(1040 + 7, setup.vocab, 2)     # 1040 = 16·65 via prefill, then 4 + 3 one-token steps
+    ids = _tokens(1040 + 7, setup.vocab, 2)     # prefill pieces of `chunk` and below, then 4 + 3 one-token steps
     expected = torch.from_numpy(setup.ref.forward_logits(ids))
-    got = torch.from_numpy(setup.gpu.forward_logits(ids, chunk_size=chunk or 1040))
-    _check(f"{setup.name} prefill chunk {chunk or 'whole'}", got, expected, setup.bound(expected, ids))
+    got = torch.from_numpy(setup.gpu.forward_logits(ids, chunk_size=chunk))
+    _check(f"{setup.name} prefill chunk {chunk}", got, expected, setup.bound(expected, ids))
 
 
 def test_prefill_then_decode_continues_the_state(setup):
@@ -128,8 +130,7 @@ def test_graph_replay_equals_eager_bit_for_bit(setup):
         finally:
             be.release(seq)
     be.use_graphs = True
-    # (the 4-token step bucket may exist unreplayed: GpuBackend.pieces probes it without a capture)
-    assert be.exe.buckets["step", 1, 1, False].graph is not None
+    assert be.exe.buckets["step", 1, 1].graph is not None
     for a, b in zip(outs[False], outs[True]):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32)), "graph replay differs from eager launches"
 
@@ -179,14 +180,14 @@ def test_greedy_generate_matches_reference_tokens(setup):
 
 def test_27b_buckets_bind_with_device_random_weights():
     """The 27B spec's decode and prefill buckets plan, compile, bind and run under a 24 GiB budget."""
-    from ninfer_gen.device_weights import random_on_device
-    from ninfer_gen.gpu_backend import GpuBackend
-    from ninfer_gen.memory_plan import GiB
+    from ninfer_gen.executor.device_weights import random_on_device
+    from ninfer_gen.executor.gpu_backend import GpuBackend
+    from ninfer_gen.executor.memory_plan import GiB
 
     spec = load_spec(ROOT / "model_specs/qwen3.8-27b.yaml")
     torch.cuda.reset_peak_memory_stats()
     weights = random_on_device(spec, seed=0)
-    be = GpuBackend(spec, weights, max_context=4096, vram_budget=24 * GiB)
+    be = GpuBackend(spec, weights, max_context=4096, vram_budget=24 * GiB, build_root=build_root())
     seq = be.new_sequence()
     try:
         logits, _ = be.prefill(seq, _tokens(1024 + 30, spec.model.vocab_size, 6))
@@ -205,15 +206,16 @@ def test_27b_buckets_bind_with_device_random_weights():
 def test_bf16_kv_cache_matches_reference():
     """The bf16 KV pages (selectable instead of INT8) against the reference with bf16 KV."""
     import ninfer_gen
-    from ninfer_gen.checkpoint import dequantized, load_checkpoint, quantize_weights
-    from ninfer_gen.device_weights import from_host
-    from ninfer_gen.gpu_backend import GpuBackend
+    from ninfer_gen.weights.checkpoint import dequantized, load_checkpoint, quantize_weights
+    from ninfer_gen.executor.device_weights import from_host
+    from ninfer_gen.executor.gpu_backend import GpuBackend
     from ninfer_gen.reference import ReferenceBackend
 
     spec, tensors = load_checkpoint(SMALL, require_mtp=False)
     q = quantize_weights(spec, tensors)
-    ref = ninfer_gen.api.Model(spec, ReferenceBackend(spec, dequantized(q), device="cuda", kv_dtype="bf16"), None, "")
-    gpu = ninfer_gen.api.Model(spec, GpuBackend(spec, from_host(spec, q), max_context=1024, kv_dtype="bf16"), None, "")
+    ref = ninfer_gen.Model(spec, ReferenceBackend(spec, dequantized(q), device="cuda", kv_dtype="bf16"), None, "")
+    gpu = ninfer_gen.Model(spec, GpuBackend(spec, from_host(spec, q), max_context=1024, kv_dtype="bf16", build_root=build_root(),
+                                                all_logits=True), None, "")
     ids = _tokens(200, spec.model.vocab_size, 7)
     _check("small bf16 KV prefill", torch.from_numpy(gpu.forward_logits(ids, chunk_size=64)),
            torch.from_numpy(ref.forward_logits(ids)), (REL_L2, REL_L2))

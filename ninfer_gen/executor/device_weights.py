@@ -17,24 +17,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from compiler.kernels.weight_layout import FORMATS, group_of, pack_for_device, padded_rows
+from compiler.kernels.weight_layout import group_of, pack_for_device
 from compiler.quant import QTensor
 from compiler.spec import ModelSpec, TensorInfo, format_of, tensor_table
+from compiler.weights import NON_MATRIX_ROLES, lm_head_name, packed_matrices, plane_bytes
 
-from .random_weights import _draw
+from ninfer_gen.weights.random_weights import _draw
 
-NON_MATRIX_ROLES = ("embed", "norm", "conv", "gdn_decay")
 # code standard deviation of a uniform draw over each format's code range (random weights at O(1) scale)
 _CODE_STD = {"q4g64": 16 / math.sqrt(12), "q5g64": 32 / math.sqrt(12), "q6g64": 64 / math.sqrt(12),
              "w8g32": 256 / math.sqrt(12)}
-
-
-def fused_gate_up(gate_name: str) -> str:
-    return gate_name.replace("mlp.gate_proj.weight", "mlp.gate_up.weight")
-
-
-def lm_head_name(spec: ModelSpec) -> str:
-    return "embed_tokens.weight" if spec.model.tie_word_embeddings else "lm_head.weight"
 
 
 @dataclass
@@ -50,6 +42,20 @@ class DeviceWeights:
     def embed_format(self) -> str:
         return "bf16" if self.embed_scales is None else "w8g32"
 
+    def plane(self, name: str, plane: str) -> torch.Tensor:
+        """A weight by its plan binding (compiler.weights): `lo`/`hi`/`scales` of a packed matrix,
+        `rows`/`row_scales` of the embedding's gather table, `tensor` of a small weight."""
+        if plane == "tensor":
+            if name not in self.tensors:
+                raise KeyError(f"weight {name!r} is not a small device tensor")
+            return self.tensors[name]
+        if plane in ("rows", "row_scales"):
+            t = self.embed_codes if plane == "rows" else self.embed_scales
+            if name != "embed_tokens.weight" or t is None:
+                raise KeyError(f"no embedding plane {plane!r} of {name!r} (format {self.embed_format})")
+            return t
+        return self.matrix(name)[plane]
+
     def matrix(self, name: str) -> dict[str, torch.Tensor]:
         try:
             return self.matrices[name]
@@ -63,24 +69,6 @@ class DeviceWeights:
         for t in (self.embed_codes, self.embed_scales):
             n += 0 if t is None else t.numel() * t.element_size()
         return n
-
-
-def _matrices(spec: ModelSpec) -> list[tuple[str, list[TensorInfo]]]:
-    """(device name, source tensors) of every packed matrix, gate+up fused; the LM head of a tied model
-    is packed from the embedding."""
-    table = tensor_table(spec)
-    by_name = {t.name: t for t in table}
-    out = []
-    for t in table:
-        if t.role in NON_MATRIX_ROLES or len(t.shape) != 2 or t.name.endswith("mlp.up_proj.weight"):
-            continue
-        if t.name.endswith("mlp.gate_proj.weight"):
-            out.append((fused_gate_up(t.name), [t, by_name[t.name.replace("gate_proj", "up_proj")]]))
-        else:
-            out.append((t.name, [t]))
-    if spec.model.tie_word_embeddings:
-        out.append(("embed_tokens.weight", [by_name["embed_tokens.weight"]]))
-    return out
 
 
 def _small_tensor(info: TensorInfo, value: torch.Tensor, device) -> torch.Tensor:
@@ -101,7 +89,7 @@ def _progress(items, desc: str, show: bool):
 def from_host(spec: ModelSpec, tensors: dict, device="cuda", progress: bool = False) -> DeviceWeights:
     """`tensors`: canonical name → QTensor or float tensor in the spec's formats (checkpoint.quantize_weights)."""
     dw = DeviceWeights(spec)
-    for name, infos in _progress(_matrices(spec), "packing weights", progress):
+    for name, infos in _progress(packed_matrices(spec), "packing weights", progress):
         parts = [tensors[i.name] for i in infos]
         if isinstance(parts[0], QTensor):
             parts = [QTensor(p.fmt, p.codes.to(device), p.scales.to(device)) for p in parts]
@@ -127,16 +115,6 @@ def from_host(spec: ModelSpec, tensors: dict, device="cuda", progress: bool = Fa
     return dw
 
 
-def plane_bytes(fmt: str, n: int, k: int) -> dict[str, int]:
-    """Bytes of each packed plane of an [n, k] matrix (what `pack_for_device` produces)."""
-    bits, group = FORMATS[fmt]
-    n_pad = padded_rows(n)
-    lo = n_pad * k * (2 if fmt == "bf16" else 1 if fmt == "w8g32" else 0.5)
-    hi = {"q5g64": n_pad * k // 8, "q6g64": n_pad * k // 4}.get(fmt, 0)
-    scales = 0 if fmt == "bf16" else n_pad * (k // group) * 2
-    return {"lo": int(lo), "hi": hi, "scales": scales}
-
-
 def _random_planes(fmt: str, n: int, k: int, std: float, gen: torch.Generator, device) -> dict:
     """Packed planes of a random [n, k] matrix in `fmt` drawn directly: every bit pattern of the code
     planes is a valid code (uniform over the range), scales ≈ std / code std (±25 %)."""
@@ -158,7 +136,7 @@ def random_on_device(spec: ModelSpec, seed: int = 0, device="cuda", progress: bo
     dw = DeviceWeights(spec)
     gen = torch.Generator(device=device).manual_seed(seed)
     head = lm_head_name(spec)
-    for name, infos in _progress(_matrices(spec), "drawing weights", progress):
+    for name, infos in _progress(packed_matrices(spec), "drawing weights", progress):
         n, k = sum(i.shape[0] for i in infos), infos[0].shape[1]
         fmt = format_of(spec, infos[0])
         std = (2.0 if name == head else 1.0) / math.sqrt(k)

@@ -4,18 +4,19 @@ launches them on torch's current stream, so launches are captured by `torch.cuda
 Arguments are packed once per `Launcher` (device addresses as uint64, ints as int32, floats as fp32).
 Kernels built for sm_90 or newer are launched with programmatic stream serialisation (programmatic
 dependent launch): each may start while its predecessor finishes, and waits for it in `pdl_entry()`
-(templates/common/ptx.cuh), which every template calls before touching another kernel's data.
-`NINFER_PDL=0` turns it off. Import order matters (CUDA.md): torch first, then cuda.bindings. Never compiles.
+(templates/common/ptx.cuh), which every template calls before touching another kernel's data; a
+plan says which calls launch so (`Call.programmatic`). Import order matters (CUDA.md): torch first, then cuda.bindings. Never compiles.
 """
 from __future__ import annotations
 
 import ctypes
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch  # noqa: F401  (must precede any cuda.bindings work after cuInit)
 from cuda.bindings import driver as cu
+
+from compiler.targets import supports_pdl
 
 _CTYPES = {"ptr": ctypes.c_uint64, "i32": ctypes.c_int32, "f32": ctypes.c_float}
 _STATIC_SMEM_LIMIT = 48 * 1024
@@ -71,12 +72,6 @@ class Kernel:
 
     def __call__(self, params, args, launch, stream: int | None = None) -> None:
         self.bind(params, args, launch).launch(stream)
-
-
-def pdl_enabled(arch: str) -> bool:
-    """Whether kernels built for `arch` are launched programmatically: sm_90 or newer (where the
-    templates' pdl_entry() is compiled in) unless NINFER_PDL=0."""
-    return int(arch.split("_")[1]) >= 90 and os.environ.get("NINFER_PDL", "1") != "0"
 
 
 def _value(arg):
@@ -157,7 +152,8 @@ class KernelCache:
 
     def bind(self, key, args, ptx: bool = False, programmatic: bool = True) -> Launcher:
         """A launcher for `key` with `args` in the family's parameter order and its launch config;
-        `programmatic=False` launches it after all earlier work in its stream has finished."""
+        `programmatic` (only where the arch supports it) lets it start before its predecessor ends,
+        else it starts after all earlier work in its stream has finished."""
         from compiler.kernels import module_of
         mod = module_of(key)
-        return self.get(key, ptx).bind(mod.params(key), args, mod.launch(key), programmatic and pdl_enabled(key.arch))
+        return self.get(key, ptx).bind(mod.params(key), args, mod.launch(key), programmatic and supports_pdl(key.arch))

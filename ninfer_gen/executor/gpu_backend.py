@@ -5,39 +5,28 @@ weights on the device, the state pool (KV pages + GDN slots), and the `Executabl
 same calls as the reference backend — sequences with block tables and state slots, chunked prefill
 and decode steps — each bucket replayed as a CUDA graph captured on first use.
 
-A prompt of L tokens runs as prefill chunks of `chunk` tokens, one smaller prefill bucket for the
-remainder rounded down to 16 (the prefill attention tiles 16 queries), then 4- and 1-token steps.
+The backend runs one runtime profile (compiler.buckets.Profile: its cohort sizes, draft length, prefill
+chunk, context and options); every kernel of the profile is built when the backend starts, so no
+request waits for a compile. A prompt is cut by `Profile.prompt_pieces`: full chunks, prefill pieces
+of decreasing powers of two, then steps for the last < 16 tokens.
 """
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
+from compiler.buckets import profile_of
+from compiler.options import CompileOptions
 from compiler.spec import ModelSpec
 from compiler.targets import Target, resolve
 
-from .cuda_module import KernelCache, primary_context
-from .device_weights import DeviceWeights
-from .device_state import DeviceState
-from .executable import Executable, ExecutableError
-from .memory_plan import GiB, MemoryPlan, plan_memory
-from .sequences import Sequence, SequencePool
-
-
-def prompt_pieces(n: int, chunk: int, step4: bool = True) -> list[tuple[str, int]]:
-    """How a prompt of n tokens is cut, in order: (entry, tokens) — full chunks, one prefill of the
-    remainder rounded down to 16, then 4-token steps (when that bucket exists) and 1-token steps."""
-    out = [("prefill", chunk)] * (n // chunk)
-    r = n % chunk
-    if r >= 16:
-        out.append(("prefill", r - r % 16))
-        r %= 16
-    if step4:
-        out += [("step", 4)] * (r // 4)
-        r %= 4
-    return out + [("step", 1)] * r
+from ninfer_gen.executor.cuda_module import KernelCache, primary_context
+from ninfer_gen.executor.device_weights import DeviceWeights
+from ninfer_gen.executor.device_state import DeviceState
+from ninfer_gen.executor.executable import Executable, ExecutableError
+from ninfer_gen.executor.memory_plan import GiB, MemoryPlan, plan_memory
+from ninfer_gen.allocators.sequences import Sequence, SequencePool
 
 
 def device_target(device: torch.device) -> Target:
@@ -50,7 +39,12 @@ class GpuBackend(SequencePool):
     def __init__(self, spec: ModelSpec, weights: DeviceWeights, *, max_context: int | None = None,
                  cohorts: int = 1, kv_dtype: str | None = None, vram_budget: int = 24 * GiB,
                  use_graphs: bool = True, build_root=None, jobs: int | None = None, device="cuda",
-                 memory: MemoryPlan | None = None, progress: bool = False):
+                 memory: MemoryPlan | None = None, progress: bool = False,
+                 options: CompileOptions = CompileOptions(), all_logits: bool = False,
+                 prefill_chunk: int | None = None):
+        """`cohorts` lanes (the profile's step buckets: the spec's cohort sizes up to it); `all_logits`:
+        prefill buckets keep every row's logits (evaluation: `Model.forward_logits`), else the last;
+        `prefill_chunk`: the largest prefill bucket (default: the spec's, within the context)."""
         self.spec, self.device, self.use_graphs = spec, torch.device(device), use_graphs
         rt = spec.runtime
         kv_dtype = kv_dtype or rt.kv_dtype
@@ -62,12 +56,13 @@ class GpuBackend(SequencePool):
         self.target = device_target(self.device)
         self.state = DeviceState(spec, pages, cohorts, kv_dtype, self.device)
         self.weights = weights
-        self.kernels = KernelCache(build_root or os.environ.get("NINFER_BUILD_DIR"), jobs=jobs, progress=progress)
-        concurrency = int(os.environ.get("NINFER_CONCURRENCY", "4"))
-        self.exe = Executable(spec, self.target, weights, self.state, self.kernels, per_seq, self.device,
-                              concurrency=max(1, concurrency))
+        self.kernels = KernelCache(build_root, jobs=jobs, progress=progress)
+        self.profile = profile_of(spec, cohorts=tuple(b for b in rt.cohorts if b <= cohorts) or (1,),
+                                  max_context=ctx, kv_dtype=kv_dtype, all_logits=all_logits, options=options,
+                                  prefill_chunk=prefill_chunk)
+        self.exe = Executable(spec, self.target, weights, self.state, self.kernels, self.profile, self.device)
+        self.kernels.build(self.exe.keys())                 # every kernel of the profile, once, up front
         super().__init__(cohorts, pages, rt.page_size, per_seq * rt.page_size)
-        self._step4: bool | None = None
         self._greedy_out: torch.Tensor | None = None       # greedy(): tokens chosen on the device
         self._greedy_index: torch.Tensor | None = None
         self._advance: torch.cuda.CUDAGraph | None = None
@@ -76,16 +71,16 @@ class GpuBackend(SequencePool):
         self.state.reset_slot(slot)
 
     # ------------------------------------------------------------ entry points
-    def bucket(self, entry: str, batch: int, tokens: int, all_logits: bool = False):
-        b = self.exe.bucket(entry, batch, tokens, all_logits)
+    def bucket(self, entry: str, batch: int, tokens: int):
+        b = self.exe.bucket(entry, batch, tokens)
         if self.use_graphs and b.graph is None:
             self.exe.capture(b)
         return b
 
-    def run(self, entry: str, seqs: list[Sequence], tokens: list[list[int]], all_logits: bool = False):
+    def run(self, entry: str, seqs: list[Sequence], tokens: list[list[int]]):
         """One call for B rows of T tokens each → (logits, hidden) copies; advances the lengths."""
         B, T = len(seqs), len(tokens[0])
-        bucket = self.bucket(entry, B, T, all_logits)
+        bucket = self.bucket(entry, B, T)
         starts = [s.length for s in seqs]
         for s, p in zip(seqs, starts):
             self._reserve(s, p + T)
@@ -149,25 +144,17 @@ class GpuBackend(SequencePool):
             self._advance = graph
         return self._advance
 
-    def pieces(self, n: int, chunk: int) -> list[tuple[str, int]]:
-        if self._step4 is None:
-            try:
-                self.exe.bucket("step", 1, 4)
-                self._step4 = True
-            except (ValueError, ExecutableError):        # e.g. attention tiles too big for 4 queries per row
-                self._step4 = False
-        return prompt_pieces(n, chunk, self._step4)
-
     def prefill(self, seq: Sequence, ids: list[int], chunk: int | None = None, all_logits: bool = False):
         """Chunked prefill from the sequence's current length → (logits, hidden): the last row only,
         or every row with `all_logits` (tests; [n, vocab] fp32)."""
-        chunk = chunk or self.spec.runtime.prefill_chunk
-        if chunk % 16:
-            raise ValueError(f"prefill chunk {chunk} is not a multiple of 16")
+        if all_logits and not self.profile.all_logits:
+            raise ValueError("this GPU backend keeps the last row's logits of a prefill chunk; make it with "
+                             "all_logits=True for every row's")
+        pieces = self.profile.prompt_pieces(len(ids), chunk)
         self._reserve(seq, seq.length + len(ids))       # fail before any work when it cannot fit
         logits, hidden, at = [], [], 0
-        for entry, t in self.pieces(len(ids), chunk):
-            lg, hd = self.run(entry, [seq], [ids[at:at + t]], all_logits)
+        for entry, t in pieces:
+            lg, hd = self.run(entry, [seq], [ids[at:at + t]])
             at += t
             logits.append(lg if all_logits else lg[-1:])
             hidden.append(hd if all_logits else hd[-1:])

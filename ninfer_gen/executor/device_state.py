@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from compiler.plan import STEP_INPUTS
 from compiler.spec import ModelSpec
 
 
@@ -52,6 +53,19 @@ class DeviceState:
         return {"k": torch.zeros(pages, dtype=torch.bfloat16, device=device),
                 "v": torch.zeros(pages, dtype=torch.bfloat16, device=device)}
 
+    def buffer(self, name: str) -> torch.Tensor:
+        """A state buffer by its plan name: `kv.<layer>.k|v|k_scales|v_scales`, `gdn.<layer>.state|conv`."""
+        kind, layer, part = (name.split(".") + ["", ""])[:3]
+        try:
+            if kind == "kv":
+                return self.kv[layer][part]
+            if kind == "gdn" and part in ("state", "conv"):
+                return (self.ssm if part == "state" else self.conv)[layer]
+        except KeyError:
+            pass
+        raise ExecutableError(f"no state buffer {name!r} (KV layers {', '.join(self.kv) or 'none'}, "
+                              f"GDN layers {', '.join(self.ssm) or 'none'}, KV dtype {self.kv_dtype})")
+
     def reset_slot(self, slot: int) -> None:
         for t in (*self.conv.values(), *self.ssm.values()):
             t[slot].zero_()
@@ -76,9 +90,7 @@ class StepInputs:
 
     def __init__(self, batch: int, tokens: int, max_pages: int, trash_page: int, device):
         self.batch, self.tokens, self.max_pages, self.trash_page = batch, tokens, max_pages, trash_page
-        rows = batch * tokens
-        self._layout = {"tokens": rows, "row_pos": rows, "pos": batch, "block_table": batch * max_pages,
-                        "slots": batch, "seq_lens": batch}
+        self._layout = {name: size(batch, tokens, max_pages) for name, size in STEP_INPUTS.items()}
         self.host = torch.zeros(sum(self._layout.values()), dtype=torch.int32)
         self.device = torch.zeros_like(self.host, device=device)
         self.views, self.host_views, at = {}, {}, 0
@@ -87,6 +99,8 @@ class StepInputs:
             at += n
 
     def ptr(self, name: str) -> int:
+        if name not in self.views:
+            raise ExecutableError(f"no step input {name!r} (have {', '.join(self.views)})")
         return self.views[name].data_ptr()
 
     def set(self, tokens: list[list[int]], starts: list[int], tables: list[list[int]], slots: list[int]) -> None:

@@ -10,15 +10,16 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from compiler.options import CompileOptions
 from compiler.schema import SpecError
 from compiler.spec import ModelSpec, load_spec
 
-from .random_weights import random_weights
-from .reference import ReferenceBackend
-from .sampling import Sampler, SamplingParams
-from .tokenizer import load_tokenizer
+from ninfer_gen.weights.random_weights import random_weights
+from ninfer_gen.reference import ReferenceBackend
+from ninfer_gen.engine.sampling import Sampler, SamplingParams
+from ninfer_gen.engine.tokenizer import load_tokenizer
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]          # ninfer_gen/engine/api.py → the repository
 DEFAULT_MODEL = REPO / "models" / "qwen3.8-small-py"
 TINY_SPEC = REPO / "model_specs" / "qwen3.8-tiny.yaml"
 BACKENDS = ("reference", "gpu")
@@ -120,7 +121,7 @@ def _resolve(path_or_spec) -> tuple[ModelSpec, dict, Path | None, str]:
         return path_or_spec, random_weights(path_or_spec), None, f"{path_or_spec.name} (random weights)"
     path = Path(path_or_spec)
     if path.is_dir():
-        from .checkpoint import load_checkpoint
+        from ninfer_gen.weights.checkpoint import load_checkpoint
 
         spec, tensors = load_checkpoint(path, require_mtp=False)
         return spec, tensors, path, str(path)
@@ -133,7 +134,8 @@ def _resolve(path_or_spec) -> tuple[ModelSpec, dict, Path | None, str]:
 def load(path_or_spec=None, backend: str = "reference", dtype: str = "float32", quantize: bool = False,
          device: str | None = None, kv_dtype: str | None = None, max_context: int | None = None,
          random_weights: str = "host", vram_budget: int | None = None, use_graphs: bool = True,
-         progress: bool = False) -> Model:
+         progress: bool = False, options: CompileOptions | None = None, build_root=None,
+         all_logits: bool = False) -> Model:
     """Load a model. `path_or_spec`: an HF checkpoint directory, a spec .yaml (seeded random weights),
     a ModelSpec, or None for the small model shipped in the repository.
 
@@ -141,16 +143,20 @@ def load(path_or_spec=None, backend: str = "reference", dtype: str = "float32", 
     recipe at load and the reference uses the dequantised weights.
     backend "gpu": the compiled kernels; weights always take the spec's recipe (quantised at load).
     With a spec and `random_weights="device"`, the weights are drawn on the GPU directly in their
-    quantised formats (any size, seconds; values differ from the host draw of the same seed)."""
+    quantised formats (any size, seconds; values differ from the host draw of the same seed); `options`
+    (compiler.options.CompileOptions, default the shipped ones) and `build_root` (the kernel cache)
+    choose what it compiles, `all_logits` keeps every prefill row's logits (`forward_logits`)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is not available (available: {', '.join(BACKENDS)})")
     if random_weights not in ("host", "device"):
         raise ValueError(f"random_weights must be 'host' or 'device', got {random_weights!r}")
     if backend == "gpu":
-        return _load_gpu(path_or_spec, kv_dtype, max_context, random_weights, vram_budget, use_graphs, progress)
+        gpu = dict(options=options or CompileOptions(), build_root=build_root, all_logits=all_logits,
+                   use_graphs=use_graphs, progress=progress)
+        return _load_gpu(path_or_spec, kv_dtype, max_context, random_weights, vram_budget, gpu)
     spec, tensors, folder, source = _resolve(path_or_spec)
     if quantize:
-        from .checkpoint import dequantized, quantize_weights
+        from ninfer_gen.weights.checkpoint import dequantized, quantize_weights
 
         tensors = dequantized(quantize_weights(spec, tensors))
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -158,12 +164,12 @@ def load(path_or_spec=None, backend: str = "reference", dtype: str = "float32", 
     return Model(spec, ref, folder, source)
 
 
-def _load_gpu(path_or_spec, kv_dtype, max_context, random_weights, vram_budget, use_graphs, progress) -> Model:
+def _load_gpu(path_or_spec, kv_dtype, max_context, random_weights, vram_budget, gpu: dict) -> Model:
     if not torch.cuda.is_available():
         raise RuntimeError("the GPU backend needs a CUDA device; none is visible (use backend='reference')")
-    from .device_weights import from_host, random_on_device
-    from .gpu_backend import GpuBackend
-    from .memory_plan import GiB
+    from ninfer_gen.executor.device_weights import from_host, random_on_device
+    from ninfer_gen.executor.gpu_backend import GpuBackend
+    from ninfer_gen.executor.memory_plan import GiB
 
     budget = vram_budget or int(24 * GiB)
     total = torch.cuda.get_device_properties(0).total_memory
@@ -171,14 +177,13 @@ def _load_gpu(path_or_spec, kv_dtype, max_context, random_weights, vram_budget, 
     if random_weights == "device" and (isinstance(path_or_spec, ModelSpec) or
                                        str(path_or_spec).endswith((".yaml", ".yml"))):
         spec = path_or_spec if isinstance(path_or_spec, ModelSpec) else load_spec(path_or_spec)
-        weights = random_on_device(spec, seed=0, progress=progress)
+        weights = random_on_device(spec, seed=0, progress=gpu["progress"])
         folder, source = None, f"{spec.name} (random weights drawn on the GPU, seed 0)"
     else:
-        from .checkpoint import quantize_weights
+        from ninfer_gen.weights.checkpoint import quantize_weights
 
         spec, tensors, folder, source = _resolve(path_or_spec)
-        weights = from_host(spec, quantize_weights(spec, tensors), progress=progress)
+        weights = from_host(spec, quantize_weights(spec, tensors), progress=gpu["progress"])
         del tensors
-    backend = GpuBackend(spec, weights, max_context=max_context, kv_dtype=kv_dtype, vram_budget=budget,
-                         use_graphs=use_graphs, progress=progress)
+    backend = GpuBackend(spec, weights, max_context=max_context, kv_dtype=kv_dtype, vram_budget=budget, **gpu)
     return Model(spec, backend, folder, source)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .kv import BlockManager, BlockTable
-from .state import SlotAllocator
+from ninfer_gen.allocators.kv import BlockManager, BlockTable
+from ninfer_gen.allocators.slots import SlotAllocator
 
 
 @dataclass

@@ -13,8 +13,9 @@ from functools import lru_cache
 from pathlib import Path
 
 # A driver-side compute cache hit returns an empty ptxas log; the resource report needs a real compile.
-# This must be set before libnvrtc loads, so before the import below.
-os.environ.setdefault("CUDA_CACHE_DISABLE", "1")
+# This must be set before libnvrtc loads, so before the import below (set, never read: the report is
+# what the build cache records).
+os.environ["CUDA_CACHE_DISABLE"] = "1"
 
 from cuda.bindings import nvrtc  # noqa: E402
 from cuda.pathfinder import locate_nvidia_header_directory  # noqa: E402
@@ -34,7 +35,7 @@ class Resources:
     """ptxas report for one entry: registers, static shared memory, stack frame and spills (bytes)."""
     registers: int = 0
     smem_bytes: int = 0
-    stack_bytes: int = 0
+    stack_bytes: int = 0           # local-memory frame per thread (spills land there)
     spill_stores: int = 0
     spill_loads: int = 0
 

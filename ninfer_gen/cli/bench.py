@@ -25,8 +25,8 @@ from compiler.kernels import MATMUL_FAMILIES
 from compiler.kernels.weight_layout import device_bytes
 from compiler.spec import ModelSpec, load_spec
 
-from .api import GREEDY_WINDOW
-from .memory_plan import GiB, parse_bytes
+from ninfer_gen.engine.api import GREEDY_WINDOW
+from ninfer_gen.executor.memory_plan import GiB, parse_bytes
 
 MiB = 2 ** 20
 
@@ -175,7 +175,8 @@ def omission_profile(bucket, iters: int = 30) -> dict[str, dict]:
 
 def run_bench(args) -> dict:
     import ninfer_gen
-    from .memory_plan import plan_memory
+    from ninfer_gen.cli.env import build_root, compile_options
+    from ninfer_gen.executor.memory_plan import plan_memory
 
     if not torch.cuda.is_available():
         raise RuntimeError("ninfer-gen bench needs a CUDA GPU; none is visible")
@@ -190,7 +191,8 @@ def run_bench(args) -> dict:
     t0 = time.perf_counter()
     source = args.weights or args.spec
     model = ninfer_gen.load(source, backend="gpu", max_context=ctx, vram_budget=budget,
-                            random_weights="device" if args.weights is None else "host", progress=True)
+                            random_weights="device" if args.weights is None else "host", progress=True,
+                            options=compile_options(), build_root=build_root())
     spec = model.spec
     be = model.backend
     torch.cuda.synchronize()
@@ -203,7 +205,7 @@ def run_bench(args) -> dict:
     # warm-up: compile and capture the buckets the workload uses, outside the timings
     t0 = time.perf_counter()
     seq = be.new_sequence()
-    warm = args.prompt_tokens + (be.spec.runtime.prefill_chunk if longs else 0)   # the chunk bucket only if used
+    warm = args.prompt_tokens + (be.profile.prefill_chunk if longs else 0)   # the chunk bucket only if used
     be.prefill(seq, _ids(min(warm, be.max_context - 1), spec.model.vocab_size, 99))
     be.run("step", [seq], [[1]])
     be.release(seq)
@@ -262,13 +264,13 @@ def run_bench(args) -> dict:
             result["prefill"].append({"tokens": n, "seconds": secs, "tok_s": n / secs,
                                       "effective_TFLOPs": prefill_flops(spec, n) / secs / 1e12,
                                       "chunk_profile_eager_us": profile_bucket(
-                                          be.exe.bucket("prefill", 1, spec.runtime.prefill_chunk), 1)})
+                                          be.exe.bucket("prefill", 1, be.profile.prefill_chunk), 1)})
         except Exception as err:       # report and go on: one failing length must not hide the others
             result["prefill"].append({"tokens": n, "error": f"{type(err).__name__}: {err}"})
         finally:
             be.release(seq)
         peak.sample()
-    result["launches"] = {f"{e}:{b}x{t}": n for (e, b, t, _), n in be.exe.launches.items()}
+    result["launches"] = {f"{e}:{b}x{t}": n for (e, b, t), n in be.exe.launches.items()}
     result["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
     result["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
     result["peak_device_used_bytes"] = peak.device

@@ -22,6 +22,11 @@ EPILOG = """examples:
 """
 
 
+BUILD_DESCRIPTION = ("Plans every bucket of the runtime profile (step B×1 and B×(draft+1) per cohort size, prefill at "
+                     "the chunk and each 16·2^i below it) and compiles exactly the kernels those plans launch. "
+                     "NINFER_* variables (README) choose the compile options.")
+
+
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -54,7 +59,7 @@ def cmd_plan(args) -> int:
     import json
 
     from compiler.spec import load_spec
-    from .memory_plan import GiB, parse_bytes, plan_memory
+    from ninfer_gen.executor.memory_plan import GiB, parse_bytes, plan_memory
 
     spec = load_spec(args.spec)
     plan = plan_memory(spec, args.cohorts, args.max_context or spec.runtime.max_context,
@@ -71,25 +76,34 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def _profile(spec, cohorts: str | None = None, draft: int | None = None, max_context: int | None = None,
+             kv: str | None = None):
+    """The runtime profile the command plans: the spec's, with the command's choices and the NINFER_*
+    compile options."""
+    from compiler.buckets import profile_of
+    from ninfer_gen.cli.env import compile_options
+
+    return profile_of(spec, cohorts=_int_list(cohorts) if cohorts else None, draft=draft, max_context=max_context,
+                      kv_dtype=kv, options=compile_options())
+
+
 def cmd_build(args) -> int:
     from compiler.build_cache import build_kernels
-    from compiler.buckets import kernel_set, plan_all
+    from compiler.buckets import plan_profile, profile_keys
     from compiler.spec import load_spec
     from compiler.targets import resolve
 
     spec = load_spec(args.spec)
     target = resolve(args.target, args.arch)
-    cohorts = _int_list(args.cohorts) if args.cohorts else spec.runtime.cohorts
-    draft = spec.runtime.draft_tokens if args.draft is None else args.draft
-    plans = plan_all(spec, target, cohorts, draft)
-    print(f"{spec.name} for {target.name} ({target.arch}): cohorts {','.join(map(str, cohorts))}, draft {draft}")
+    profile = _profile(spec, args.cohorts, args.draft, args.max_context, args.kv)
+    plans = plan_profile(spec, target, profile)
+    print(f"{spec.name} for {target.name} ({target.arch}): {profile.describe()}")
     print(f"  {'bucket':<22} {'launches':>8} {'arena MiB':>10}")
     for (entry, b, t), plan in plans.items():
         print(f"  {f'{entry} B={b} T={t}':<22} {plan.launches:>8} {plan.arena_bytes / 2**20:>10.1f}")
-    graph_keys, extra = kernel_set(spec, target, plans, cohorts, draft)
-    print(f"  kernels: {len(graph_keys)} from the lowered graphs + {len(extra)} ReplaySSM/sampling kernels "
-          "from the catalog")
-    summary = build_kernels(graph_keys + extra, jobs=args.jobs, root=args.build_dir, ptx=args.ptx)
+    keys = profile_keys(plans)
+    print(f"  kernels: {len(keys)}, every one launched by this profile's plans")
+    summary = build_kernels(keys, jobs=args.jobs, root=args.build_dir, ptx=args.ptx)
     print(summary.table())
     return 0 if summary.spills == 0 else 1
 
@@ -109,8 +123,17 @@ def cmd_inspect(args) -> int:
     from compiler.trace import StatePools, trace
 
     spec = load_spec(args.spec)
-    per_seq = -(-spec.runtime.max_context // spec.runtime.page_size)
-    pools = StatePools(per_seq * args.batch, args.batch, per_seq, spec.runtime.page_size, args.kv)
+    if args.plan:
+        from compiler.buckets import plan_bucket
+        from compiler.plan import format_plan
+        from compiler.targets import resolve
+
+        profile = _profile(spec, max_context=args.max_context, kv=args.kv)
+        print(format_plan(plan_bucket(spec, resolve(args.target, args.arch), args.entry, args.batch, args.tokens,
+                                      profile)))
+        return 0
+    per_seq = -(-(args.max_context or spec.runtime.max_context) // spec.runtime.page_size)
+    pools = StatePools(per_seq * args.batch, args.batch, per_seq, spec.runtime.page_size, args.kv or "int8")
     g = trace(spec, args.entry, args.batch, args.tokens, pools, args.act)
     if args.stats:
         counts = Counter(e.prim for e in g.eqns)
@@ -124,18 +147,19 @@ def cmd_inspect(args) -> int:
 
 def cmd_run(args) -> int:
     import ninfer_gen
-    from .sampling import SamplingParams
+    from ninfer_gen.engine.sampling import SamplingParams
 
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)  # validate before loading
     if args.backend == "auto":
         import torch
         args.backend = "gpu" if torch.cuda.is_available() and args.device in (None, "cuda") else "reference"
     if args.backend == "gpu":
-        from .memory_plan import parse_bytes
+        from ninfer_gen.cli.env import build_root, compile_options
+        from ninfer_gen.executor.memory_plan import parse_bytes
         model = ninfer_gen.load(args.weights, backend="gpu", max_context=args.max_context,
                                 random_weights="device" if args.random_weights else "host",
                                 vram_budget=parse_bytes(args.vram_budget), use_graphs=not args.no_graphs,
-                                progress=True)
+                                progress=True, options=compile_options(), build_root=build_root())
     else:
         if args.random_weights:
             raise ValueError("--random-weights draws weights on the GPU: use it with --backend gpu")
@@ -186,24 +210,32 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--kv", choices=("int8", "bf16"), default=None, help="KV cache dtype (default: the spec's)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.set_defaults(func=cmd_plan)
-    b = sub.add_parser("build", help="trace, lower and compile every kernel a spec needs (NVRTC → build/)")
+    b = sub.add_parser("build", help="trace, lower and compile every kernel a runtime profile launches (NVRTC → build/)",
+                       description=BUILD_DESCRIPTION)
     b.add_argument("spec", help="path to a model spec YAML")
     b.add_argument("--target", default=None, help="card: rtx3090 (default), rtx3080, a6000, a100, rtx4090, h200")
     b.add_argument("--arch", default=None, help="sm_80 | sm_86 | sm_87 | sm_89 | sm_90 (wins over --target)")
     b.add_argument("--cohorts", default=None, help="cohort sizes, e.g. 1,2,4,8 (default: the spec's)")
     b.add_argument("--draft", type=int, default=None, help="MTP draft tokens (default: the spec's)")
+    b.add_argument("--max-context", type=int, default=None, help="tokens per sequence (default: the spec's)")
+    b.add_argument("--kv", choices=("int8", "bf16"), default=None, help="KV cache dtype (default: the spec's)")
     b.add_argument("--jobs", type=int, default=None, help="parallel compiles (default: CPU count)")
     b.add_argument("--build-dir", default="build", help="cache root (default: build/)")
     b.add_argument("--ptx", action="store_true", help="also emit PTX for the arch (compute_XX)")
     b.set_defaults(func=cmd_build)
-    i = sub.add_parser("inspect", help="trace an entry point and print its graph IR")
+    i = sub.add_parser("inspect", help="trace an entry point and print its graph IR, or (--plan) its lowered plan")
     i.add_argument("spec", help="path to a model spec YAML")
     i.add_argument("--entry", choices=("prefill", "step", "mtp"), default="step")
     i.add_argument("--batch", type=int, default=1, help="rows (cohort size); prefill needs 1")
     i.add_argument("--tokens", type=int, default=1, help="tokens per row (1 = decode, K+1 = verify)")
     i.add_argument("--act", choices=("f32", "bf16"), default="bf16", help="activation dtype")
-    i.add_argument("--kv", choices=("int8", "bf16", "f32"), default="int8", help="KV cache dtype")
+    i.add_argument("--kv", choices=("int8", "bf16", "f32"), default=None, help="KV cache dtype (default: the spec's)")
+    i.add_argument("--max-context", type=int, default=None, help="tokens per sequence (default: the spec's)")
     i.add_argument("--stats", action="store_true", help="print equation counts instead of the graph")
+    i.add_argument("--plan", action="store_true", help="print the lowered plan: every kernel call with its launch "
+                   "and a binding per parameter (after the pass pipeline)")
+    i.add_argument("--target", default=None, help="--plan: card (default rtx3090)")
+    i.add_argument("--arch", default=None, help="--plan: sm_80 | sm_86 | sm_87 | sm_89 | sm_90 (wins over --target)")
     i.set_defaults(func=cmd_inspect)
     r = sub.add_parser("run", help="generate a completion for one prompt")
     r.add_argument("--weights", help="HF checkpoint dir or spec YAML (random weights); "
@@ -250,7 +282,7 @@ def _bench_arguments(p) -> None:
 
 
 def cmd_bench(args) -> int:
-    from .bench import cmd_bench as run_bench_command
+    from ninfer_gen.cli.bench import cmd_bench as run_bench_command
     return run_bench_command(args)
 
 

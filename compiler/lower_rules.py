@@ -1,0 +1,315 @@
+"""lower_rules: one lowering rule per primitive (`RULES`) — the kernel calls an equation launches, each
+with its key and a binding for every kernel parameter (plan.Arena via `Val`, step input, weight plane,
+state buffer, workspace, constant, null). A rule may instead launch nothing: views (reshape, slice)
+alias their input, `positions` is the `row_pos` step input. Matrix-multiply dispatch (skinny GEMV up to
+32 rows, else the prefill GEMM — Hopper warpgroup MMA behind an activation permute where the arch and
+format allow) and the prefill GDN choice (chunked from 64 tokens) live here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from typing import Callable
+
+from .ir import Eqn, Graph, Var
+from .kernels import (KernelKey, attn_combine, attn_decode, attn_prefill, embed, gated_rmsnorm, gdn_chunk, gdn_conv,
+                      gdn_step, gemm, gemm_wg, gemv, module_of, qk_rope_kv, rmsnorm, xperm)
+from .options import CompileOptions
+from .plan import NULL, Binding, Const, Input, State, Weight, Workspace
+from .spec import ModelSpec
+from .targets import Target
+from .weights import gate_up_name, planes_of
+
+ZEROED_WORKSPACE = ("tickets", "counters")    # workspace the kernels expect zero and leave zero
+EMBEDDING = "embed_tokens.weight"
+
+
+class LoweringError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Val:
+    """A graph value bound by where it lives, resolved after the arena is laid out: arena bytes (through
+    views), a step input (graph inputs, `positions`), or a small weight's tensor."""
+    var: Var
+
+
+Arg = Binding | Val
+
+
+@dataclass
+class Lowered:
+    calls: list[tuple[KernelKey, dict[str, Arg]]] = field(default_factory=list)
+    out_dtype: str | None = None        # the dtype the kernels write to output 0, where wider than the graph's
+    alias: Binding | None = None        # launches nothing: output 0 is this binding
+    scratch: tuple | None = None        # what lane 0's scratch holds afterwards (a permuted input), if known
+
+
+@dataclass
+class Ctx:
+    spec: ModelSpec
+    target: Target
+    graph: Graph
+    options: CompileOptions
+    weight_format: dict[int, str]
+    weight_name: dict[int, str]
+    state_name: dict[int, str]
+    scratch: tuple | None = None        # Lowered.scratch of the previous equation that launched anything
+
+    @property
+    def b(self) -> int:
+        return self.graph.params["batch"]
+
+    @property
+    def t(self) -> int:
+        return self.graph.params["tokens"]
+
+    @property
+    def m(self) -> int:
+        return self.b * self.t
+
+    @property
+    def prefill(self) -> bool:
+        return self.graph.params["entry"] == "prefill" or self.m > 32
+
+    @property
+    def max_pages(self) -> int:
+        return self.graph.inputs["block_table"].shape[1]
+
+    @property
+    def kv_dtype(self) -> str:
+        return "int8" if self.graph.params["kv"] == "int8" else "bf16"
+
+    def layer(self, state: Var) -> str:
+        """The layer a state value belongs to: `gdn.3.conv` → 3, `kv.mtp.codes` → mtp."""
+        return self.state_name[state.uid].split(".")[1]
+
+    def pages(self, cache_first: Var) -> dict[str, Binding]:
+        layer = self.layer(cache_first)
+        pages = {"k_pages": State(f"kv.{layer}.k"), "v_pages": State(f"kv.{layer}.v")}
+        scales = self.kv_dtype == "int8"
+        return pages | {p: State(f"kv.{layer}.{p.replace('_scales', '')[0]}_scales") if scales else NULL
+                        for p in ("k_scales", "v_scales")}
+
+    def planes(self, name: str, fmt: str) -> dict[str, Binding]:
+        """A packed matrix's planes as the matmul parameters; the planes its format lacks are null."""
+        have = planes_of(fmt)
+        return {f"w_{p}": Weight(name, p) if p in have else NULL for p in ("lo", "hi", "scales")}
+
+    def workspace(self, key: KernelKey) -> dict[str, Workspace]:
+        """The call's workspace regions (`workspace(key)` of its family) in its lane, 256-byte aligned."""
+        fn = getattr(module_of(key), "workspace", None)
+        out, at = {}, {"scratch": 0, "zeroed": 0}
+        for name, size in (fn(key) if fn else {}).items():
+            pool = "zeroed" if name in ZEROED_WORKSPACE else "scratch"
+            out[name], at[pool] = Workspace(pool, at[pool]), at[pool] + align(size)
+        return out
+
+
+def align(n: int, a: int = 256) -> int:
+    return -(-n // a) * a
+
+
+# ---------------------------------------------------------------------------------------------- matmul
+@lru_cache(maxsize=4096)        # a forward multiplies a few shapes hundreds of times; a key is immutable
+def matmul_key(fmt: str, n: int, k: int, m: int, target: Target, epilogue: str = "none", out_dtype: str = "bf16",
+               options: CompileOptions = CompileOptions()) -> KernelKey:
+    """The skinny GEMV up to 32 rows (decode, verify, cohorts, a prefill's last-token head), the prefill
+    GEMM above: on Hopper warpgroup MMA where the arch and format allow (gemm_wg), else mma.sync."""
+    if m <= 32:
+        return gemv.make_key(fmt, n, k, m, target, epilogue, out_dtype, options.gemv)
+    make = gemm_wg.make_key if gemm_wg.eligible(fmt, n, k, m, target) else gemm.make_key
+    return make(fmt, n, k, m, target, epilogue, out_dtype)
+
+
+@dataclass(frozen=True)
+class Folds:
+    """Work a pass moved into a decode projection: the gemv key fields it sets and the bindings it adds."""
+    fields: tuple = ()
+    args: tuple = ()
+
+    def __or__(self, other: "Folds") -> "Folds":
+        return Folds(self.fields + other.fields, self.args + other.args)
+
+
+NO_FOLDS = Folds()
+
+
+def _matmul(ctx: Ctx, e: Eqn, x: Var, weights: list[Var], epilogue: str = "none", res: Var | None = None,
+            folds: Folds = NO_FOLDS) -> Lowered:
+    """One matrix multiply y = epilogue(x·Wᵀ); `weights` [gate, up] for silu_mul (one fused device matrix)."""
+    w = weights[0]
+    name = ctx.weight_name[w.uid] if len(weights) == 1 else gate_up_name(ctx.weight_name[w.uid])
+    n = w.shape[0] * len(weights)
+    # the vocabulary heads and the tiny a/b projections write fp32 (logits; the GDN gates read fp32)
+    out = "f32" if epilogue == "none" and (name in ("lm_head.weight", EMBEDDING) or n < 64) else "bf16"
+    fmt = ctx.weight_format[w.uid]
+    key = matmul_key(fmt, n, w.shape[1], x.shape[0], ctx.target, epilogue, out, ctx.options)
+    if folds.fields:
+        if key.family != "gemv":
+            raise LoweringError(f"{e.prim}: needs the decode GEMV (M = {x.shape[0]} rows), not a prefill GEMM")
+        key = replace(key, **dict(folds.fields))
+    args: dict[str, Arg] = {"y": Val(e.outputs[0]), "x": Val(x), **ctx.planes(name, fmt),
+                            "res": NULL if res is None else Val(res), **dict(folds.args)}
+    out_dtype = out if out == "f32" else None
+    if key.family == "gemv":
+        args |= {"ws": NULL, "tickets": NULL} | ctx.workspace(key)
+    if key.family != "gemm_wg":
+        return Lowered([(key, args)], out_dtype=out_dtype)
+    perm = xperm.make_key(x.shape[0], w.shape[1], ctx.target)
+    xp = ctx.workspace(perm)["xp"]           # xperm writes it, gemm_wg reads it as x (one region, lane 0)
+    calls = [] if ctx.scratch == (perm, x.uid) else [(perm, {"xp": xp, "x": Val(x)})]
+    return Lowered(calls + [(key, args | {"x": xp})], out_dtype=out_dtype, scratch=(perm, x.uid))
+
+
+def _projection(epilogue: str):
+    """linear (epilogue none) or linear_silu_mul over (x, W…), with the folds a wrapper adds."""
+    def rule(ctx, e, folds: Folds = NO_FOLDS):
+        weights = list(e.inputs[1:2] if epilogue == "none" else e.inputs[1:3])
+        return _matmul(ctx, e, e.inputs[0], weights, epilogue, folds=folds)
+    return rule
+
+
+def _linear_residual(ctx, e):
+    return _matmul(ctx, e, e.inputs[0], [e.inputs[1]], "residual", res=e.inputs[2])
+
+
+def _linear_residual_norm(ctx, e):
+    """(x, W, residual, norm weight) → h, xn, ssq: the residual GEMV also writes the next norm's input."""
+    if e.params["offset"] != 1.0:
+        raise LoweringError(f"{e.prim}: the GEMV normalises with (1 + w) only, not offset {e.params['offset']}")
+    x, w, res, norm_w = e.inputs
+    folds = Folds((("norm_out", True),), (("xn", Val(e.outputs[1])), ("ssq_out", Val(e.outputs[2])),
+                                         ("norm_w", Val(norm_w))))
+    return _matmul(ctx, e, x, [w], "residual", res=res, folds=folds)
+
+
+def _scaled(rule):
+    """(xn, ssq, W…) → the projection's GEMV scaling its rows by the norm's inverse RMS (passes.fold_norms_…)."""
+    def lowered(ctx, e, folds: Folds = NO_FOLDS):
+        xn, ssq, *rest = e.inputs
+        scale = Folds((("scale_in", True), ("eps", e.params["eps"])), (("ssq_in", Val(ssq)),))
+        return rule(ctx, Eqn(e.prim, [xn, *rest], dict(e.params), e.outputs), folds | scale)
+    return lowered
+
+
+def _with_conv(rule):
+    """(x…, W, conv taps, history, slots) → the projection's GEMV running the GDN conv in its epilogue."""
+    def lowered(ctx, e, folds: Folds = NO_FOLDS):
+        *head, taps, history, _ = e.inputs
+        conv = Folds((("conv", taps.shape[-1]),), (("conv_w", Val(taps)),
+                                                   ("hist", State(f"gdn.{ctx.layer(history)}.conv")),
+                                                   ("slots", Input("slots"))))
+        return rule(ctx, Eqn(e.prim, head, dict(e.params), e.outputs), folds | conv)
+    return lowered
+
+
+# ---------------------------------------------------------------------------------------------- the rest
+def _norm(ctx, e):
+    key = rmsnorm.Key(e.inputs[0].shape[-1], ctx.m, False, "bf16", e.params["eps"], ctx.target.arch)
+    return Lowered([(key, {"y": Val(e.outputs[0]), "x": Val(e.inputs[0]), "delta": NULL, "w": Val(e.inputs[1])})])
+
+
+def _add_norm(ctx, e):
+    raise LoweringError("add_rmsnorm: the rmsnorm kernel adds in place, which a plan cannot bind to the fused "
+                        "equation's separate sum; the residual add rides on the projection instead")
+
+
+def _embed(ctx, e):
+    fmt = ctx.weight_format[e.inputs[1].uid]
+    key = embed.Key(fmt, e.inputs[1].shape[1], ctx.m, ctx.target.arch)
+    scales = NULL if fmt == "bf16" else Weight(EMBEDDING, "row_scales")
+    return Lowered([(key, {"y": Val(e.outputs[0]), "ids": Val(e.inputs[0]), "table": Weight(EMBEDDING, "rows"),
+                           "scales": scales})])
+
+
+def _gdn_conv(ctx, e):
+    x, w, history, _ = e.inputs
+    key = gdn_conv.Key(x.shape[2], ctx.b, ctx.t, w.shape[2], "update", ctx.target.arch)
+    return Lowered([(key, {"y": Val(e.outputs[0]), "x": Val(x), "w": Val(w),
+                           "hist": State(f"gdn.{ctx.layer(history)}.conv"), "slots": Input("slots"),
+                           "rec": NULL, "commit": NULL, "prev_rec": NULL})])
+
+
+def prefill_gdn_key(hk, hv, dk, dv, t: int, target: Target) -> KernelKey:
+    """The GDN recurrence of a one-sequence prefill chunk: chunked (WY) from 64 tokens, else sequential."""
+    if t >= 64 and t % 16 == 0:
+        return gdn_chunk.make_key(hk, hv, dk, dv, t, target)
+    return gdn_step.make_key(hk, hv, dk, dv, 1, t, "step", target)
+
+
+def _gdn_step(ctx, e):
+    q, _, v, a, b, a_log, dt_bias, state, _ = e.inputs
+    hk, dk, hv, dv = q.shape[2], q.shape[3], v.shape[2], v.shape[3]
+    if ctx.graph.params["entry"] == "prefill" and ctx.b == 1:
+        key = prefill_gdn_key(hk, hv, dk, dv, ctx.t, ctx.target)
+    else:
+        key = gdn_step.make_key(hk, hv, dk, dv, ctx.b, ctx.t, "step", ctx.target)
+    args = {"o": Val(e.outputs[0]), "qkv": Val(q), "a": Val(a), "b": Val(b), "a_log": Val(a_log),
+            "dt_bias": Val(dt_bias), "state": State(f"gdn.{ctx.layer(state)}.state"), "slots": Input("slots")}
+    if key.family == "gdn_step":          # the ReplaySSM record/fold operands, unused by a plain step
+        args |= dict.fromkeys(("rec_k", "rec_v", "rec_g", "commit", "prev_k", "prev_v", "prev_g"), NULL)
+    return Lowered([(key, args)], out_dtype="f32")
+
+
+def _gated_rmsnorm(ctx, e):
+    _, hv, dv = e.inputs[0].shape
+    key = gated_rmsnorm.Key(hv, dv, ctx.m, e.params["eps"], ctx.target.arch)
+    o, z, w = e.inputs
+    return Lowered([(key, {"y": Val(e.outputs[0]), "o": Val(o), "z": Val(z), "w": Val(w)})])
+
+
+def _qk_rope_kv(ctx, e):
+    at, a = ctx.spec.model.attention, ctx.spec.model
+    q, k, v, q_norm, k_norm, row_pos, block_table, _, *cache = e.inputs
+    key = qk_rope_kv.Key(at.num_heads, at.num_kv_heads, at.head_dim, at.rotary_dim, ctx.b, ctx.t, ctx.kv_dtype,
+                         e.params["page_size"], ctx.max_pages, a.rms_norm_eps, ctx.target.arch)
+    args = {"q_out": Val(e.outputs[0]), "q": Val(q), "k": Val(k), "v": Val(v), "q_norm": Val(q_norm),
+            "k_norm": Val(k_norm), "inv_freq": Const("rope_inv_freq", (e.params["theta"], e.params["rotary_dim"])),
+            "pos": Val(row_pos), "block_table": Val(block_table)}
+    return Lowered([(key, args | ctx.pages(cache[0]))])
+
+
+def _attention(gate: bool):
+    def rule(ctx, e):
+        at, page = ctx.spec.model.attention, e.params["page_size"]
+        q, gate_src, block_table, _, *cache = e.inputs if gate else (e.inputs[0], None, *e.inputs[1:])
+        common = {"q": Val(q), "gate_src": Val(gate_src) if gate else NULL, "block_table": Val(block_table),
+                  **ctx.pages(cache[0])}
+        out = Val(e.outputs[0])
+        if ctx.prefill:
+            key = attn_prefill.make_key(at.num_heads, at.num_kv_heads, at.head_dim, ctx.t, ctx.kv_dtype,
+                                        ctx.max_pages, ctx.target, gate, page)
+            return Lowered([(key, common | {"out": out, "seq_len": Input("seq_lens")})])
+        dec = attn_decode.make_key(at.num_heads, at.num_kv_heads, at.head_dim, ctx.b, ctx.t, ctx.kv_dtype,
+                                   ctx.max_pages, ctx.target, gate, page)
+        common["seq_lens"] = Input("seq_lens")
+        if dec.splits == 1:
+            return Lowered([(dec, common | {"out": out, "part_o": NULL, "part_ml": NULL})])
+        parts = ctx.workspace(dec)        # the split partials attn_combine reduces, in the same lane
+        combine = {"out": out, "part_o": parts["part_o"], "part_ml": parts["part_ml"], "gate_src": common["gate_src"],
+                   "seq_lens": common["seq_lens"]}
+        return Lowered([(dec, common | parts | {"out": NULL}), (attn_combine.for_decode(dec), combine)])
+    return rule
+
+
+def _positions(ctx, e):
+    return Lowered(alias=Input("row_pos"))
+
+
+def _concat(ctx, e):
+    raise LoweringError("concat: the MTP layer's input is not lowered yet (the MTP entry runs on the reference "
+                        "backend)")
+
+
+RULES: dict[str, Callable[[Ctx, Eqn], Lowered]] = {
+    "embed": _embed, "linear": _projection("none"), "linear_residual": _linear_residual,
+    "linear_silu_mul": _projection("silu_mul"),
+    "rmsnorm": _norm, "add_rmsnorm": _add_norm, "gdn_conv": _gdn_conv, "gdn_step": _gdn_step,
+    "gated_rmsnorm": _gated_rmsnorm, "qk_rope_kv": _qk_rope_kv, "paged_attention": _attention(False),
+    "gated_paged_attention": _attention(True), "linear_residual_norm": _linear_residual_norm,
+    "scaled_linear": _scaled(_projection("none")), "scaled_linear_silu_mul": _scaled(_projection("silu_mul")),
+    "linear_conv": _with_conv(_projection("none")), "scaled_linear_conv": _scaled(_with_conv(_projection("none"))),
+    "positions": _positions, "concat": _concat,
+}

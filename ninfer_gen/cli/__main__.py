@@ -1,0 +1,5 @@
+import sys
+
+from ninfer_gen.cli.main import main
+
+sys.exit(main())

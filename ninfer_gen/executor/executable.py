@@ -1,0 +1,206 @@
+"""executable: a runtime profile's Plans bound to device memory, run eagerly or replayed as one CUDA
+graph per bucket.
+
+A plan says everything: each call's key, launch and a binding per kernel parameter. This module
+resolves bindings to pointers by their kind (arena bytes, step input, weight plane, state buffer,
+workspace lane, constant table, null) and knows no kernel family. It owns one activation arena shared
+by every bucket (buckets run one after another on one stream), the workspace lanes, the constants, and
+the graph branches of each plan's concurrent groups. Kernel arguments are packed once per call
+(`cuda_module.Launcher`); a bucket's graph is captured once and replayed.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from compiler.buckets import Profile, plan_bucket, plan_profile, profile_keys
+from compiler.plan import Arena, Const, Input, Null, Plan, State, Weight, Workspace
+from compiler.spec import ModelSpec
+from compiler.targets import Target
+
+from ninfer_gen.executor.cuda_module import KernelCache
+from ninfer_gen.executor.device_state import DeviceState, ExecutableError, StepInputs
+from ninfer_gen.executor.device_weights import DeviceWeights
+
+TORCH = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "i32": torch.int32, "i8": torch.int8}
+DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "i8": 1}
+
+
+class Bucket:
+    """One (entry, B, T) shape: its plan, its input buffers, its packed launchers, its CUDA graph.
+    Groups of concurrent calls run on side streams (forked from and joined back into the current
+    stream with events), so a captured graph has parallel branches there."""
+
+    def __init__(self, shape: tuple[str, int, int], plan: Plan, inputs: StepInputs):
+        self.shape, self.plan, self.inputs = shape, plan, inputs
+        self.launchers: list = []
+        self.side_streams: list = []
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+        self.hidden: torch.Tensor | None = None
+
+    def run(self, use_graph: bool = True) -> None:
+        if use_graph and self.graph is not None:
+            self.graph.replay()
+            return
+        main = torch.cuda.current_stream() if self.side_streams else None
+        for group in self.plan.groups:
+            if len(group) == 1 or not self.side_streams:
+                for i in group:
+                    self.launchers[i].launch()
+                continue
+            fork = torch.cuda.Event()
+            fork.record(main)
+            sides = self.side_streams[:len(group) - 1]
+            for side, i in zip(sides, group[1:]):
+                side.wait_event(fork)
+                self.launchers[i].launch(side.cuda_stream)
+            self.launchers[group[0]].launch(main.cuda_stream)
+            for side in sides:
+                join = torch.cuda.Event()
+                join.record(side)
+                main.wait_event(join)
+
+
+class Executable:
+    """The plans of one runtime profile for one spec and target, bound to one weight set, one state pool
+    and one arena."""
+
+    def __init__(self, spec: ModelSpec, target: Target, weights: DeviceWeights, state: DeviceState,
+                 kernels: KernelCache, profile: Profile, device="cuda"):
+        if profile.kv_dtype != state.kv_dtype:
+            raise ExecutableError(f"the profile's KV dtype {profile.kv_dtype} differs from the state's {state.kv_dtype}")
+        self.spec, self.target, self.weights, self.state, self.kernels = spec, target, weights, state, kernels
+        self.profile, self.device = profile, torch.device(device)
+        self.buckets: dict[tuple, Bucket] = {}
+        self._plans: dict[tuple, Plan] = {}
+        self.arena = torch.zeros(0, dtype=torch.uint8, device=self.device)
+        self.pools = {p: torch.zeros(0, dtype=torch.uint8, device=self.device) for p in ("scratch", "zeroed")}
+        self.lane_bytes = {"scratch": 0, "zeroed": 0}
+        self.lanes = 1
+        self.constants: dict[Const, torch.Tensor] = {}
+        self.side_streams: list = []
+        self._resolvers = {Arena: self._arena, Input: self._input, Weight: self._weight, State: self._state,
+                           Workspace: self._workspace, Const: self._const, Null: lambda b, inputs: 0}
+
+    @property
+    def shapes(self) -> list[tuple[str, int, int]]:
+        return self.profile.shapes()
+
+    def keys(self) -> list:
+        """Every kernel key of the profile's plans (what `ninfer-gen build` compiles for this profile)."""
+        missing = [s for s in self.shapes if s not in self._plans]
+        if missing:
+            self._plans |= plan_profile(self.spec, self.target, self.profile)
+        return profile_keys({s: self._plans[s] for s in self.shapes})
+
+    def plan(self, shape: tuple[str, int, int]) -> Plan:
+        if shape not in self.shapes:
+            raise ExecutableError(f"bucket {shape[0]} B={shape[1]} T={shape[2]} is not in the runtime profile "
+                                  f"({self.profile.describe()}): its shapes are " +
+                                  ", ".join(f"{e} {b}x{t}" for e, b, t in self.shapes))
+        if shape not in self._plans:
+            self._plans[shape] = plan_bucket(self.spec, self.target, *shape, self.profile)
+        return self._plans[shape]
+
+    # ------------------------------------------------------------ buckets
+    def bucket(self, entry: str, batch: int, tokens: int) -> Bucket:
+        """The profile's bucket for B rows × T tokens (planned, built and bound on first use)."""
+        shape = (entry, batch, tokens)
+        if shape not in self.buckets:
+            self.buckets[shape] = self.bind_plan(self.plan(shape))
+        return self.buckets[shape]
+
+    def bind_plan(self, plan: Plan, inputs: StepInputs | None = None) -> Bucket:
+        """A bucket for `plan` on this executable's memory (the profile's buckets come through `bucket`;
+        lab A/B measurements bind plans of other options here, sharing a bucket's `inputs`)."""
+        self.kernels.build(plan.keys())
+        spills = [n for n in self.kernels.spilled() if n in {k.name for k in plan.keys()}]
+        if spills:
+            raise ExecutableError(f"kernels spill registers: {', '.join(spills)}")
+        _, batch, tokens = plan.shape
+        inputs = inputs or StepInputs(batch, tokens, plan.max_pages, self.state.trash_page, self.device)
+        bucket = Bucket(plan.shape, plan, inputs)
+        self._fit(plan, bucket)
+        self._bind(bucket)
+        return bucket
+
+    def _fit(self, plan: Plan, new: Bucket) -> None:
+        """Grow the arena, the lanes and the workspaces for a new plan; growing moves them, so every
+        other bucket is rebound."""
+        grow = plan.arena_bytes > self.arena.numel()
+        if grow:
+            self.arena = torch.zeros(plan.arena_bytes, dtype=torch.uint8, device=self.device)
+        lanes = max(self.lanes, plan.lanes)
+        for pool, per_lane in plan.workspace.items():
+            per_lane = max(per_lane, self.lane_bytes[pool])
+            if per_lane * lanes > self.pools[pool].numel() or lanes != self.lanes:
+                self.pools[pool] = torch.zeros(per_lane * lanes, dtype=torch.uint8, device=self.device)
+                self.lane_bytes[pool], grow = per_lane, True
+        if lanes != self.lanes:
+            self.lanes, grow = lanes, True
+        if self.device.type == "cuda":
+            self.side_streams += [torch.cuda.Stream(self.device) for _ in range(lanes - 1 - len(self.side_streams))]
+        if grow:
+            for b in self.buckets.values():
+                if b is not new:
+                    self._bind(b)
+
+    # ------------------------------------------------------------ binding
+    def _bind(self, bucket: Bucket) -> None:
+        """Resolve every call's bindings to pointers and pack them into launchers."""
+        plan = bucket.plan
+        bucket.graph = None
+        bucket.side_streams = self.side_streams
+        bucket.launchers = [self.kernels.bind(c.key, [self.resolve(b, bucket.inputs) for _, b in c.args],
+                                              programmatic=c.programmatic) for c in plan.calls]
+        bucket.logits, bucket.hidden = (self._output(plan, name) for name in ("logits", "hidden"))
+
+    def resolve(self, binding, inputs: StepInputs) -> int:
+        """The device address a binding names."""
+        return self._resolvers[type(binding)](binding, inputs)
+
+    def _arena(self, b: Arena, inputs) -> int:
+        return self.arena.data_ptr() + b.offset
+
+    def _input(self, b: Input, inputs: StepInputs) -> int:
+        return inputs.ptr(b.name)
+
+    def _weight(self, b: Weight, inputs) -> int:
+        return self.weights.plane(b.name, b.plane).data_ptr()
+
+    def _state(self, b: State, inputs) -> int:
+        return self.state.buffer(b.name).data_ptr()
+
+    def _workspace(self, b: Workspace, inputs) -> int:
+        if b.lane >= self.lanes:
+            raise ExecutableError(f"workspace lane {b.lane} of {self.lanes}")
+        return self.pools[b.pool].data_ptr() + b.lane * self.lane_bytes[b.pool] + b.offset
+
+    def _const(self, b: Const, inputs) -> int:
+        if b not in self.constants:
+            self.constants[b] = b.tensor().to(self.device).contiguous()
+        return self.constants[b].data_ptr()
+
+    def _output(self, plan: Plan, name: str) -> torch.Tensor:
+        out = plan.outputs[name]
+        size = math.prod(out.shape) * DTYPE_BYTES[out.dtype]
+        return self.arena[out.offset:out.offset + size].view(TORCH[out.dtype]).view(*out.shape)
+
+    # ------------------------------------------------------------ graphs
+    def capture(self, bucket: Bucket) -> None:
+        """Record the bucket's launches as one CUDA graph, after one eager warm-up run on padded rows
+        only (no state slot, KV writes to the trash page), so no sequence's state changes."""
+        bucket.graph = None
+        bucket.inputs.set([], [], [], [])
+        bucket.run(use_graph=False)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            bucket.run(use_graph=False)
+        bucket.graph = graph
+
+    @property
+    def launches(self) -> dict[tuple, int]:
+        return {shape: len(b.launchers) for shape, b in self.buckets.items()}
