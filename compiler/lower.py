@@ -74,16 +74,18 @@ def concurrent_groups(calls: list[Call], arena: dict[str, tuple[int, int]], widt
     return groups
 
 
-def _workspace_per_lane(calls: list[Call]) -> dict[str, int]:
-    """Bytes each lane needs per pool: the largest call's regions (each 256-byte aligned)."""
-    need = {"scratch": 0, "zeroed": 0}
+def _workspace_per_lane(calls: list[Call]) -> dict[str, tuple[int, ...]]:
+    """Bytes each workspace lane needs per pool: the most any call in that lane uses (each region 256-byte
+    aligned). Only grouped GEMVs use the lanes past 0, so those stay small."""
+    lanes = 1 + max((c.lane for c in calls), default=0)
+    need = {"scratch": [0] * lanes, "zeroed": [0] * lanes}
     for c in calls:
         fn = getattr(module_of(c.key), "workspace", None)
         sizes = fn(c.key) if fn else {}
-        for pool in need:
+        for pool, per_lane in need.items():
             total = sum(align(n) for name, n in sizes.items() if (name in ZEROED_WORKSPACE) == (pool == "zeroed"))
-            need[pool] = max(need[pool], total)
-    return need
+            per_lane[c.lane] = max(per_lane[c.lane], total)
+    return {pool: tuple(per_lane) for pool, per_lane in need.items()}
 
 
 def lower(g: Graph, spec: ModelSpec, target: Target, options: CompileOptions = CompileOptions()) -> Plan:

@@ -151,7 +151,7 @@ class Plan:
     dtypes: dict[str, str] = field(default_factory=dict)    # arena value → dtype its kernel writes (if wider)
     outputs: dict[str, Output] = field(default_factory=dict)
     groups: list[list[int]] = field(default_factory=list)   # call indices that may run at once (graph branches)
-    workspace: dict[str, int] = field(default_factory=dict)  # pool → bytes per lane
+    workspace: dict[str, tuple[int, ...]] = field(default_factory=dict)  # pool → bytes of each lane
     shape: tuple[str, int, int] = ("step", 1, 1)            # (entry, batch, tokens)
     max_pages: int = 0                                       # block-table width of a row
     options: CompileOptions = CompileOptions()
@@ -209,8 +209,8 @@ def format_plan(plan: Plan) -> str:
     lane_of = {i: n for g in plan.groups if len(g) > 1 for n, i in enumerate(g)}
     lines = [f"plan {plan.name} entry={entry} batch={batch} tokens={tokens} target={plan.target} "
              f"options={plan.options.describe()}",
-             f"  arena {plan.arena_bytes} B; workspace per lane " +
-             (", ".join(f"{k} {v} B" for k, v in plan.workspace.items()) or "none") + f"; lanes {plan.lanes}",
+             f"  arena {plan.arena_bytes} B; workspace lanes " +
+             (", ".join(f"{k} {'+'.join(map(str, v))} B" for k, v in plan.workspace.items()) or "none"),
              "  inputs " + " ".join(f"{k}[{n}]" for k, n in plan.step_inputs().items()),
              "  outputs " + " ".join(f"{k}=arena[{o.offset}] {o.dtype}{list(o.shape)}" for k, o in plan.outputs.items())]
     for i, c in enumerate(plan.calls):

@@ -293,12 +293,12 @@ def plan(target):
     yield "sweep", gemv_runs("w8g32", 5120, 17408, (1, 8, 32), "residual", "bf16", target, l2,
                              [{"splits": 5}, {"splits": 9}])
     # warps per block on the decode shapes
-    depth = [{}, {"warps": 8}]
+    warps = [{}, {"warps": 8}]
     for fmt, n, k, epi, out in DECODE_GEMV:
         fit = [c | {"splits": min(gemv.make_key(fmt, n, k, 1, target, epi, out).splits,
                                    gemv.load_batches(fmt, k, c.get("warps", 4)))}
-               if gemv.make_key(fmt, n, k, 1, target, epi, out).splits > 1 else c for c in depth]
-        yield "depth", gemv_runs(fmt, n, k, (1, 8), epi, out, target, l2, fit)
+               if gemv.make_key(fmt, n, k, 1, target, epi, out).splits > 1 else c for c in warps]
+        yield "warps", gemv_runs(fmt, n, k, (1, 8), epi, out, target, l2, fit)
     # config neighbours (warps, row tiles per block, K splits) of every decode GEMV shape, timed chained
     for fmt, n, k, epi, out in DECODE_GEMV[:6]:
         yield "tune", gemv_runs(fmt, n, k, (1,), epi, out, target, l2, tune_configs(fmt, n, k, epi, out, target))
@@ -337,7 +337,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="kernel_lab.json")
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--only", default="", help="comma-separated labels: gemv9,gemv,gdn_step,gdn_chunk,gdn_conv,attn_decode,prefill,gemm_sweep,gemm_27b,wg_27b,wg_sweep,sweep,depth,tune,misc")
+    ap.add_argument("--only", default="", help="comma-separated labels: gemv9,gemv,gdn_step,gdn_chunk,gdn_conv,attn_decode,prefill,gemm_sweep,gemm_27b,wg_27b,wg_sweep,sweep,warps,tune,misc")
     args = ap.parse_args(argv)
     major, minor = torch.cuda.get_device_capability()
     target = lookup(f"sm_{major}{minor}")

@@ -121,11 +121,16 @@ def test_executable_launches_exactly_what_build_compiles(weights, spec_name):
     profile = profile_of(spec, cohorts=(1, 2, 4, 8), draft=3, max_context=4096)
     built = profile_keys(plan_profile(spec, lookup("rtx3090"), profile))
     exe, rec = _exe(w, profile=profile, slots=1)
+    exe.prepare()                 # builds the profile's kernels and sizes memory for every plan
+    assert set(rec.built) == set(built)
+    memory = [exe.arena.data_ptr(), *(p.data_ptr() for p in exe.pools.values())]
     for shape in exe.shapes:
         exe.bucket(*shape)
     launched = list(dict.fromkeys(k for k, _ in rec.calls))
     assert set(launched) == set(built) and len(launched) == len(built)
-    assert set(rec.built) == set(built) == set(exe.keys())
+    # binding a prepared profile's buckets never moves memory (no bucket is rebound, no graph recaptured)
+    assert memory == [exe.arena.data_ptr(), *(p.data_ptr() for p in exe.pools.values())]
+    assert len(rec.calls) == sum(len(exe.plan(s).calls) for s in exe.shapes)
     with pytest.raises(ExecutableError, match="not in the runtime profile"):
         exe.bucket("step", 3, 1)
 

@@ -11,6 +11,7 @@ the graph branches of each plan's concurrent groups. Kernel arguments are packed
 from __future__ import annotations
 
 import math
+from itertools import zip_longest
 
 import torch
 
@@ -77,8 +78,7 @@ class Executable:
         self._plans: dict[tuple, Plan] = {}
         self.arena = torch.zeros(0, dtype=torch.uint8, device=self.device)
         self.pools = {p: torch.zeros(0, dtype=torch.uint8, device=self.device) for p in ("scratch", "zeroed")}
-        self.lane_bytes = {"scratch": 0, "zeroed": 0}
-        self.lanes = 1
+        self.lane_bytes: dict[str, tuple[int, ...]] = {"scratch": (), "zeroed": ()}
         self.constants: dict[Const, torch.Tensor] = {}
         self.side_streams: list = []
         self._resolvers = {Arena: self._arena, Input: self._input, Weight: self._weight, State: self._state,
@@ -126,22 +126,27 @@ class Executable:
         self._bind(bucket)
         return bucket
 
-    def _fit(self, plan: Plan, new: Bucket) -> None:
-        """Grow the arena, the lanes and the workspaces for a new plan; growing moves them, so every
-        other bucket is rebound."""
+    def prepare(self) -> None:
+        """Plan every bucket of the profile, build its kernels and size the arena, workspace lanes and
+        graph branches for all of them at once, so binding a bucket later never moves memory."""
+        self.kernels.build(self.keys())
+        for shape in self.shapes:
+            self._fit(self._plans[shape])
+
+    def _fit(self, plan: Plan, new: Bucket | None = None) -> None:
+        """Grow the arena and the workspace lanes for a plan; growing moves them, so every other bucket is
+        rebound (never after `prepare` for the profile's own plans)."""
         grow = plan.arena_bytes > self.arena.numel()
         if grow:
             self.arena = torch.zeros(plan.arena_bytes, dtype=torch.uint8, device=self.device)
-        lanes = max(self.lanes, plan.lanes)
-        for pool, per_lane in plan.workspace.items():
-            per_lane = max(per_lane, self.lane_bytes[pool])
-            if per_lane * lanes > self.pools[pool].numel() or lanes != self.lanes:
-                self.pools[pool] = torch.zeros(per_lane * lanes, dtype=torch.uint8, device=self.device)
-                self.lane_bytes[pool], grow = per_lane, True
-        if lanes != self.lanes:
-            self.lanes, grow = lanes, True
+        for pool, lanes in plan.workspace.items():
+            have = self.lane_bytes[pool]
+            want = tuple(max(a, b) for a, b in zip_longest(have, lanes, fillvalue=0))
+            if want != have:
+                self.pools[pool] = torch.zeros(sum(want), dtype=torch.uint8, device=self.device)
+                self.lane_bytes[pool], grow = want, True
         if self.device.type == "cuda":
-            self.side_streams += [torch.cuda.Stream(self.device) for _ in range(lanes - 1 - len(self.side_streams))]
+            self.side_streams += [torch.cuda.Stream(self.device) for _ in range(plan.lanes - 1 - len(self.side_streams))]
         if grow:
             for b in self.buckets.values():
                 if b is not new:
@@ -174,9 +179,10 @@ class Executable:
         return self.state.buffer(b.name).data_ptr()
 
     def _workspace(self, b: Workspace, inputs) -> int:
-        if b.lane >= self.lanes:
-            raise ExecutableError(f"workspace lane {b.lane} of {self.lanes}")
-        return self.pools[b.pool].data_ptr() + b.lane * self.lane_bytes[b.pool] + b.offset
+        lanes = self.lane_bytes[b.pool]
+        if b.lane >= len(lanes) or b.offset >= lanes[b.lane]:
+            raise ExecutableError(f"{b} lies outside the {b.pool} workspace lanes {lanes}")
+        return self.pools[b.pool].data_ptr() + sum(lanes[:b.lane]) + b.offset
 
     def _const(self, b: Const, inputs) -> int:
         if b not in self.constants:

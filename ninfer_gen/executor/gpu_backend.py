@@ -61,7 +61,7 @@ class GpuBackend(SequencePool):
                                   max_context=ctx, kv_dtype=kv_dtype, all_logits=all_logits, options=options,
                                   prefill_chunk=prefill_chunk)
         self.exe = Executable(spec, self.target, weights, self.state, self.kernels, self.profile, self.device)
-        self.kernels.build(self.exe.keys())                 # every kernel of the profile, once, up front
+        self.exe.prepare()                  # every kernel and all memory of the profile, once, up front
         super().__init__(cohorts, pages, rt.page_size, per_seq * rt.page_size)
         self._greedy_out: torch.Tensor | None = None       # greedy(): tokens chosen on the device
         self._greedy_index: torch.Tensor | None = None
