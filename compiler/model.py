@@ -24,6 +24,7 @@ class Batch:
     state: Callable[[str], Any] | None = None
     page_size: int = 64
     kv_int8: bool = True
+    records: Callable[[str], Any] | None = None     # verify (ReplaySSM): GDN layers log, never write state
 
     def kv(self, layer: str) -> tuple:
         if self.kv_int8:
@@ -40,7 +41,11 @@ def gdn_mixer(ops: Ops, spec: ModelSpec, W, p: str, h, batch: Batch, layer: int)
     a_raw = ops.linear(h, W(f"{p}in_proj_a.weight"))
     stateful = batch.state is not None
     history = batch.state(f"gdn.{layer}.conv") if stateful else None
-    c = ops.gdn_conv(c, W(f"{p}conv1d.weight"), history, batch.slots)
+    rec = batch.records
+    if rec is None:
+        c = ops.gdn_conv(c, W(f"{p}conv1d.weight"), history, batch.slots)
+    else:
+        c = ops.gdn_conv_record(c, W(f"{p}conv1d.weight"), history, batch.slots, rec(f"rec.{layer}.conv"))
     q = ops.reshape(ops.slice(c, 2, 0, g.key_dim), B, T, g.num_key_heads, g.key_head_dim)
     k = ops.reshape(ops.slice(c, 2, g.key_dim, 2 * g.key_dim), B, T, g.num_key_heads, g.key_head_dim)
     v = ops.reshape(ops.slice(c, 2, 2 * g.key_dim, g.conv_dim), B, T, g.num_value_heads, g.value_head_dim)
@@ -48,7 +53,11 @@ def gdn_mixer(ops: Ops, spec: ModelSpec, W, p: str, h, batch: Batch, layer: int)
     decay = ops.reshape(decay, B, T, g.num_value_heads)
     beta = ops.reshape(beta, B, T, g.num_value_heads)
     state = batch.state(f"gdn.{layer}.state") if stateful else None
-    o = ops.gdn_recurrence(q, k, v, decay, beta, state, batch.slots)
+    if rec is None:
+        o = ops.gdn_recurrence(q, k, v, decay, beta, state, batch.slots)
+    else:
+        o = ops.gdn_recurrence_record(q, k, v, decay, beta, state, batch.slots,
+                                      *(rec(f"rec.{layer}.{part}") for part in ("k", "v", "g")))
     o = ops.gated_rmsnorm(ops.reshape(o, N, g.num_value_heads, g.value_head_dim), z,
                           W(f"{p}norm.weight"), a.rms_norm_eps)
     return ops.linear(ops.reshape(o, N, g.value_dim), W(f"{p}out_proj.weight"))
@@ -128,6 +137,17 @@ def mtp_forward(ops: Ops, spec: ModelSpec, W, hidden, next_tokens, batch: Batch,
     N = batch.B * batch.T
     head_in = ops.slice(y, 0, N - 1, N) if last_logits else y
     return ops.linear(head_in, W(lm_head_name(spec))), y
+
+
+def commit(ops: Ops, spec: ModelSpec, batch: Batch, counts) -> None:
+    """ReplaySSM fold (REPLAYSSM.md): each GDN layer replays the first `counts[r]` tokens a verify step
+    logged for row r into the row's state and conv history (0: nothing)."""
+    for i, kind in enumerate(spec.model.layers.kinds):
+        if kind == "linear_attention":
+            rec = batch.records
+            ops.gdn_conv_fold(batch.state(f"gdn.{i}.conv"), batch.slots, rec(f"rec.{i}.conv"), counts)
+            ops.gdn_fold(batch.state(f"gdn.{i}.state"), batch.slots, rec(f"rec.{i}.k"), rec(f"rec.{i}.v"),
+                         rec(f"rec.{i}.g"), counts)
 
 
 def reference_forward(spec: ModelSpec, params: dict, tokens, with_mtp: bool = True) -> dict:

@@ -68,6 +68,18 @@ class Ops:
     def gdn_recurrence(self, q, k, v, g, beta, state, slots):
         return self._one("gdn_recurrence", q, k, v, g, beta, state, slots)
 
+    def gdn_conv_record(self, c, w, history, slots, rec):
+        return self._one("gdn_conv_record", c, w, history, slots, rec)
+
+    def gdn_recurrence_record(self, q, k, v, g, beta, state, slots, rec_k, rec_v, rec_g):
+        return self._one("gdn_recurrence_record", q, k, v, g, beta, state, slots, rec_k, rec_v, rec_g)
+
+    def gdn_conv_fold(self, history, slots, rec, counts):
+        self.bind("gdn_conv_fold", history, slots, rec, counts)
+
+    def gdn_fold(self, state, slots, rec_k, rec_v, rec_g, counts):
+        self.bind("gdn_fold", state, slots, rec_k, rec_v, rec_g, counts)
+
     def causal_attention(self, q, k, v, scale):
         return self._one("causal_attention", q, k, v, scale=scale)
 

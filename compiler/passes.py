@@ -161,11 +161,15 @@ def fuse_norm_rope(g: Graph) -> Graph:
     return _rewrite(g, match)
 
 
+GATED_RECURRENCES = {"gdn_recurrence": "gdn_step", "gdn_recurrence_record": "gdn_step_record"}
+
+
 def fuse_gdn_gates(g: Graph) -> Graph:
-    """gdn_gates → reshapes → gdn_recurrence: the step computes its own gates from raw a, b."""
+    """gdn_gates → reshapes → gdn_recurrence (or its record mode): the step computes its own gates from
+    raw a, b."""
     def match(g, i, uses, prod):
         e = g.eqns[i]
-        if e.prim != "gdn_recurrence":
+        if e.prim not in GATED_RECURRENCES:
             return None
         rg = _single_use_producer(g, e.inputs[3], "reshape", uses, prod)
         rb = _single_use_producer(g, e.inputs[4], "reshape", uses, prod)
@@ -174,8 +178,8 @@ def fuse_gdn_gates(g: Graph) -> Graph:
         gates = g.eqns[prod[rg.inputs[0].uid]]
         if gates.prim != "gdn_gates" or rb.inputs[0] is not gates.outputs[1] or uses[gates.outputs[0].uid] != 1:
             return None
-        q, k, v, _, _, state, slots = e.inputs
-        fused = Eqn("gdn_step", [q, k, v, *gates.inputs, state, slots], {}, e.outputs)
+        q, k, v, _, _, *rest = e.inputs
+        fused = Eqn(GATED_RECURRENCES[e.prim], [q, k, v, *gates.inputs, *rest], {}, e.outputs)
         return fused, {prod[rg.inputs[0].uid], prod[e.inputs[3].uid], prod[e.inputs[4].uid]}
     return _rewrite(g, match)
 

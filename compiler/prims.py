@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from . import reference_ops as ref
+from . import reference_replayssm as replay
 from .ir import AVal
 
 
@@ -150,6 +151,40 @@ def _gdn_recurrence(q, k, v, g, beta, state, slots):
     return [v]
 
 
+# ---------------------------------------------------------------- ReplaySSM (REPLAYSSM.md): verify and fold
+
+@_prim("gdn_conv_record", replay.gdn_conv_record, effectful=True)
+def _gdn_conv_record(c, w, history, slots, rec):
+    _check(rec.shape == c.shape, lambda: f"gdn_conv_record: record {rec} for {c}")
+    return _gdn_conv(c, w, history, slots)
+
+
+@_prim("gdn_conv_fold", replay.gdn_conv_fold, effectful=True)
+def _gdn_conv_fold(history, slots, rec, commit):
+    _check(len(rec.shape) == 3 and history.shape[1] == rec.shape[2] and commit.shape == slots.shape
+           and rec.shape[0] == slots.shape[0], lambda: f"gdn_conv_fold: {history} {rec} {commit}")
+    return []
+
+
+def _records(k, v, rec_k, rec_v, rec_g, name):
+    B, T, hv = v.shape[:3]
+    _check(rec_k.shape == k.shape and rec_v.shape == v.shape and rec_g.shape == (B, T, hv, 2)
+           and rec_g.dtype == "f32", lambda: f"{name}: records {rec_k} {rec_v} {rec_g} for {k} {v}")
+
+
+@_prim("gdn_recurrence_record", replay.gdn_recurrence_record, effectful=True)
+def _gdn_recurrence_record(q, k, v, g, beta, state, slots, rec_k, rec_v, rec_g):
+    _records(k, v, rec_k, rec_v, rec_g, "gdn_recurrence_record")
+    return _gdn_recurrence(q, k, v, g, beta, state, slots)
+
+
+@_prim("gdn_fold", replay.gdn_fold, effectful=True)
+def _gdn_fold(state, slots, rec_k, rec_v, rec_g, commit):
+    _check(state.shape[1:] == (rec_v.shape[2], rec_k.shape[3], rec_v.shape[3]) and commit.shape == slots.shape
+           and rec_k.shape[0] == slots.shape[0], lambda: f"gdn_fold: {state} {rec_k} {rec_v} {commit}")
+    return []
+
+
 @_prim("causal_attention", ref.causal_attention)
 def _causal_attention(q, k, v, *, scale):
     _check(k.shape == v.shape and q.shape[:2] == k.shape[:2] and q.shape[2] % k.shape[2] == 0, lambda: f"causal_attention: {q} {k} {v}")
@@ -203,6 +238,12 @@ def _gdn_step(q, k, v, a, b, a_log, dt_bias, state, slots):
     B, T, hv = v.shape[:3]
     _check(a.shape == b.shape == (B * T, hv), lambda: f"gdn_step: raw gates {a} {b} for {v}")
     return _gdn_recurrence(q, k, v, AVal((B, T, hv), "f32"), AVal((B, T, hv), "f32"), state, slots)
+
+
+@_prim("gdn_step_record", replay.gdn_step_record, effectful=True)
+def _gdn_step_record(q, k, v, a, b, a_log, dt_bias, state, slots, rec_k, rec_v, rec_g):
+    _records(k, v, rec_k, rec_v, rec_g, "gdn_step_record")
+    return _gdn_step(q, k, v, a, b, a_log, dt_bias, state, slots)
 
 
 @_prim("linear_residual", ref.linear_residual)

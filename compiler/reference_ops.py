@@ -89,22 +89,26 @@ def _valid(ids):
     return None if ids is None else (ids >= 0).nonzero().flatten()
 
 
+def gdn_conv_output(c, w, hist):
+    """(SiLU of the depthwise causal conv over [hist ++ c], the concatenated columns [B, C, K−1+T])."""
+    B, T, C = c.shape
+    K = w.shape[-1]
+    full = torch.cat((hist, c.transpose(1, 2)), dim=-1)
+    taps = w.to(c.dtype).reshape(C, K)
+    acc = sum(taps[None, :, j, None] * full[:, :, j:j + T] for j in range(K))  # tap order fixed: j = 0..K-1
+    return F.silu(acc).transpose(1, 2).to(c.dtype), full
+
+
 def gdn_conv(c, w, history, slots):
     """Depthwise causal conv over [history ++ c] then SiLU; history keeps the last K-1 pre-conv columns."""
     B, T, C = c.shape
     K = w.shape[-1]
-    if history is None:
-        hist = c.new_zeros(B, C, K - 1)
-    else:
-        hist = history[slots.long().clamp(min=0)].to(c.dtype)
-    full = torch.cat((hist, c.transpose(1, 2)), dim=-1)
-    taps = w.to(c.dtype).reshape(C, K)
-    acc = sum(taps[None, :, j, None] * full[:, :, j:j + T] for j in range(K))  # tap order fixed: j = 0..K-1
-    out = F.silu(acc).transpose(1, 2)
+    hist = c.new_zeros(B, C, K - 1) if history is None else history[slots.long().clamp(min=0)].to(c.dtype)
+    out, full = gdn_conv_output(c, w, hist)
     if history is not None:
         rows = _valid(slots)
         history[slots[rows].long()] = full[rows, :, -(K - 1):].to(history.dtype)
-    return out.to(c.dtype)
+    return out
 
 
 def gdn_gates(a, b, a_log, dt_bias):

@@ -1,8 +1,10 @@
 """trace: traces the model program per entry point and static shape into a typechecked Graph.
 
 Entry points (DESIGN.md §2): `prefill` (one sequence, a T-token chunk at any position), `step`
-(B rows × T tokens: decode T=1, verify T=K+1) and `mtp` (B × T through the MTP head). Everything that
-changes per call — token ids, positions, block tables, slot ids — is a graph input, never a constant.
+(B rows × T tokens: decode T=1), `verify` (a step of T = K+1 tokens whose GDN layers read the committed
+state and log ReplaySSM records instead of writing it), `commit` (folds the first `commit[r]` logged
+tokens of each row into its state) and `mtp` (B × T through the MTP head). Everything that changes per
+call — token ids, positions, block tables, slot ids, commit counts — is a graph input, never a constant.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from .ir import Graph, typecheck
 from .ops import TraceOps
 from .spec import ModelSpec, tensor_table
 
-ENTRIES = ("prefill", "step", "mtp")
+ENTRIES = ("prefill", "step", "verify", "commit", "mtp")
 _ACT_DTYPE_OF_FORMAT = {"bf16": "bf16", "fp32": "f32"}
 
 
@@ -52,6 +54,20 @@ def state_avals(spec: ModelSpec, pools: StatePools) -> dict[str, tuple[tuple[int
     return out
 
 
+def record_avals(spec: ModelSpec, batch: int, tokens: int, act_dtype: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Name → (shape, dtype) of the ReplaySSM records of a verify step of `batch` rows × `tokens`, per
+    GDN layer: pre-conv columns, raw k, v (activation dtype) and (g, beta) fp32 (REPLAYSSM.md)."""
+    g = spec.model.linear_attention
+    out = {}
+    for i, kind in enumerate(spec.model.layers.kinds):
+        if kind == "linear_attention":
+            out[f"rec.{i}.conv"] = ((batch, tokens, g.conv_dim), act_dtype)
+            out[f"rec.{i}.k"] = ((batch, tokens, g.num_key_heads, g.key_head_dim), act_dtype)
+            out[f"rec.{i}.v"] = ((batch, tokens, g.num_value_heads, g.value_head_dim), act_dtype)
+            out[f"rec.{i}.g"] = ((batch, tokens, g.num_value_heads, 2), "f32")
+    return out
+
+
 def _weight_dtype(spec: ModelSpec, info) -> str:
     fmt = getattr(spec.quantization, info.role)
     return _ACT_DTYPE_OF_FORMAT.get(fmt, "bf16")  # quantised matrices present as bf16 to the IR
@@ -71,7 +87,8 @@ def trace(spec: ModelSpec, entry: str, batch: int, tokens: int, pools: StatePool
     ops = TraceOps(act_dtype)
     table = {t.name: t for t in tensor_table(spec)}
     weights, state = {}, {}
-    svals = state_avals(spec, pools)
+    svals = state_avals(spec, pools) | (record_avals(spec, batch, tokens, act_dtype)
+                                        if entry in ("verify", "commit") else {})
 
     def W(name):
         if name not in weights:
@@ -89,17 +106,24 @@ def trace(spec: ModelSpec, entry: str, batch: int, tokens: int, pools: StatePool
               "block_table": ops.new_var((batch, pools.pages_per_seq), "i32")}
     b = model.Batch(batch, tokens, inputs["pos"], inputs["block_table"], None, S, pools.page_size,
                     pools.kv_dtype == "int8")
+    if entry in ("verify", "commit"):
+        b.records = S
+    outputs = {}
     if entry == "mtp":
         inputs["hidden"] = ops.new_var((batch * tokens, spec.model.hidden_size), act_dtype)
-        logits, hidden = model.mtp_forward(ops, spec, W, inputs["hidden"], inputs["tokens"], b, last_logits)
+        outputs["logits"], outputs["hidden"] = model.mtp_forward(ops, spec, W, inputs["hidden"], inputs["tokens"], b,
+                                                                 last_logits)
+    elif entry == "commit":
+        inputs = {"slots": ops.new_var((batch,), "i32"), "commit": ops.new_var((batch,), "i32")}
+        b.slots = inputs["slots"]
+        model.commit(ops, spec, b, inputs["commit"])
     else:
         inputs["slots"] = b.slots = ops.new_var((batch,), "i32")
-        logits, hidden = model.forward(ops, spec, W, inputs["tokens"], b, last_logits)
+        outputs["logits"], outputs["hidden"] = model.forward(ops, spec, W, inputs["tokens"], b, last_logits)
     params = {"entry": entry, "batch": batch, "tokens": tokens, "act": act_dtype, "kv": pools.kv_dtype,
               "page_size": pools.page_size}
     if last_logits:
         params["logits"] = "last"
-    g = Graph(f"{spec.name}.{entry}", inputs, weights, dict(sorted(state.items())), ops.eqns,
-              {"logits": logits, "hidden": hidden}, params)
+    g = Graph(f"{spec.name}.{entry}", inputs, weights, dict(sorted(state.items())), ops.eqns, outputs, params)
     typecheck(g)
     return g

@@ -1,8 +1,9 @@
 """reference: the reference backend — traced graphs run by the reference interpreter over real
 paged KV and GDN state slots (torch, CPU or GPU, fp32 or bf16).
 
-Owns sequences (a state slot + KV pages), chunked prefill, decode steps and the MTP entry. It is the
-numerical oracle of the GPU backend and the backend of machines with no GPU.
+Owns sequences (a state slot + KV pages), chunked prefill, decode steps, the MTP entry and the
+speculative round's verify (record mode) and commit (fold) entries, with ReplaySSM records per verify
+shape. It is the numerical oracle of the GPU backend and the backend of machines with no GPU.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from compiler.interpret import run_graph
 from compiler.reference_ops import torch_dtype
 from compiler.spec import ModelSpec
-from compiler.trace import StatePools, state_avals, trace
+from compiler.trace import StatePools, record_avals, state_avals, trace
 
 from ninfer_gen.allocators.sequences import Sequence, SequencePool
 
@@ -38,6 +39,8 @@ class ReferenceBackend(SequencePool):
         self.state = {name: torch.zeros(shape, dtype=torch_dtype(dt), device=self.device)
                       for name, (shape, dt) in state_avals(spec, self.pools).items()}
         self._graphs: dict = {}
+        self._records: dict[tuple[int, int], dict] = {}        # (B, T) of a verify → its ReplaySSM records
+        self._verified: dict[int, int] = {}                    # slot → tokens its last verify logged
         self.bf16_matmul_inputs = bf16_matmul_inputs
 
     def _place(self, name: str, w: torch.Tensor) -> torch.Tensor:
@@ -81,6 +84,34 @@ class ReferenceBackend(SequencePool):
             for s, p in zip(seqs, starts):
                 s.table.length = p + T
         return out["logits"], out["hidden"]
+
+    def records(self, batch: int, tokens: int) -> dict:
+        if (batch, tokens) not in self._records:
+            self._records[batch, tokens] = {
+                name: torch.zeros(shape, dtype=torch_dtype(dt), device=self.device)
+                for name, (shape, dt) in record_avals(self.spec, batch, tokens, self.act).items()}
+        return self._records[batch, tokens]
+
+    def verify(self, seq: Sequence, tokens: list[int]):
+        """The target over T tokens at the sequence's length in record mode: (logits [T, V], hidden [T, H]);
+        the GDN state is not written and the length does not move until `commit`."""
+        start, T = seq.length, len(tokens)
+        self._reserve(seq, start + T)
+        inputs = {"tokens": self._i32([tokens]), "pos": self._i32([start]), "block_table": self._block_table([seq]),
+                  "slots": self._i32([seq.slot])}
+        out = run_graph(self.graph("verify", 1, T), inputs, self.weights, self.state | self.records(1, T),
+                        bf16_matmul_inputs=self.bf16_matmul_inputs)
+        self._verified[seq.slot] = T
+        return out["logits"], out["hidden"]
+
+    def commit(self, seq: Sequence, m: int) -> None:
+        """Fold the first m tokens the last verify logged into the state; the length moves by m."""
+        T = self._verified.pop(seq.slot, None)
+        if T is None or not 0 <= m <= T:
+            raise ValueError(f"commit of {m} tokens without a verify of at least that many (last: {T})")
+        run_graph(self.graph("commit", 1, T), {"slots": self._i32([seq.slot]), "commit": self._i32([m])},
+                  self.weights, self.state | self.records(1, T))
+        seq.table.length += m
 
     def prefill(self, seq: Sequence, ids: list[int], chunk: int | None = None, all_logits: bool = True):
         """Chunked prefill from the sequence's current length; returns logits [T, V] and hidden [T, H]

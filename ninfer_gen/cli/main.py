@@ -148,6 +148,7 @@ def cmd_inspect(args) -> int:
 def cmd_run(args) -> int:
     import ninfer_gen
     from ninfer_gen.engine.sampling import SamplingParams
+    from ninfer_gen.engine.speculative import Stats
 
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)  # validate before loading
     if args.backend == "auto":
@@ -171,12 +172,14 @@ def cmd_run(args) -> int:
     ids = tok.encode(args.prompt)
     if not ids:
         raise ValueError("the prompt is empty")
+    draft = _draft(model, args.draft)
+    stats = Stats()
     t0 = time.perf_counter()
     first = None
     new: list[int] = []
     shown = ""
     sys.stdout.write(args.prompt)
-    for token in model.stream(ids, args.max_tokens, params, model.eos_ids):
+    for token in model.stream(ids, args.max_tokens, params, model.eos_ids, draft, stats):
         first = first or time.perf_counter()
         new.append(token)
         text = tok.decode([t for t in new if t not in model.eos_ids])
@@ -188,9 +191,27 @@ def cmd_run(args) -> int:
     sys.stdout.write("\n")
     decode_s = end - (first or end)
     rate = (len(new) - 1) / decode_s if len(new) > 1 and decode_s > 0 else 0.0
+    spec_line = (f"; {draft} drafts per round: acceptance {stats.acceptance:.1%}, {stats.tokens_per_round:.2f} tokens "
+                 f"per round over {stats.rounds} rounds" if draft else "; plain decode")
     print(f"[{len(ids)} prompt tokens, {len(new)} new tokens; time to first token "
-          f"{((first or end) - t0) * 1e3:.0f} ms; decode {rate:.1f} tok/s]", file=sys.stderr)
+          f"{((first or end) - t0) * 1e3:.0f} ms; decode {rate:.1f} tok/s{spec_line}]", file=sys.stderr)
     return 0
+
+
+def _draft(model, asked: int | None) -> int:
+    """--draft K as asked (an unsupported K > 0 is an error naming why); unset: the spec's draft length
+    where the model and backend can draft, else plain decode (said on stderr)."""
+    if asked is not None:
+        if asked < 0:
+            raise ValueError(f"--draft must be ≥ 0, got {asked}")
+        model.speculative(asked)
+        return asked
+    draft = model.spec.runtime.draft_tokens
+    try:
+        return draft if model.speculative(draft) else 0
+    except ValueError as why:
+        print(f"[{why}: plain decode]".replace(": use --draft 0", ""), file=sys.stderr)
+        return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -258,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-context", type=int, default=None, help="tokens per sequence (default: the spec's)")
     r.add_argument("--vram-budget", default="24GiB", help="gpu: memory budget (default 24GiB = RTX 3090)")
     r.add_argument("--no-graphs", action="store_true", help="gpu: launch kernels one by one (no CUDA graphs)")
+    r.add_argument("--draft", type=int, default=None, help="MTP speculative decoding with K drafts per round "
+                   "(default: the spec's, where the model has an MTP layer and the backend drafts; 0 = plain "
+                   "decode); prints the acceptance and tokens per round")
     r.set_defaults(func=cmd_run)
     bn = sub.add_parser("bench", help="GPU benchmark: TTFT, decode and prefill speed, bandwidth efficiency, memory",
                         description="Runs the reference workload on the GPU backend: ~30-token prompts with "

@@ -17,6 +17,7 @@ from compiler.spec import ModelSpec, load_spec
 from ninfer_gen.weights.random_weights import random_weights
 from ninfer_gen.reference import ReferenceBackend
 from ninfer_gen.engine.sampling import Sampler, SamplingParams
+from ninfer_gen.engine.speculative import Stats, speculative_stream
 from ninfer_gen.engine.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]          # ninfer_gen/engine/api.py → the repository
@@ -57,13 +58,29 @@ class Model:
             self.backend.release(seq)
         return mtp.float().cpu().numpy()
 
+    def speculative(self, draft: int) -> bool:
+        """Whether `draft` > 0 drafts can run here; a ValueError says why not."""
+        if draft <= 0:
+            return False
+        if not self.spec.model.mtp.num_layers:
+            raise ValueError(f"model {self.spec.name} has no MTP layer to draft with: use --draft 0")
+        if not hasattr(self.backend, "verify"):
+            raise ValueError(f"speculative decoding is not available on the {type(self.backend).__name__}: "
+                             "use --draft 0")
+        return True
+
     def stream(self, token_ids: list[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
-               stop_tokens: set[int] | None = None) -> Iterator[int]:
-        """Yields new tokens one by one: prefill, then one `step` (B=1, T=1) per token. Greedy decoding
-        on a backend with a device loop (`greedy`, the GPU) runs the steps in windows of
-        GREEDY_WINDOW tokens with one host round trip per window; a stop token ends the stream at
-        once (the rest of its window was computed and is dropped with the sequence)."""
+               stop_tokens: set[int] | None = None, draft: int = 0, stats: Stats | None = None) -> Iterator[int]:
+        """Yields new tokens one by one: prefill, then one `step` (B=1, T=1) per token, or with `draft`
+        K > 0 speculative rounds of K MTP drafts (engine.speculative; `stats` collects acceptance).
+        Greedy decoding without drafts on a backend with a device loop (`greedy`, the GPU) runs the steps
+        in windows of GREEDY_WINDOW tokens with one host round trip per window; a stop token ends the
+        stream at once (the rest of its window was computed and is dropped with the sequence)."""
         if max_new_tokens <= 0:
+            return
+        if self.speculative(draft):
+            yield from speculative_stream(self.backend, list(token_ids), max_new_tokens, draft, sampling, stop_tokens,
+                                          stats)
             return
         sample = Sampler(sampling)
         seq = self.backend.new_sequence()
@@ -92,10 +109,11 @@ class Model:
 
     def generate(self, token_ids: list[int], max_new_tokens: int, greedy: bool = True,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 stop_tokens: set[int] | None = None) -> list[int]:
-        """The new tokens only. Stops early only at `stop_tokens` (none by default)."""
+                 stop_tokens: set[int] | None = None, draft: int = 0) -> list[int]:
+        """The new tokens only. Stops early only at `stop_tokens` (none by default); `draft` K > 0
+        decodes speculatively with K MTP drafts per round."""
         params = SamplingParams(0.0 if greedy else temperature, top_k, top_p, seed)
-        return list(self.stream(token_ids, max_new_tokens, params, stop_tokens))
+        return list(self.stream(token_ids, max_new_tokens, params, stop_tokens, draft))
 
 
 def _eos_ids(folder: Path | None) -> set[int]:

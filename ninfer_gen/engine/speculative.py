@@ -1,0 +1,170 @@
+"""speculative: MTP speculative decoding, the round's math stated once for every backend.
+
+A round for one sequence of committed length L, with the anchor a (the last token chosen, not yet run
+through the model) and K drafts d1..dK from the MTP head:
+  verify   the target runs [a, d1..dK] at positions L..L+K in record mode (REPLAYSSM.md: the GDN state is
+           read, never written; KV is written for all K+1 positions and later trimmed by length);
+  accept   greedy: the longest prefix of drafts equal to the target's argmax, then the target's token
+           after it. Sampling: speculative rejection sampling — draft i is kept with probability
+           min(1, p(di)/q(di)) (p the target's, q the draft's distribution, both after temperature /
+           top-k / top-p); at the first rejection a token is drawn from the normalised residual
+           max(0, p − q); if all K are kept, a bonus token is drawn from the last target distribution.
+           Each output token is then distributed exactly as plain sampling would draw it;
+  truncate a stop token or the token budget ends the output early: only the emitted tokens count;
+  commit   the first m = len(output) positions are folded into the state (the anchor and the kept
+           drafts), the length becomes L + m, and the last output token is the next anchor;
+  draft    the MTP head runs over slots L..L+m−1 (hidden of the verified positions, each with the next
+           output token), which refills its KV cache for the committed span and predicts d1 from the
+           last slot; d2..dK come from chained single-slot MTP steps that feed back the head's own
+           normed output with the previous draft.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import SamplingParams
+
+
+def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Rows of probabilities after temperature, top-k and top-p (fp32, on the CPU); greedy: one-hot
+    argmax. The same processing `Sampler` applies before drawing."""
+    logits = logits.float().cpu().reshape(-1, logits.shape[-1])
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    if params.top_k:
+        kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1:
+        sorted_p, order = torch.sort(probs, descending=True, dim=-1)
+        keep = torch.cumsum(sorted_p, -1) - sorted_p < params.top_p      # smallest prefix reaching top_p
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def draw(probs: torch.Tensor, gen: torch.Generator) -> int:
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def accept_greedy(drafts: list[int], target_logits: torch.Tensor) -> list[int]:
+    """The kept drafts (equal to the target's argmax at their position), then the target's next token."""
+    best = target_logits.reshape(len(drafts) + 1, -1).argmax(-1).tolist()
+    out = []
+    for i, d in enumerate(drafts):
+        if d != best[i]:
+            break
+        out.append(d)
+    return out + [best[len(out)]]
+
+
+def accept_sampled(drafts: list[int], draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                   gen: torch.Generator) -> list[int]:
+    """Speculative rejection sampling over probability rows: draft_probs [K, V], target_probs [K+1, V]."""
+    out = []
+    for i, d in enumerate(drafts):
+        p, q = float(target_probs[i, d]), float(draft_probs[i, d])
+        if q > 0 and torch.rand((), generator=gen).item() < min(1.0, p / q):
+            out.append(d)
+            continue
+        residual = (target_probs[i] - draft_probs[i]).clamp(min=0)
+        total = float(residual.sum())
+        out.append(draw(residual / total, gen) if total > 0 else draw(target_probs[i], gen))
+        return out
+    return out + [draw(target_probs[len(drafts)], gen)]
+
+
+def truncate(tokens: list[int], stop_ids: set[int] | None, budget: int) -> list[int]:
+    """The tokens a round emits: at most `budget`, ending at the first stop token (inclusive)."""
+    out = []
+    for t in tokens[:max(budget, 0)]:
+        out.append(t)
+        if stop_ids and t in stop_ids:
+            break
+    return out
+
+
+@dataclass
+class Stats:
+    """What speculative decoding did for one request."""
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: list[int] = field(default_factory=list)     # tokens per round
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        return sum(self.emitted) / self.rounds if self.rounds else 0.0
+
+
+class Drafter:
+    """The MTP head's side of a sequence: runs it over committed slots and chains K drafts."""
+
+    def __init__(self, backend, params: SamplingParams, k: int, gen: torch.Generator):
+        self.backend, self.params, self.k, self.gen = backend, params, k, gen
+
+    def propose(self, seq, hidden: torch.Tensor, next_ids: list[int], start: int) -> tuple[list[int], torch.Tensor]:
+        """MTP over slots start..start+n−1 (hidden rows with the token after each), then K−1 chained
+        steps: (drafts [K], their distributions [K, V])."""
+        logits, normed = self.backend.mtp(seq, hidden, next_ids, start)
+        drafts, probs = [], []
+        h, at = normed[-1:], start + len(next_ids)
+        for j in range(self.k):
+            q = distribution(logits[-1:], self.params)[0]
+            d = int(q.argmax()) if self.params.greedy else draw(q, self.gen)
+            drafts.append(d)
+            probs.append(q)
+            if j + 1 < self.k:
+                logits, h = self.backend.mtp(seq, h, [d], at + j)
+        return drafts, torch.stack(probs)
+
+
+def speculative_stream(backend, prompt: list[int], max_new_tokens: int, k: int, params: SamplingParams,
+                       stop_ids: set[int] | None = None, stats: Stats | None = None):
+    """Yields new tokens, K drafts per round (the backend's `prefill`, `mtp`, `verify`, `commit`)."""
+    gen = torch.Generator()
+    if params.seed is not None:
+        gen.manual_seed(params.seed)
+    stats = stats if stats is not None else Stats()
+    drafter = Drafter(backend, params, k, gen)
+    seq = backend.new_sequence()
+    try:
+        logits, hidden = backend.prefill(seq, list(prompt))
+        p = distribution(logits[-1:], params)[0]
+        anchor = int(p.argmax()) if params.greedy else draw(p, gen)
+        yield anchor
+        produced = 1
+        if produced >= max_new_tokens or (stop_ids and anchor in stop_ids):
+            return
+        drafts, draft_probs = drafter.propose(seq, hidden, list(prompt[1:]) + [anchor], 0)
+        while produced < max_new_tokens:
+            start = seq.length
+            room = backend.max_context - start
+            if room <= k:                  # no room to verify K+1 positions: stop at the context limit
+                return
+            v_logits, v_hidden = backend.verify(seq, [anchor] + drafts)
+            if params.greedy:
+                out = accept_greedy(drafts, v_logits)
+            else:
+                out = accept_sampled(drafts, draft_probs, distribution(v_logits, params), gen)
+            stats.rounds += 1
+            stats.drafted += k
+            stats.accepted += len(out) - 1
+            out = truncate(out, stop_ids, max_new_tokens - produced)
+            backend.commit(seq, len(out))
+            stats.emitted.append(len(out))
+            for t in out:
+                yield t
+            produced += len(out)
+            if produced >= max_new_tokens or (stop_ids and out[-1] in stop_ids):
+                return
+            anchor = out[-1]
+            drafts, draft_probs = drafter.propose(seq, v_hidden[:len(out)], out, start)
+    finally:
+        backend.release(seq)
