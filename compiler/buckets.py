@@ -3,10 +3,12 @@ Plans, traced, fused and lowered. The one source of kernel keys: `ninfer-gen bui
 of a profile's plans, and the executable launches exactly those plans (asking it for a shape outside
 its profile is an error).
 
-Shapes: `step` with T = 1 (decode) and T = draft + 1 (verify; also a prompt's tail) for every cohort
-size with B·T ≤ 32 rows, and `prefill` (one sequence) at the chunk and every 16·2^i below it, so a prompt
-is cut into full chunks, then prefill pieces of decreasing powers of two, then steps for the last < 16
-tokens. The MTP entry joins the profile when the executable binds it (speculative decoding).
+Shapes: `step` with T = 1 (decode) and T = draft + 1 (a prompt's tail) for every cohort size with
+B·T ≤ 32 rows, and `prefill` (one sequence) at the chunk and every 16·2^i below it, so a prompt is cut
+into full chunks, then prefill pieces of decreasing powers of two, then steps for the last < 16 tokens.
+With drafts and an MTP layer, speculative rounds add per cohort size `verify` and `commit` of T = draft
++ 1, `mtp` of T = draft + 1 (the committed slots, padded) and T = 1 (chained drafts), and `mtp` at the
+prefill sizes (the teacher-forced pass over a prompt, cut like the prompt).
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ class Profile:
     kv_dtype: str = "int8"
     all_logits: bool = False            # prefill buckets keep every row's logits (evaluation), else the last
     options: CompileOptions = field(default_factory=CompileOptions)
+    mtp: bool = False                   # the model has an MTP layer: drafts > 0 make speculative buckets
 
     def __post_init__(self):
         if not self.cohorts or any(not isinstance(b, int) or b < 1 for b in self.cohorts):
@@ -66,10 +69,20 @@ class Profile:
             s *= 2
         return sorted(set(sizes), reverse=True)
 
+    @property
+    def speculative(self) -> bool:
+        return self.mtp and self.draft > 0
+
     def shapes(self) -> list[tuple[str, int, int]]:
         ts = sorted({1, self.tail_tokens})
-        steps = [("step", b, t) for b in sorted(set(self.cohorts)) for t in ts if b * t <= MAX_ROWS]
-        return steps + [("prefill", 1, t) for t in self.prefill_sizes()]
+        cohorts = sorted(set(self.cohorts))
+        steps = [("step", b, t) for b in cohorts for t in ts if b * t <= MAX_ROWS]
+        out = steps + [("prefill", 1, t) for t in self.prefill_sizes()]
+        if self.speculative:
+            rounds = [b for b in cohorts if b * self.tail_tokens <= MAX_ROWS]
+            out += [(e, b, self.tail_tokens) for b in rounds for e in ("verify", "commit", "mtp")]
+            out += [("mtp", b, 1) for b in rounds] + [("mtp", 1, t) for t in self.prefill_sizes()]
+        return list(dict.fromkeys(out))
 
     def prompt_pieces(self, n: int, chunk: int | None = None) -> list[tuple[str, int]]:
         """How a prompt of n tokens is cut, in order: (entry, tokens) — prefill pieces of `chunk` (one of
@@ -87,7 +100,9 @@ class Profile:
         return out + [("step", tail)] * (n // tail) + [("step", 1)] * (n % tail)
 
     def describe(self) -> str:
-        return (f"cohorts {','.join(map(str, self.cohorts))}, draft {self.draft}, prefill chunk {self.prefill_chunk}, "
+        return (f"cohorts {','.join(map(str, self.cohorts))}, draft {self.draft}"
+                + ("" if self.speculative or not self.draft else " (no MTP layer: plain decode)")
+                + f", prefill chunk {self.prefill_chunk}, "
                 f"max context {self.max_context}, {self.kv_dtype} KV"
                 + (", all prefill logits" if self.all_logits else "") + f", options {self.options.describe()}")
 
@@ -101,7 +116,8 @@ def profile_of(spec: ModelSpec, *, cohorts=None, draft: int | None = None, max_c
     context = max_context or rt.max_context
     chunk = prefill_chunk or min(rt.prefill_chunk, context - context % MIN_PREFILL)
     return Profile(tuple(cohorts or rt.cohorts), rt.draft_tokens if draft is None else draft, chunk, context,
-                   rt.page_size, kv_dtype or rt.kv_dtype, all_logits, options or CompileOptions())
+                   rt.page_size, kv_dtype or rt.kv_dtype, all_logits, options or CompileOptions(),
+                   mtp=spec.model.mtp.num_layers > 0)
 
 
 def plan_bucket(spec: ModelSpec, target: Target, entry: str, batch: int, tokens: int,
@@ -111,7 +127,7 @@ def plan_bucket(spec: ModelSpec, target: Target, entry: str, batch: int, tokens:
     profile = profile or profile_of(spec)
     per_seq = profile.pages_per_seq
     pools = StatePools(per_seq * batch, batch, per_seq, profile.page_size, profile.kv_dtype)
-    last = entry == "prefill" and tokens > MAX_ROWS and not profile.all_logits
+    last = entry in ("prefill", "mtp") and batch == 1 and tokens > MAX_ROWS and not profile.all_logits
     graph = trace(spec, entry, batch, tokens, pools, "bf16", last_logits=last)
     return lower(run_pipeline(graph, profile.options), spec, target, profile.options)
 

@@ -130,7 +130,7 @@ def lower(g: Graph, spec: ModelSpec, target: Target, options: CompileOptions = C
                 live={names[u]: span for u, span in layout.live.items()},
                 dtypes={names[u]: d for u, d in layout.dtypes.items()}, outputs=outputs, groups=groups,
                 workspace=_workspace_per_lane(calls), shape=(p["entry"], p["batch"], p["tokens"]),
-                max_pages=g.inputs["block_table"].shape[1], options=options, graph=g)
+                max_pages=g.inputs["block_table"].shape[1] if "block_table" in g.inputs else 0, options=options, graph=g)
 
 
 def _placed(c: Call, lane: int, programmatic: bool) -> Call:

@@ -12,8 +12,8 @@ from functools import lru_cache
 from typing import Callable
 
 from .ir import Eqn, Graph, Var
-from .kernels import (KernelKey, attn_combine, attn_decode, attn_prefill, embed, gated_rmsnorm, gdn_chunk, gdn_conv,
-                      gdn_step, gemm, gemm_wg, gemv, module_of, qk_rope_kv, rmsnorm, xperm)
+from .kernels import (KernelKey, attn_combine, attn_decode, attn_prefill, concat, embed, gated_rmsnorm, gdn_chunk,
+                      gdn_conv, gdn_step, gemm, gemm_wg, gemv, module_of, qk_rope_kv, rmsnorm, xperm)
 from .options import CompileOptions
 from .plan import NULL, Binding, Const, Input, State, Weight, Workspace
 from .spec import ModelSpec
@@ -71,7 +71,10 @@ class Ctx:
 
     @property
     def prefill(self) -> bool:
-        return self.graph.params["entry"] == "prefill" or self.m > 32
+        """Prefill attention: a prompt chunk (of the model, or of the MTP's teacher-forced pass over a
+        prompt: one row of ≥ 16 tokens), or more rows than the decode kernels take."""
+        entry = self.graph.params["entry"]
+        return entry == "prefill" or self.m > 32 or (entry == "mtp" and self.b == 1 and self.t >= 16)
 
     @property
     def max_pages(self) -> int:
@@ -225,11 +228,22 @@ def _embed(ctx, e):
 
 
 def _gdn_conv(ctx, e):
-    x, w, history, _ = e.inputs
-    key = gdn_conv.Key(x.shape[2], ctx.b, ctx.t, w.shape[2], "update", ctx.target.arch)
-    return Lowered([(key, {"y": Val(e.outputs[0]), "x": Val(x), "w": Val(w),
-                           "hist": State(f"gdn.{ctx.layer(history)}.conv"), "slots": Input("slots"),
-                           "rec": NULL, "commit": NULL, "prev_rec": NULL})])
+    """gdn_conv (writes the history) or gdn_conv_record (a verify: history read, columns logged)."""
+    x, w, history, _, *rec = e.inputs
+    mode = "record" if rec else "update"
+    key = gdn_conv.Key(x.shape[2], ctx.b, ctx.t, w.shape[2], mode, ctx.target.arch)
+    layer = ctx.layer(history)
+    return Lowered([(key, {"y": Val(e.outputs[0]), "x": Val(x), "w": Val(w), "hist": State(f"gdn.{layer}.conv"),
+                           "slots": Input("slots"), "rec": State(f"rec.{layer}.conv") if rec else NULL,
+                           "commit": NULL, "prev_rec": NULL})])
+
+
+def _gdn_conv_fold(ctx, e):
+    history, _, rec, _ = e.inputs
+    layer = ctx.layer(history)
+    key = gdn_conv.Key(rec.shape[2], rec.shape[0], rec.shape[1], history.shape[2] + 1, "fold", ctx.target.arch)
+    return Lowered([(key, {"y": NULL, "x": NULL, "w": NULL, "hist": State(f"gdn.{layer}.conv"), "slots": Input("slots"),
+                           "rec": State(f"rec.{layer}.conv"), "commit": Input("commit"), "prev_rec": NULL})])
 
 
 def prefill_gdn_key(hk, hv, dk, dv, t: int, target: Target) -> KernelKey:
@@ -239,18 +253,41 @@ def prefill_gdn_key(hk, hv, dk, dv, t: int, target: Target) -> KernelKey:
     return gdn_step.make_key(hk, hv, dk, dv, 1, t, "step", target)
 
 
+RECORD_PARAMS = ("rec_k", "rec_v", "rec_g")
+FOLD_PARAMS = ("commit", "prev_k", "prev_v", "prev_g")
+
+
+def _records(layer: str) -> dict[str, Binding]:
+    return {p: State(f"rec.{layer}.{p[-1]}") for p in RECORD_PARAMS}
+
+
 def _gdn_step(ctx, e):
-    q, _, v, a, b, a_log, dt_bias, state, _ = e.inputs
+    """gdn_step, or gdn_step_record (a verify: the committed state read, k, v, g and beta logged).
+    Prefill chunks of one sequence take the chunked kernel from 64 tokens."""
+    q, _, v, a, b, a_log, dt_bias, state, _, *rec = e.inputs
     hk, dk, hv, dv = q.shape[2], q.shape[3], v.shape[2], v.shape[3]
     if ctx.graph.params["entry"] == "prefill" and ctx.b == 1:
         key = prefill_gdn_key(hk, hv, dk, dv, ctx.t, ctx.target)
     else:
-        key = gdn_step.make_key(hk, hv, dk, dv, ctx.b, ctx.t, "step", ctx.target)
+        key = gdn_step.make_key(hk, hv, dk, dv, ctx.b, ctx.t, "record" if rec else "step", ctx.target)
+    layer = ctx.layer(state)
     args = {"o": Val(e.outputs[0]), "qkv": Val(q), "a": Val(a), "b": Val(b), "a_log": Val(a_log),
-            "dt_bias": Val(dt_bias), "state": State(f"gdn.{ctx.layer(state)}.state"), "slots": Input("slots")}
-    if key.family == "gdn_step":          # the ReplaySSM record/fold operands, unused by a plain step
-        args |= dict.fromkeys(("rec_k", "rec_v", "rec_g", "commit", "prev_k", "prev_v", "prev_g"), NULL)
+            "dt_bias": Val(dt_bias), "state": State(f"gdn.{layer}.state"), "slots": Input("slots")}
+    if key.family == "gdn_step":
+        args |= (_records(layer) if rec else dict.fromkeys(RECORD_PARAMS, NULL)) | dict.fromkeys(FOLD_PARAMS, NULL)
     return Lowered([(key, args)], out_dtype="f32")
+
+
+def _gdn_fold(ctx, e):
+    """The ReplaySSM fold: the first commit[r] logged tokens of row r into its state (the step's key fields,
+    so the same update runs: fold == that many steps, bit for bit)."""
+    state, _, rec_k, rec_v, _, _ = e.inputs
+    b, t, hk, dk = rec_k.shape
+    key = gdn_step.make_key(hk, rec_v.shape[2], dk, rec_v.shape[3], b, t, "fold", ctx.target)
+    layer = ctx.layer(state)
+    args = dict.fromkeys(("o", "qkv", "a", "b", "a_log", "dt_bias", "prev_k", "prev_v", "prev_g"), NULL)
+    return Lowered([(key, args | {"state": State(f"gdn.{layer}.state"), "slots": Input("slots"),
+                                  "commit": Input("commit")} | _records(layer))])
 
 
 def _gated_rmsnorm(ctx, e):
@@ -299,14 +336,19 @@ def _positions(ctx, e):
 
 
 def _concat(ctx, e):
-    raise LoweringError("concat: the MTP layer's input is not lowered yet (the MTP entry runs on the reference "
-                        "backend)")
+    a, b = e.inputs
+    if e.params["axis"] != 1 or len(a.shape) != 2 or a.dtype != "bf16":
+        raise LoweringError(f"concat: the kernel joins bf16 rows (axis 1 of [m, k]), got axis {e.params['axis']} "
+                            f"of {a.aval}")
+    key = concat.Key(a.shape[0], a.shape[1], b.shape[1], ctx.target.arch)
+    return Lowered([(key, {"y": Val(e.outputs[0]), "a": Val(a), "b": Val(b)})])
 
 
 RULES: dict[str, Callable[[Ctx, Eqn], Lowered]] = {
     "embed": _embed, "linear": _projection("none"), "linear_residual": _linear_residual,
     "linear_silu_mul": _projection("silu_mul"),
     "rmsnorm": _norm, "add_rmsnorm": _add_norm, "gdn_conv": _gdn_conv, "gdn_step": _gdn_step,
+    "gdn_conv_record": _gdn_conv, "gdn_step_record": _gdn_step, "gdn_conv_fold": _gdn_conv_fold, "gdn_fold": _gdn_fold,
     "gated_rmsnorm": _gated_rmsnorm, "qk_rope_kv": _qk_rope_kv, "paged_attention": _attention(False),
     "gated_paged_attention": _attention(True), "linear_residual_norm": _linear_residual_norm,
     "scaled_linear": _scaled(_projection("none")), "scaled_linear_silu_mul": _scaled(_projection("silu_mul")),

@@ -4,8 +4,8 @@ outputs they address. Bindings are checked against the families' parameter lists
 and a plan prints as stable text (`ninfer-gen inspect --plan`, golden-tested). The runtime resolves each
 binding kind to a pointer and knows no kernel family.
 
-Names the runtime's buffers must provide: step inputs (`STEP_INPUTS`), state buffers (`kv.<layer>.k|v|
-k_scales|v_scales`, `gdn.<layer>.state|conv`), weight planes (`<matrix>:lo|hi|scales` of the packed
+Names the runtime's buffers must provide: step inputs (`STEP_INPUTS`, `STEP_TENSORS`), state buffers
+(`kv.<layer>.k|v|k_scales|v_scales`, `gdn.<layer>.state|conv`, ReplaySSM `rec.<layer>.conv|k|v|g`), weight planes (`<matrix>:lo|hi|scales` of the packed
 matrices, `embed_tokens.weight:rows|row_scales` of the gather table, `<name>:tensor` of small weights).
 """
 from __future__ import annotations
@@ -112,7 +112,10 @@ CONSTANTS: dict[str, Callable[..., Any]] = {"rope_inv_freq": _rope_inv_freq}
 # name → int32 elements for (batch, tokens, max_pages): the one buffer of per-run values a bucket owns
 STEP_INPUTS: dict[str, Callable[[int, int, int], int]] = {
     "tokens": lambda b, t, p: b * t, "row_pos": lambda b, t, p: b * t, "pos": lambda b, t, p: b,
-    "block_table": lambda b, t, p: b * p, "slots": lambda b, t, p: b, "seq_lens": lambda b, t, p: b}
+    "block_table": lambda b, t, p: b * p, "slots": lambda b, t, p: b, "seq_lens": lambda b, t, p: b,
+    "commit": lambda b, t, p: b}
+# graph inputs of other dtypes, one device tensor each in the graph input's shape (filled by device copies)
+STEP_TENSORS = ("hidden",)
 
 
 # ---------------------------------------------------------------------------------------------- the plan
@@ -171,11 +174,18 @@ class Plan:
     def family_counts(self) -> Counter:
         return Counter(c.key.family for c in self.calls)
 
+    def _used_inputs(self) -> set[str]:
+        return {b.name for c in self.calls for _, b in c.args if isinstance(b, Input)}
+
     def step_inputs(self) -> dict[str, int]:
         """The step-input buffers the calls read, in STEP_INPUTS order, with their int32 element counts."""
-        used = {b.name for c in self.calls for _, b in c.args if isinstance(b, Input)}
-        _, batch, tokens = self.shape
+        used, (_, batch, tokens) = self._used_inputs(), self.shape
         return {n: size(batch, tokens, self.max_pages) for n, size in STEP_INPUTS.items() if n in used}
+
+    def step_tensors(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """The other step inputs the calls read (STEP_TENSORS): name → (shape, dtype) of the graph input."""
+        used = self._used_inputs()
+        return {n: (v.shape, v.dtype) for n, v in self.graph.inputs.items() if n in STEP_TENSORS and n in used}
 
 
 @lru_cache(maxsize=8192)
@@ -197,7 +207,7 @@ def check_args(key: KernelKey, args: dict[str, Binding]) -> tuple[tuple[str, Bin
         b = args[p.name]
         if p.kind == "ptr" and not isinstance(b, Binding):
             raise PlanError(f"{key.name}: parameter {p.name} is a pointer, bound to {b!r}")
-        if p.kind == "ptr" and isinstance(b, Input) and b.name not in STEP_INPUTS:
+        if p.kind == "ptr" and isinstance(b, Input) and b.name not in STEP_INPUTS and b.name not in STEP_TENSORS:
             raise PlanError(f"{key.name}: parameter {p.name} bound to unknown step input {b.name!r}")
     return tuple((n, args[n]) for n in names)
 
@@ -211,7 +221,8 @@ def format_plan(plan: Plan) -> str:
              f"options={plan.options.describe()}",
              f"  arena {plan.arena_bytes} B; workspace lanes " +
              (", ".join(f"{k} {'+'.join(map(str, v))} B" for k, v in plan.workspace.items()) or "none"),
-             "  inputs " + " ".join(f"{k}[{n}]" for k, n in plan.step_inputs().items()),
+             "  inputs " + " ".join([f"{k}[{n}]" for k, n in plan.step_inputs().items()] +
+                                    [f"{k}:{dt}{list(sh)}" for k, (sh, dt) in plan.step_tensors().items()]),
              "  outputs " + " ".join(f"{k}=arena[{o.offset}] {o.dtype}{list(o.shape)}" for k, o in plan.outputs.items())]
     for i, c in enumerate(plan.calls):
         g, b = c.launch.grid, c.launch.block

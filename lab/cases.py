@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from compiler.reference_ops import norm_tile_sums
-from compiler.kernels import argmax, embed, gated_rmsnorm, gemv, rmsnorm, xperm
+from compiler.kernels import argmax, concat, embed, gated_rmsnorm, gemv, rmsnorm, xperm
 from compiler.kernels.weight_layout import device_bytes, pack_for_device, random_qmatrix
 
 
@@ -173,7 +173,15 @@ def _argmax(key: argmax.Key, g) -> Case:
                 {"out": "exact", "counters": "exact"}, logits.numel() * 4, logits.numel())
 
 
-BUILDERS = {"gemv": _gemv, "gemm": _gemv, "gemm_wg": _gemv, "xperm": _xperm, "rmsnorm": _rmsnorm, "gated_rmsnorm": _gated, "embed": _embed, "argmax": _argmax}
+def _concat(key: concat.Key, g) -> Case:
+    a, b = randn((key.m, key.k1), g), randn((key.m, key.k2), g)
+    y = torch.empty(key.m, key.k1 + key.k2, device=g.device, dtype=torch.bfloat16)
+    return Case([(key, [y, a, b])], {"y": y}, {}, lambda: {"y": concat.reference(key, a, b)}, {"y": "exact"},
+                4 * y.numel(), 0)
+
+
+BUILDERS = {"gemv": _gemv, "gemm": _gemv, "gemm_wg": _gemv, "xperm": _xperm, "rmsnorm": _rmsnorm, "gated_rmsnorm": _gated,
+            "embed": _embed, "argmax": _argmax, "concat": _concat}
 
 
 def make_case(key, device="cuda", seed: int = 0, **options) -> Case:
@@ -187,10 +195,10 @@ def make_case(key, device="cuda", seed: int = 0, **options) -> Case:
 def case_keys(spec, target, cohorts=(1, 2, 4, 8), draft: int = 3) -> list:
     """The keys the tests and the kernel lab exercise for a spec: every key of the runtime profile's step
     plans and of its prefill chunk's plan, with the shipped options and with the decode folds off (the
-    A/B variant: plain norms, the conv kernel, unscaled GEMVs), plus the variants the speculative round
-    will launch once its entry points are lowered — GDN conv and step in record / fold / commit_record
-    modes at the verify shapes, the on-device argmax, the norm that adds in place. A test list, never a
-    build list: `ninfer-gen build` compiles the plans' keys only."""
+    A/B variant: plain norms, the conv kernel, unscaled GEMVs), one row's MTP step, plus the variants the
+    speculative round will launch — GDN conv and step in record / fold / commit_record modes at the
+    verify shapes, the on-device argmax, the norm that adds in place. A test list, never a build list:
+    `ninfer-gen build` compiles the plans' keys only."""
     from compiler.buckets import plan_bucket, profile_of
     from compiler.kernels import gdn_conv, gdn_step
     from compiler.options import CompileOptions
@@ -200,6 +208,8 @@ def case_keys(spec, target, cohorts=(1, 2, 4, 8), draft: int = 3) -> list:
         profile = profile_of(spec, cohorts=cohorts, draft=draft, options=options)
         shapes = [s for s in profile.shapes() if s[0] == "step"] + [("prefill", 1, profile.prefill_chunk)]
         keys += [k for shape in shapes for k in plan_bucket(spec, target, *shape, profile).keys()]
+    if spec.model.mtp.num_layers:
+        keys += plan_bucket(spec, target, "mtp", 1, 1, profile_of(spec, cohorts=cohorts, draft=draft)).keys()
     a, g, arch = spec.model, spec.model.linear_attention, target.arch
     for _, b, t in (s for s in shapes if s[0] == "step" and s[2] > 1):
         for mode in ("record", "fold", "commit_record"):

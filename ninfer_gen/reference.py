@@ -113,9 +113,10 @@ class ReferenceBackend(SequencePool):
                   self.weights, self.state | self.records(1, T))
         seq.table.length += m
 
-    def prefill(self, seq: Sequence, ids: list[int], chunk: int | None = None, all_logits: bool = True):
+    def prefill(self, seq: Sequence, ids: list[int], chunk: int | None = None, all_logits: bool = True,
+                all_hidden: bool = True):
         """Chunked prefill from the sequence's current length; returns logits [T, V] and hidden [T, H]
-        (always every row; `all_logits` is accepted for the GPU backend's interface)."""
+        (always every row; `all_logits` and `all_hidden` are accepted for the GPU backend's interface)."""
         chunk = chunk or self.spec.runtime.prefill_chunk
         self._reserve(seq, seq.length + len(ids))  # fail before any work when it cannot fit
         logits, hidden = [], []

@@ -69,7 +69,8 @@ def _exe(weights, target="rtx3090", profile=PROFILE, slots=2):
     """An executable on the CPU with recorded launches: the tiny spec with real weights, or (weights None)
     the 27B with `AnyWeights` and a 4-page KV pool."""
     spec = TINY if weights is not None else BIG
-    state = DeviceState(spec, 64 if weights is not None else 4, slots, profile.kv_dtype, "cpu")
+    rounds = (max(profile.cohorts), profile.tail_tokens) if profile.speculative else (0, 0)
+    state = DeviceState(spec, 64 if weights is not None else 4, slots, profile.kv_dtype, "cpu", *rounds)
     rec = RecordingKernels()
     return Executable(spec, lookup(target), weights or AnyWeights(), state, rec, profile, "cpu"), rec
 

@@ -59,9 +59,23 @@ def test_unfused_graph_is_refused_with_the_primitive_named():
         lower(g, TINY, RTX3090)
 
 
-def test_mtp_entry_is_not_lowered_yet():
-    with pytest.raises(LoweringError, match="concat: the MTP layer's input is not lowered yet"):
-        plan_bucket(TINY, RTX3090, "mtp", 2, 1)
+def test_speculative_entries_lower_to_record_fold_and_mtp_kernels():
+    """verify: the GDN conv and step in record mode, writing the layer's records; commit: the folds
+    reading them with the commit counts; mtp: the concat kernel, decode attention for the aligned and
+    chained slots, prefill attention for the pass over a prompt."""
+    verify = plan_bucket(TINY, RTX3090, "verify", 2, 4)
+    modes = {(c.key.family, c.key.mode) for c in verify.calls if c.key.family in ("gdn_conv", "gdn_step")}
+    assert modes == {("gdn_conv", "record"), ("gdn_step", "record")}
+    recs = {str(b) for c in verify.calls for _, b in c.args if str(b).startswith("state:rec.")}
+    assert recs == {f"state:rec.{i}.{p}" for i in (0, 1, 2) for p in ("conv", "k", "v", "g")}
+    commit = plan_bucket(TINY, RTX3090, "commit", 2, 4)
+    assert [(c.key.family, c.key.mode) for c in commit.calls] == [("gdn_conv", "fold"), ("gdn_step", "fold")] * 3
+    assert all(str(c.binding("commit")) == "input:commit" for c in commit.calls)
+    assert commit.step_inputs() == {"slots": 2, "commit": 2} and not commit.outputs
+    fam = plan_bucket(TINY, RTX3090, "mtp", 2, 4).family_counts()
+    assert fam["concat"] == 1 and fam["attn_decode"] == 1 and "attn_prefill" not in fam
+    prompt = plan_bucket(TINY, RTX3090, "mtp", 1, 64)
+    assert prompt.family_counts()["attn_prefill"] == 1 and prompt.step_tensors() == {"hidden": ((64, 128), "bf16")}
 
 
 def test_profile_shapes_cover_decode_verify_and_prefill_sizes():
@@ -71,9 +85,10 @@ def test_profile_shapes_cover_decode_verify_and_prefill_sizes():
     assert Counter(e for e, _, _ in shapes)["step"] == 8
     assert [t for e, _, t in shapes if e == "prefill"] == [4096, 2048, 1024, 512, 256, 128, 64, 32, 16]
     assert profile_of(BIG, prefill_chunk=96).prefill_sizes() == [96, 64, 32, 16]
-    assert all(e != "mtp" for e, _, _ in shapes)        # the MTP entry joins when the executable binds it
+    assert {("verify", 8, 4), ("commit", 8, 4), ("mtp", 8, 4), ("mtp", 8, 1), ("mtp", 1, 4096)} <= set(shapes)
     no_drafts = profile_of(BIG, cohorts=(2,), draft=0).shapes()
     assert [s for s in no_drafts if s[0] == "step"] == [("step", 2, 1)]
+    assert all(e in ("step", "prefill") for e, _, _ in no_drafts)
 
 
 @pytest.mark.parametrize("arch", ["sm_86", "sm_90"])

@@ -160,7 +160,7 @@ def cmd_run(args) -> int:
         model = ninfer_gen.load(args.weights, backend="gpu", max_context=args.max_context,
                                 random_weights="device" if args.random_weights else "host",
                                 vram_budget=parse_bytes(args.vram_budget), use_graphs=not args.no_graphs,
-                                progress=True, options=compile_options(), build_root=build_root())
+                                progress=True, options=compile_options(), build_root=build_root(), draft=args.draft)
     else:
         if args.random_weights:
             raise ValueError("--random-weights draws weights on the GPU: use it with --backend gpu")

@@ -67,6 +67,11 @@ class Model:
         if not hasattr(self.backend, "verify"):
             raise ValueError(f"speculative decoding is not available on the {type(self.backend).__name__}: "
                              "use --draft 0")
+        built = getattr(self.backend, "drafts", None)
+        if built is not None and draft not in built:
+            raise ValueError(f"this {type(self.backend).__name__} was built for {', '.join(map(str, built)) or 'no'} "
+                             f"drafts per round, not {draft}: load it with that draft length (the spec's "
+                             "runtime.draft_tokens)")
         return True
 
     def stream(self, token_ids: list[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
@@ -153,7 +158,7 @@ def load(path_or_spec=None, backend: str = "reference", dtype: str = "float32", 
          device: str | None = None, kv_dtype: str | None = None, max_context: int | None = None,
          random_weights: str = "host", vram_budget: int | None = None, use_graphs: bool = True,
          progress: bool = False, options: CompileOptions | None = None, build_root=None,
-         all_logits: bool = False) -> Model:
+         all_logits: bool = False, draft: int | None = None) -> Model:
     """Load a model. `path_or_spec`: an HF checkpoint directory, a spec .yaml (seeded random weights),
     a ModelSpec, or None for the small model shipped in the repository.
 
@@ -163,14 +168,15 @@ def load(path_or_spec=None, backend: str = "reference", dtype: str = "float32", 
     With a spec and `random_weights="device"`, the weights are drawn on the GPU directly in their
     quantised formats (any size, seconds; values differ from the host draw of the same seed); `options`
     (compiler.options.CompileOptions, default the shipped ones) and `build_root` (the kernel cache)
-    choose what it compiles, `all_logits` keeps every prefill row's logits (`forward_logits`)."""
+    choose what it compiles, `all_logits` keeps every prefill row's logits (`forward_logits`), `draft` the
+    MTP drafts per speculative round it builds for (default: the spec's; the reference drafts any K)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is not available (available: {', '.join(BACKENDS)})")
     if random_weights not in ("host", "device"):
         raise ValueError(f"random_weights must be 'host' or 'device', got {random_weights!r}")
     if backend == "gpu":
         gpu = dict(options=options or CompileOptions(), build_root=build_root, all_logits=all_logits,
-                   use_graphs=use_graphs, progress=progress)
+                   use_graphs=use_graphs, progress=progress, draft=draft)
         return _load_gpu(path_or_spec, kv_dtype, max_context, random_weights, vram_budget, gpu)
     spec, tensors, folder, source = _resolve(path_or_spec)
     if quantize:

@@ -135,7 +135,7 @@ def speculative_stream(backend, prompt: list[int], max_new_tokens: int, k: int, 
     drafter = Drafter(backend, params, k, gen)
     seq = backend.new_sequence()
     try:
-        logits, hidden = backend.prefill(seq, list(prompt))
+        logits, hidden = backend.prefill(seq, list(prompt), all_hidden=True)
         p = distribution(logits[-1:], params)[0]
         anchor = int(p.argmax()) if params.greedy else draw(p, gen)
         yield anchor

@@ -1,8 +1,10 @@
 """device_state: the buffers the kernels read and write across calls, in the kernels' layouts —
-`DeviceState` (per attention layer K and V pages [pages, Hkv, page, D]: INT8 codes + fp16 scales per
-64 values, or bf16; per GDN layer the conv history [slots, width−1, C] bf16 and the recurrent state
-[slots, Hv, Dk, Dv] fp32; one trash page for padded rows) — and `StepInputs`, one bucket's per-run
-values (token ids, row positions, block table, slots, key counts) in one int32 device buffer.
+`DeviceState` (per attention layer, the MTP layer's included, K and V pages [pages, Hkv, page, D]: INT8
+codes + fp16 scales per 64 values, or bf16; per GDN layer the conv history [slots, width−1, C] bf16, the
+recurrent state [slots, Hv, Dk, Dv] fp32 and, for speculative rounds, the ReplaySSM records of a verify
+of `record_rows` × `record_tokens` (conv columns, raw k, v bf16; (g, beta) fp32); one trash page for
+padded rows) — and `StepInputs`, one bucket's per-run values (token ids, row positions, block table,
+slots, key counts, commit counts) in one int32 device buffer, plus tensor inputs (the MTP's hidden).
 
 The graph's reference layouts (`trace.state_avals`) are not used here: agreement with the reference
 interpreter is checked on outputs (logits), not on state bytes.
@@ -15,6 +17,9 @@ from compiler.plan import STEP_INPUTS
 from compiler.spec import ModelSpec
 
 
+TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "i32": torch.int32, "i8": torch.int8}
+
+
 class ExecutableError(RuntimeError):
     pass
 
@@ -22,7 +27,8 @@ class ExecutableError(RuntimeError):
 class DeviceState:
     """KV pages and GDN state slots in the kernels' layouts."""
 
-    def __init__(self, spec: ModelSpec, num_pages: int, num_slots: int, kv_dtype: str = "int8", device="cuda"):
+    def __init__(self, spec: ModelSpec, num_pages: int, num_slots: int, kv_dtype: str = "int8", device="cuda",
+                 record_rows: int = 0, record_tokens: int = 0):
         """`num_pages` usable pages plus one trash page (the last) for padded rows and warm-up runs."""
         a, at, g = spec.model, spec.model.attention, spec.model.linear_attention
         page = spec.runtime.page_size
@@ -32,11 +38,21 @@ class DeviceState:
         self.kv: dict[str, dict[str, torch.Tensor]] = {}
         self.conv: dict[str, torch.Tensor] = {}
         self.ssm: dict[str, torch.Tensor] = {}
+        self.records: dict[str, dict[str, torch.Tensor]] = {}
         pages = (num_pages, at.num_kv_heads, page, at.head_dim)
+        if a.mtp.num_layers:
+            self.kv["mtp"] = self._kv_layer(pages, kv_dtype, device)
         for i, kind in enumerate(a.layers.kinds):
             if kind == "full_attention":
                 self.kv[str(i)] = self._kv_layer(pages, kv_dtype, device)
             else:
+                if record_rows and record_tokens:
+                    rt = (record_rows, record_tokens)
+                    self.records[str(i)] = {
+                        "conv": torch.zeros(*rt, g.conv_dim, dtype=torch.bfloat16, device=device),
+                        "k": torch.zeros(*rt, g.num_key_heads, g.key_head_dim, dtype=torch.bfloat16, device=device),
+                        "v": torch.zeros(*rt, g.num_value_heads, g.value_head_dim, dtype=torch.bfloat16, device=device),
+                        "g": torch.zeros(*rt, g.num_value_heads, 2, dtype=torch.float32, device=device)}
                 self.conv[str(i)] = torch.zeros(num_slots, g.conv_kernel - 1, g.conv_dim, dtype=torch.bfloat16,
                                                 device=device)
                 self.ssm[str(i)] = torch.zeros(num_slots, g.num_value_heads, g.key_head_dim, g.value_head_dim,
@@ -54,24 +70,29 @@ class DeviceState:
                 "v": torch.zeros(pages, dtype=torch.bfloat16, device=device)}
 
     def buffer(self, name: str) -> torch.Tensor:
-        """A state buffer by its plan name: `kv.<layer>.k|v|k_scales|v_scales`, `gdn.<layer>.state|conv`."""
+        """A state buffer by its plan name: `kv.<layer>.k|v|k_scales|v_scales`, `gdn.<layer>.state|conv`,
+        `rec.<layer>.conv|k|v|g`."""
         kind, layer, part = (name.split(".") + ["", ""])[:3]
         try:
             if kind == "kv":
                 return self.kv[layer][part]
+            if kind == "rec":
+                return self.records[layer][part]
             if kind == "gdn" and part in ("state", "conv"):
                 return (self.ssm if part == "state" else self.conv)[layer]
         except KeyError:
             pass
         raise ExecutableError(f"no state buffer {name!r} (KV layers {', '.join(self.kv) or 'none'}, "
-                              f"GDN layers {', '.join(self.ssm) or 'none'}, KV dtype {self.kv_dtype})")
+                              f"GDN layers {', '.join(self.ssm) or 'none'}, KV dtype {self.kv_dtype}, "
+                              f"records {'kept' if self.records else 'none: no speculative rounds'})")
 
     def reset_slot(self, slot: int) -> None:
         for t in (*self.conv.values(), *self.ssm.values()):
             t[slot].zero_()
 
     def tensors(self) -> list[torch.Tensor]:
-        return [*(t for layer in self.kv.values() for t in layer.values()), *self.conv.values(), *self.ssm.values()]
+        return [*(t for layer in self.kv.values() for t in layer.values()), *self.conv.values(), *self.ssm.values(),
+                *(t for layer in self.records.values() for t in layer.values())]
 
     def snapshot(self) -> list[torch.Tensor]:
         return [t.clone() for t in self.tensors()]
@@ -88,9 +109,13 @@ class DeviceState:
 class StepInputs:
     """One bucket's per-run values in one int32 device buffer (one host→device copy per run)."""
 
-    def __init__(self, batch: int, tokens: int, max_pages: int, trash_page: int, device):
+    def __init__(self, batch: int, tokens: int, max_pages: int, trash_page: int, device,
+                 tensors: dict[str, tuple[tuple[int, ...], str]] | None = None):
+        """`tensors`: name → (shape, dtype) of the other inputs (plan.step_tensors())."""
         self.batch, self.tokens, self.max_pages, self.trash_page = batch, tokens, max_pages, trash_page
         self._layout = {name: size(batch, tokens, max_pages) for name, size in STEP_INPUTS.items()}
+        self.tensors = {name: torch.zeros(shape, dtype=TORCH_DTYPES[dt], device=device)
+                        for name, (shape, dt) in (tensors or {}).items()}
         self.host = torch.zeros(sum(self._layout.values()), dtype=torch.int32)
         self.device = torch.zeros_like(self.host, device=device)
         self.views, self.host_views, at = {}, {}, 0
@@ -99,9 +124,16 @@ class StepInputs:
             at += n
 
     def ptr(self, name: str) -> int:
-        if name not in self.views:
-            raise ExecutableError(f"no step input {name!r} (have {', '.join(self.views)})")
-        return self.views[name].data_ptr()
+        found = self.views.get(name, self.tensors.get(name))
+        if found is None:
+            raise ExecutableError(f"no step input {name!r} (have {', '.join([*self.views, *self.tensors])})")
+        return found.data_ptr()
+
+    def set_commit(self, counts: list[int]) -> None:
+        """Commit counts of the rows (a fold's `commit`); padded rows 0."""
+        self.host_views["commit"].zero_()
+        self.host_views["commit"][:len(counts)] = torch.tensor(counts, dtype=torch.int32)
+        self.views["commit"].copy_(self.host_views["commit"])
 
     def set(self, tokens: list[list[int]], starts: list[int], tables: list[list[int]], slots: list[int]) -> None:
         """Rows of T tokens at positions start…start+T−1. Padded rows (fewer than `batch`) get slot −1

@@ -21,10 +21,9 @@ from compiler.spec import ModelSpec
 from compiler.targets import Target
 
 from ninfer_gen.executor.cuda_module import KernelCache
-from ninfer_gen.executor.device_state import DeviceState, ExecutableError, StepInputs
+from ninfer_gen.executor.device_state import TORCH_DTYPES, DeviceState, ExecutableError, StepInputs
 from ninfer_gen.executor.device_weights import DeviceWeights
 
-TORCH = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "i32": torch.int32, "i8": torch.int8}
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "i8": 1}
 
 
@@ -120,7 +119,8 @@ class Executable:
         if spills:
             raise ExecutableError(f"kernels spill registers: {', '.join(spills)}")
         _, batch, tokens = plan.shape
-        inputs = inputs or StepInputs(batch, tokens, plan.max_pages, self.state.trash_page, self.device)
+        inputs = inputs or StepInputs(batch, tokens, plan.max_pages, self.state.trash_page, self.device,
+                                      plan.step_tensors())
         bucket = Bucket(plan.shape, plan, inputs)
         self._fit(plan, bucket)
         self._bind(bucket)
@@ -189,10 +189,12 @@ class Executable:
             self.constants[b] = b.tensor().to(self.device).contiguous()
         return self.constants[b].data_ptr()
 
-    def _output(self, plan: Plan, name: str) -> torch.Tensor:
-        out = plan.outputs[name]
+    def _output(self, plan: Plan, name: str) -> torch.Tensor | None:
+        out = plan.outputs.get(name)
+        if out is None:                   # e.g. the commit entry: state writes only
+            return None
         size = math.prod(out.shape) * DTYPE_BYTES[out.dtype]
-        return self.arena[out.offset:out.offset + size].view(TORCH[out.dtype]).view(*out.shape)
+        return self.arena[out.offset:out.offset + size].view(TORCH_DTYPES[out.dtype]).view(*out.shape)
 
     # ------------------------------------------------------------ graphs
     def capture(self, bucket: Bucket) -> None:

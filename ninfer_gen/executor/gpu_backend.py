@@ -41,28 +41,31 @@ class GpuBackend(SequencePool):
                  use_graphs: bool = True, build_root=None, jobs: int | None = None, device="cuda",
                  memory: MemoryPlan | None = None, progress: bool = False,
                  options: CompileOptions = CompileOptions(), all_logits: bool = False,
-                 prefill_chunk: int | None = None):
+                 prefill_chunk: int | None = None, draft: int | None = None):
         """`cohorts` lanes (the profile's step buckets: the spec's cohort sizes up to it); `all_logits`:
         prefill buckets keep every row's logits (evaluation: `Model.forward_logits`), else the last;
-        `prefill_chunk`: the largest prefill bucket (default: the spec's, within the context)."""
+        `prefill_chunk`: the largest prefill bucket (default: the spec's, within the context); `draft`: the MTP
+        drafts per speculative round the profile builds for (default: the spec's; 0: plain decode only)."""
         self.spec, self.device, self.use_graphs = spec, torch.device(device), use_graphs
         rt = spec.runtime
         kv_dtype = kv_dtype or rt.kv_dtype
         ctx = max_context or rt.max_context
-        self.memory = memory or plan_memory(spec, cohorts, ctx, vram_budget, kv_dtype=kv_dtype)
+        self.memory = memory or plan_memory(spec, cohorts, ctx, vram_budget, draft=draft, kv_dtype=kv_dtype)
         per_seq = math.ceil(ctx / rt.page_size)
         pages = min(self.memory.kv_pages, cohorts * per_seq)
         primary_context(self.device.index)
         self.target = device_target(self.device)
-        self.state = DeviceState(spec, pages, cohorts, kv_dtype, self.device)
-        self.weights = weights
-        self.kernels = KernelCache(build_root, jobs=jobs, progress=progress)
         self.profile = profile_of(spec, cohorts=tuple(b for b in rt.cohorts if b <= cohorts) or (1,),
                                   max_context=ctx, kv_dtype=kv_dtype, all_logits=all_logits, options=options,
-                                  prefill_chunk=prefill_chunk)
+                                  prefill_chunk=prefill_chunk, draft=draft)
+        rounds = (max(self.profile.cohorts), self.profile.tail_tokens) if self.profile.speculative else (0, 0)
+        self.state = DeviceState(spec, pages, cohorts, kv_dtype, self.device, *rounds)
+        self.weights = weights
+        self.kernels = KernelCache(build_root, jobs=jobs, progress=progress)
         self.exe = Executable(spec, self.target, weights, self.state, self.kernels, self.profile, self.device)
         self.exe.prepare()                  # every kernel and all memory of the profile, once, up front
         super().__init__(cohorts, pages, rt.page_size, per_seq * rt.page_size)
+        self._verified: dict[int, int] = {}                 # slot → tokens its last verify logged
         self._greedy_out: torch.Tensor | None = None       # greedy(): tokens chosen on the device
         self._greedy_index: torch.Tensor | None = None
         self._advance: torch.cuda.CUDAGraph | None = None
@@ -144,9 +147,58 @@ class GpuBackend(SequencePool):
             self._advance = graph
         return self._advance
 
-    def prefill(self, seq: Sequence, ids: list[int], chunk: int | None = None, all_logits: bool = False):
+    # ------------------------------------------------------------ speculative rounds (engine.speculative)
+    @property
+    def drafts(self) -> tuple[int, ...]:
+        """The draft lengths this backend's profile has round buckets for."""
+        return (self.profile.draft,) if self.profile.speculative else ()
+
+    def verify(self, seq: Sequence, tokens: list[int]):
+        """The target over T = K+1 tokens at the sequence's length in record mode → (logits [T, V], hidden
+        [T, H]); the GDN state is not written and the length does not move until `commit`."""
+        T, start = len(tokens), seq.length
+        self._reserve(seq, start + T)
+        bucket = self.bucket("verify", 1, T)
+        bucket.inputs.set([tokens], [start], [seq.table.pages], [seq.slot])
+        bucket.run(self.use_graphs)
+        self._verified[seq.slot] = T
+        return bucket.logits.clone(), bucket.hidden.clone()
+
+    def commit(self, seq: Sequence, m: int) -> None:
+        """Fold the first m tokens the last verify logged into the state (ReplaySSM); the length moves by m."""
+        T = self._verified.pop(seq.slot, None)
+        if T is None or not 0 <= m <= T:
+            raise ValueError(f"commit of {m} tokens without a verify of at least that many (last: {T})")
+        bucket = self.bucket("commit", 1, T)
+        bucket.inputs.set([[0] * T], [seq.length], [[]], [seq.slot])          # a fold reads slots and counts only
+        bucket.inputs.set_commit([m])
+        bucket.run(self.use_graphs)
+        seq.table.length += m
+
+    def mtp(self, seq: Sequence, hidden: torch.Tensor, next_ids: list[int], start: int):
+        """The MTP head over slots start..start+n−1 (hidden rows, the token after each) → (logits of the
+        last slot [1, V], its normed output [1, H]). Up to K+1 slots run as one padded bucket (the padded
+        slots' KV is rewritten before anything reads it); a prompt's pass is cut like the prompt."""
+        n, tail = len(next_ids), self.profile.tail_tokens
+        pieces = [(tail, n)] if n <= tail else [(t, t) for _, t in self.profile.prompt_pieces(n)]
+        at = 0
+        for t, used in pieces:
+            bucket = self.bucket("mtp", 1, t)
+            ids = next_ids[at:at + used] + [next_ids[at + used - 1]] * (t - used)
+            bucket.inputs.set([ids], [start + at], [seq.table.pages], [seq.slot])
+            rows = bucket.inputs.tensors["hidden"]
+            rows[:used].copy_(hidden[at:at + used])
+            rows[used:].copy_(hidden[at + used - 1:at + used].expand(t - used, -1))
+            bucket.run(self.use_graphs)
+            at += used
+        last = used - 1 if bucket.logits.shape[0] > 1 else 0
+        return bucket.logits[last:last + 1].clone(), bucket.hidden[used - 1:used].clone()
+
+    def prefill(self, seq: Sequence, ids: list[int], chunk: int | None = None, all_logits: bool = False,
+                all_hidden: bool = False):
         """Chunked prefill from the sequence's current length → (logits, hidden): the last row only,
-        or every row with `all_logits` (tests; [n, vocab] fp32)."""
+        or every row with `all_logits` (tests; [n, vocab] fp32); `all_hidden` keeps every row's hidden
+        (the MTP's pass over the prompt)."""
         if all_logits and not self.profile.all_logits:
             raise ValueError("this GPU backend keeps the last row's logits of a prefill chunk; make it with "
                              "all_logits=True for every row's")
@@ -157,7 +209,6 @@ class GpuBackend(SequencePool):
             lg, hd = self.run(entry, [seq], [ids[at:at + t]])
             at += t
             logits.append(lg if all_logits else lg[-1:])
-            hidden.append(hd if all_logits else hd[-1:])
-        if not all_logits:
-            return logits[-1], hidden[-1]
-        return torch.cat(logits), torch.cat(hidden)
+            hidden.append(hd if all_logits or all_hidden else hd[-1:])
+        return (torch.cat(logits) if all_logits else logits[-1]), \
+            (torch.cat(hidden) if all_logits or all_hidden else hidden[-1])
