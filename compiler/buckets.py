@@ -26,6 +26,7 @@ from .trace import StatePools, trace
 
 MAX_ROWS = 32          # B·T of a step bucket: the skinny GEMV's limit
 MIN_PREFILL = 16       # the prefill attention tiles 16 queries
+PLAIN_TAIL = 4         # without drafts a prompt's tail runs in 4-token steps (each costs about one step's reads)
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,9 @@ class Profile:
 
     @property
     def tail_tokens(self) -> int:
-        """Tokens of the step bucket that runs a prompt's tail in fours (the verify shape), 1 without drafts."""
-        return self.draft + 1 if self.draft else 1
+        """Tokens of the multi-token step: the verify shape K + 1 with drafts, else PLAIN_TAIL; it also runs
+        a prompt's last < 16 tokens."""
+        return self.draft + 1 if self.draft else PLAIN_TAIL
 
     def prefill_sizes(self) -> list[int]:
         """The chunk, then 16·2^i below it, largest first."""

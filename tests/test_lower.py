@@ -87,7 +87,7 @@ def test_profile_shapes_cover_decode_verify_and_prefill_sizes():
     assert profile_of(BIG, prefill_chunk=96).prefill_sizes() == [96, 64, 32, 16]
     assert {("verify", 8, 4), ("commit", 8, 4), ("mtp", 8, 4), ("mtp", 8, 1), ("mtp", 1, 4096)} <= set(shapes)
     no_drafts = profile_of(BIG, cohorts=(2,), draft=0).shapes()
-    assert [s for s in no_drafts if s[0] == "step"] == [("step", 2, 1)]
+    assert [s for s in no_drafts if s[0] == "step"] == [("step", 2, 1), ("step", 2, 4)]   # 4: a prompt's tail
     assert all(e in ("step", "prefill") for e, _, _ in no_drafts)
 
 

@@ -190,9 +190,11 @@ def run_bench(args) -> dict:
     result["copy_GBps"] = copy_gbs
     t0 = time.perf_counter()
     source = args.weights or args.spec
+    if args.accept_prob is not None and not (args.draft > 0 and 0 <= args.accept_prob <= 1):
+        raise ValueError("--accept-prob needs --draft K > 0 and a probability in [0, 1]")
     model = ninfer_gen.load(source, backend="gpu", max_context=ctx, vram_budget=budget,
                             random_weights="device" if args.weights is None else "host", progress=True,
-                            options=compile_options(), build_root=build_root())
+                            options=compile_options(), build_root=build_root(), draft=args.draft)
     spec = model.spec
     be = model.backend
     torch.cuda.synchronize()
@@ -252,6 +254,10 @@ def run_bench(args) -> dict:
     }
     decode["bandwidth_efficiency"] = decode["bandwidth_GBps"] / copy_gbs
     result["decode"] = decode
+    if args.draft:
+        from ninfer_gen.cli.bench_spec import speculative_figures
+        result["speculative"] = speculative_figures(be, spec, args, decode, copy_gbs)
+        peak.sample()
 
     # (3) long prompts
     result["prefill"] = []
@@ -321,6 +327,9 @@ def table(r: dict) -> str:
     if omitted:
         lines.append("decode step, µs saved by leaving a group out of the graph: " + ", ".join(
             f"{k} {v['saved_us']:.0f} ({v['launches']})" for k, v in omitted.items()))
+    if "speculative" in r:
+        from ninfer_gen.cli.bench_spec import table_lines
+        lines += table_lines(r["speculative"])
     lines.append(f"{'peak alloc / reserved / device GiB':<34} {r['peak_allocated_bytes'] / GiB:>6.2f} / "
                  f"{r['peak_reserved_bytes'] / GiB:.2f} / {r['peak_device_used_bytes'] / GiB:.2f}")
     for k, v in r.get("hf", {}).items():

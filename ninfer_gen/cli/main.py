@@ -303,6 +303,12 @@ def _bench_arguments(p) -> None:
     p.add_argument("--vram-budget", default="24GiB", help="memory budget, enforced on the allocator (default 24GiB)")
     p.add_argument("--hf-json", default=None, help="lab/hf_baseline.py output for same-day ratios")
     p.add_argument("--json", default=None, help="write the full results here")
+    p.add_argument("--draft", type=int, default=0, help="also time C1 speculative rounds with K MTP drafts beside "
+                   "plain decode (default 0: plain decode only)")
+    p.add_argument("--accept-prob", type=float, default=None, help="bench only: keep each draft with this "
+                   "probability (a coin per position until the first failure) instead of comparing it with the "
+                   "target: random weights draft at random")
+    p.add_argument("--rounds", type=int, default=128, help="timed speculative rounds (with --draft)")
 
 
 def cmd_bench(args) -> int:

@@ -111,18 +111,21 @@ class Drafter:
 
     def propose(self, seq, hidden: torch.Tensor, next_ids: list[int], start: int) -> tuple[list[int], torch.Tensor]:
         """MTP over slots start..start+n−1 (hidden rows with the token after each), then K−1 chained
-        steps: (drafts [K], their distributions [K, V])."""
+        steps: (drafts [K], their distributions [K, V] when sampling, else None)."""
         logits, normed = self.backend.mtp(seq, hidden, next_ids, start)
         drafts, probs = [], []
         h, at = normed[-1:], start + len(next_ids)
         for j in range(self.k):
-            q = distribution(logits[-1:], self.params)[0]
-            d = int(q.argmax()) if self.params.greedy else draw(q, self.gen)
+            if self.params.greedy:              # argmax where the logits are: one integer comes back
+                d = int(logits[-1].argmax())
+            else:
+                q = distribution(logits[-1:], self.params)[0]
+                d = draw(q, self.gen)
+                probs.append(q)
             drafts.append(d)
-            probs.append(q)
             if j + 1 < self.k:
                 logits, h = self.backend.mtp(seq, h, [d], at + j)
-        return drafts, torch.stack(probs)
+        return drafts, (torch.stack(probs) if probs else None)
 
 
 def speculative_stream(backend, prompt: list[int], max_new_tokens: int, k: int, params: SamplingParams,
@@ -136,8 +139,7 @@ def speculative_stream(backend, prompt: list[int], max_new_tokens: int, k: int, 
     seq = backend.new_sequence()
     try:
         logits, hidden = backend.prefill(seq, list(prompt), all_hidden=True)
-        p = distribution(logits[-1:], params)[0]
-        anchor = int(p.argmax()) if params.greedy else draw(p, gen)
+        anchor = int(logits[-1].argmax()) if params.greedy else draw(distribution(logits[-1:], params)[0], gen)
         yield anchor
         produced = 1
         if produced >= max_new_tokens or (stop_ids and anchor in stop_ids):
