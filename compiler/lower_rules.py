@@ -89,11 +89,11 @@ class Ctx:
         return self.state_name[state.uid].split(".")[1]
 
     def pages(self, cache_first: Var) -> dict[str, Binding]:
-        layer = self.layer(cache_first)
-        pages = {"k_pages": State(f"kv.{layer}.k"), "v_pages": State(f"kv.{layer}.v")}
-        scales = self.kv_dtype == "int8"
-        return pages | {p: State(f"kv.{layer}.{p.replace('_scales', '')[0]}_scales") if scales else NULL
-                        for p in ("k_scales", "v_scales")}
+        """The attention layer's K/V pages (and INT8 scales; null for bf16 pages) as kernel parameters."""
+        layer, int8 = self.layer(cache_first), self.kv_dtype == "int8"
+        return {"k_pages": State(f"kv.{layer}.k"), "v_pages": State(f"kv.{layer}.v"),
+                "k_scales": State(f"kv.{layer}.k_scales") if int8 else NULL,
+                "v_scales": State(f"kv.{layer}.v_scales") if int8 else NULL}
 
     def planes(self, name: str, fmt: str) -> dict[str, Binding]:
         """A packed matrix's planes as the matmul parameters; the planes its format lacks are null."""
@@ -253,12 +253,12 @@ def prefill_gdn_key(hk, hv, dk, dv, t: int, target: Target) -> KernelKey:
     return gdn_step.make_key(hk, hv, dk, dv, 1, t, "step", target)
 
 
-RECORD_PARAMS = ("rec_k", "rec_v", "rec_g")
+RECORD_PARAMS = {"rec_k": "k", "rec_v": "v", "rec_g": "g"}      # gdn_step parameter → the layer's record buffer
 FOLD_PARAMS = ("commit", "prev_k", "prev_v", "prev_g")
 
 
 def _records(layer: str) -> dict[str, Binding]:
-    return {p: State(f"rec.{layer}.{p[-1]}") for p in RECORD_PARAMS}
+    return {p: State(f"rec.{layer}.{part}") for p, part in RECORD_PARAMS.items()}
 
 
 def _gdn_step(ctx, e):

@@ -57,7 +57,7 @@ def gdn_step_record(q, k, v, a, b, a_log, dt_bias, state, slots, rec_k, rec_v, r
 
 def gdn_fold(state, slots, rec_k, rec_v, rec_g, commit):
     """state[slot] ← the recurrence over the first m logged tokens of row r (m = min(commit[r], T))."""
-    hk, dk = rec_k.shape[2], rec_k.shape[3]
+    hk = rec_k.shape[2]
     grp = rec_v.shape[2] // hk
     for r in _valid(slots).tolist():
         m = min(int(commit[r]), rec_k.shape[1])

@@ -24,7 +24,7 @@ from compiler.targets import Target, resolve
 from ninfer_gen.executor.cuda_module import KernelCache, primary_context
 from ninfer_gen.executor.device_weights import DeviceWeights
 from ninfer_gen.executor.device_state import DeviceState
-from ninfer_gen.executor.executable import Executable, ExecutableError
+from ninfer_gen.executor.executable import Executable
 from ninfer_gen.executor.memory_plan import GiB, MemoryPlan, plan_memory
 from ninfer_gen.allocators.sequences import Sequence, SequencePool
 
