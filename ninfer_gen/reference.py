@@ -40,7 +40,6 @@ class ReferenceBackend(SequencePool):
                       for name, (shape, dt) in state_avals(spec, self.pools).items()}
         self._graphs: dict = {}
         self._records: dict[tuple[int, int], dict] = {}        # (B, T) of a verify → its ReplaySSM records
-        self._verified: dict[int, int] = {}                    # slot → tokens its last verify logged
         self.bf16_matmul_inputs = bf16_matmul_inputs
 
     def _place(self, name: str, w: torch.Tensor) -> torch.Tensor:
@@ -96,19 +95,16 @@ class ReferenceBackend(SequencePool):
         """The target over T tokens at the sequence's length in record mode: (logits [T, V], hidden [T, H]);
         the GDN state is not written and the length does not move until `commit`."""
         start, T = seq.length, len(tokens)
-        self._reserve(seq, start + T)
+        self._verified_tokens(seq, T)
         inputs = {"tokens": self._i32([tokens]), "pos": self._i32([start]), "block_table": self._block_table([seq]),
                   "slots": self._i32([seq.slot])}
         out = run_graph(self.graph("verify", 1, T), inputs, self.weights, self.state | self.records(1, T),
                         bf16_matmul_inputs=self.bf16_matmul_inputs)
-        self._verified[seq.slot] = T
         return out["logits"], out["hidden"]
 
     def commit(self, seq: Sequence, m: int) -> None:
         """Fold the first m tokens the last verify logged into the state; the length moves by m."""
-        T = self._verified.pop(seq.slot, None)
-        if T is None or not 0 <= m <= T:
-            raise ValueError(f"commit of {m} tokens without a verify of at least that many (last: {T})")
+        T = self._committing(seq, m)
         run_graph(self.graph("commit", 1, T), {"slots": self._i32([seq.slot]), "commit": self._i32([m])},
                   self.weights, self.state | self.records(1, T))
         seq.table.length += m

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import ninfer_gen
-from ninfer_gen.engine.sampling import SamplingParams
-from ninfer_gen.engine.speculative import Stats, accept_greedy, accept_sampled, distribution, truncate
+from ninfer_gen.engine.sampling import SamplingParams, distribution
+from ninfer_gen.engine.speculative import Stats, accept_greedy, accept_sampled, truncate
 
 
 def _logits(best: list[int], vocab: int = 7) -> torch.Tensor:

@@ -25,6 +25,7 @@ class SequencePool:
         self.slots = SlotAllocator(num_slots)
         self.blocks = BlockManager(num_pages, page_size)
         self.max_context = max_context
+        self._verified: dict[int, int] = {}          # slot → tokens its last verify logged (speculative rounds)
 
     def _reset_slot(self, slot: int) -> None:
         raise NotImplementedError
@@ -35,6 +36,7 @@ class SequencePool:
         return Sequence(slot)
 
     def release(self, seq: Sequence) -> None:
+        self._verified.pop(seq.slot, None)           # a round left unfinished: its records die with the slot
         self.slots.free(seq.slot)
         self.blocks.free(seq.table)
 
@@ -42,3 +44,15 @@ class SequencePool:
         if length > self.max_context:
             raise ValueError(f"sequence of {length} tokens exceeds the context limit {self.max_context}")
         self.blocks.reserve(seq.table, length)
+
+    def _verified_tokens(self, seq: Sequence, tokens: int) -> None:
+        """A verify of `tokens` positions logged records for the sequence (reserving their pages)."""
+        self._reserve(seq, seq.length + tokens)
+        self._verified[seq.slot] = tokens
+
+    def _committing(self, seq: Sequence, m: int) -> int:
+        """The tokens the sequence's last verify logged, which a commit of m must not exceed."""
+        tokens = self._verified.pop(seq.slot, None)
+        if tokens is None or not 0 <= m <= tokens:
+            raise ValueError(f"commit of {m} tokens without a verify of at least that many (last: {tokens})")
+        return tokens

@@ -27,6 +27,28 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Rows of probabilities after temperature, top-k and top-p (fp32, on the CPU); greedy: one-hot
+    argmax. What `Sampler` draws from, and what speculative rejection sampling compares."""
+    logits = logits.float().cpu().reshape(-1, logits.shape[-1])
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    if params.top_k:
+        kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1:
+        sorted_p, order = torch.sort(probs, descending=True, dim=-1)
+        keep = torch.cumsum(sorted_p, -1) - sorted_p < params.top_p      # smallest prefix reaching top_p
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def draw(probs: torch.Tensor, gen: torch.Generator) -> int:
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
 class Sampler:
     def __init__(self, params: SamplingParams):
         self.params = params
@@ -35,17 +57,6 @@ class Sampler:
             self.gen.manual_seed(params.seed)
 
     def __call__(self, logits: torch.Tensor) -> int:
-        p = self.params
-        if p.greedy:                              # on the logits' device: one int comes back
+        if self.params.greedy:                    # on the logits' device: one int comes back
             return int(torch.argmax(logits.reshape(-1)))
-        logits = logits.float().cpu()
-        logits = logits / p.temperature
-        if p.top_k:
-            kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if p.top_p < 1:
-            sorted_p, order = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sorted_p, 0) - sorted_p < p.top_p  # smallest prefix reaching top_p
-            probs = torch.zeros_like(probs).scatter(0, order, sorted_p * keep)
-        return int(torch.multinomial(probs / probs.sum(), 1, generator=self.gen))
+        return draw(distribution(logits, self.params)[0], self.gen)

@@ -24,29 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling import SamplingParams
-
-
-def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Rows of probabilities after temperature, top-k and top-p (fp32, on the CPU); greedy: one-hot
-    argmax. The same processing `Sampler` applies before drawing."""
-    logits = logits.float().cpu().reshape(-1, logits.shape[-1])
-    if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
-    if params.top_k:
-        kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1:
-        sorted_p, order = torch.sort(probs, descending=True, dim=-1)
-        keep = torch.cumsum(sorted_p, -1) - sorted_p < params.top_p      # smallest prefix reaching top_p
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
-    return probs / probs.sum(-1, keepdim=True)
-
-
-def draw(probs: torch.Tensor, gen: torch.Generator) -> int:
-    return int(torch.multinomial(probs, 1, generator=gen))
+from .sampling import SamplingParams, distribution, draw
 
 
 def accept_greedy(drafts: list[int], target_logits: torch.Tensor) -> list[int]:

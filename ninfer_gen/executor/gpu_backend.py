@@ -65,7 +65,6 @@ class GpuBackend(SequencePool):
         self.exe = Executable(spec, self.target, weights, self.state, self.kernels, self.profile, self.device)
         self.exe.prepare()                  # every kernel and all memory of the profile, once, up front
         super().__init__(cohorts, pages, rt.page_size, per_seq * rt.page_size)
-        self._verified: dict[int, int] = {}                 # slot → tokens its last verify logged
         self._greedy_out: torch.Tensor | None = None       # greedy(): tokens chosen on the device
         self._greedy_index: torch.Tensor | None = None
         self._advance: torch.cuda.CUDAGraph | None = None
@@ -157,18 +156,15 @@ class GpuBackend(SequencePool):
         """The target over T = K+1 tokens at the sequence's length in record mode → (logits [T, V], hidden
         [T, H]); the GDN state is not written and the length does not move until `commit`."""
         T, start = len(tokens), seq.length
-        self._reserve(seq, start + T)
+        self._verified_tokens(seq, T)
         bucket = self.bucket("verify", 1, T)
         bucket.inputs.set([tokens], [start], [seq.table.pages], [seq.slot])
         bucket.run(self.use_graphs)
-        self._verified[seq.slot] = T
         return bucket.logits.clone(), bucket.hidden.clone()
 
     def commit(self, seq: Sequence, m: int) -> None:
         """Fold the first m tokens the last verify logged into the state (ReplaySSM); the length moves by m."""
-        T = self._verified.pop(seq.slot, None)
-        if T is None or not 0 <= m <= T:
-            raise ValueError(f"commit of {m} tokens without a verify of at least that many (last: {T})")
+        T = self._committing(seq, m)
         bucket = self.bucket("commit", 1, T)
         bucket.inputs.set([[0] * T], [seq.length], [[]], [seq.slot])          # a fold reads slots and counts only
         bucket.inputs.set_commit([m])
