@@ -12,6 +12,7 @@ from compiler.schema import SpecError
 EPILOG = """examples:
   ninfer-gen run --prompt "def fibonacci(n):"        the small model shipped in models/
   ninfer-gen run --weights <HF dir> --prompt "..."    any Qwen3.5/3.6/3.8 checkpoint
+  ninfer-gen convert <HF dir> <out>                   quantise once; then run --weights <out>
   ninfer-gen check model_specs/qwen3.8-27b.yaml       validate a spec and print its sizes
   ninfer-gen plan model_specs/qwen3.8-27b.yaml --cohorts 8 --max-context 16384
   ninfer-gen build model_specs/qwen3.8-27b.yaml --target rtx3090 --cohorts 1,2,4,8 --draft 3
@@ -160,12 +161,13 @@ def cmd_run(args) -> int:
         model = ninfer_gen.load(args.weights, backend="gpu", max_context=args.max_context,
                                 random_weights="device" if args.random_weights else "host",
                                 vram_budget=parse_bytes(args.vram_budget), use_graphs=not args.no_graphs,
-                                progress=True, options=compile_options(), build_root=build_root(), draft=args.draft)
+                                progress=True, options=compile_options(), build_root=build_root(), draft=args.draft,
+                                verify=not args.no_verify)
     else:
         if args.random_weights:
             raise ValueError("--random-weights draws weights on the GPU: use it with --backend gpu")
         model = ninfer_gen.load(args.weights, backend=args.backend, dtype=args.dtype, quantize=args.quantize,
-                                device=args.device, max_context=args.max_context)
+                                device=args.device, max_context=args.max_context, verify=not args.no_verify)
     tok = model.tokenizer
     print(f"[model: {model.source}; backend: {args.backend} on {model.backend.device}; tokenizer: {tok.name}]",
           file=sys.stderr)
@@ -259,8 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--arch", default=None, help="--plan: sm_80 | sm_86 | sm_87 | sm_89 | sm_90 (wins over --target)")
     i.set_defaults(func=cmd_inspect)
     r = sub.add_parser("run", help="generate a completion for one prompt")
-    r.add_argument("--weights", help="HF checkpoint dir or spec YAML (random weights); "
-                   "default: the small model shipped in models/")
+    r.add_argument("--weights", help="HF checkpoint dir, converted container (ninfer-gen convert) or spec YAML "
+                   "(random weights); default: the small model shipped in models/")
+    r.add_argument("--no-verify", action="store_true", help="a converted container: skip checking its sha256 hashes")
     r.add_argument("--prompt", required=True)
     r.add_argument("--max-tokens", type=int, default=96)
     r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -289,7 +292,39 @@ def build_parser() -> argparse.ArgumentParser:
                         "and writes JSON; bandwidth efficiency is against a copy measured in the same run.")
     _bench_arguments(bn)
     bn.set_defaults(func=cmd_bench)
+    cv = sub.add_parser("convert", help="quantise an HF checkpoint once into a container that loads at disk speed",
+                        description=CONVERT_DESCRIPTION)
+    cv.add_argument("source", help="HF checkpoint directory (config.json + safetensors)")
+    cv.add_argument("out", help="container folder to create (must not exist, or be empty; see --force)")
+    cv.add_argument("--spec", default=None, help="spec YAML whose quantisation recipe to apply (default: the "
+                    "spec derived from config.json, with the default recipe)")
+    cv.add_argument("--device", default=None, help="where to quantise: cuda or cpu (default: cuda when available)")
+    cv.add_argument("--shard-size", default="4GiB", help="largest shard file (default 4GiB)")
+    cv.add_argument("--force", action="store_true", help="replace an existing container folder")
+    cv.set_defaults(func=cmd_convert)
     return p
+
+
+CONVERT_DESCRIPTION = ("Streams the checkpoint one tensor at a time through the spec's quantisation recipe (on the "
+                       "GPU when there is one) into the planes the kernels read, and writes them as safetensors "
+                       "shards with spec.yaml, the tokenizer, chat template and generation config, and a manifest "
+                       "holding a sha256 per tensor. `run --weights OUT` and `bench --weights OUT` load it.")
+
+
+def cmd_convert(args) -> int:
+    from compiler.spec import load_spec
+    from ninfer_gen.executor.memory_plan import parse_bytes
+    from ninfer_gen.weights.convert import convert_checkpoint
+
+    spec = load_spec(args.spec) if args.spec else None
+    r = convert_checkpoint(args.source, args.out, spec=spec, device=args.device, shard_bytes=parse_bytes(args.shard_size),
+                           overwrite=args.force, progress=True)
+    print(f"{r['out']}: {r['tensors']} planes of spec {r['spec']} in {r['shards']} shard(s), "
+          f"{_fmt_bytes(r['written_bytes'])} from {_fmt_bytes(r['read_bytes'])} read, quantised on {r['device']}, "
+          f"{r['seconds']:.1f} s ({r['read_bytes'] / max(r['seconds'], 1e-9) / 1e9:.2f} GB/s)")
+    print(f"  MTP layer: {'yes' if r['mtp'] else 'no (the source has no mtp.* tensors: no drafting)'}; "
+          f"copied: {', '.join(r['files']) or 'nothing'}")
+    return 0
 
 
 def _bench_arguments(p) -> None:

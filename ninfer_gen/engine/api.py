@@ -133,7 +133,7 @@ def _eos_ids(folder: Path | None) -> set[int]:
     return ids
 
 
-def _resolve(path_or_spec) -> tuple[ModelSpec, dict, Path | None, str]:
+def _resolve(path_or_spec, verify: bool = True, require_mtp: bool = False) -> tuple[ModelSpec, dict, Path | None, str]:
     if path_or_spec is None:
         if (DEFAULT_MODEL / "config.json").is_file():
             path_or_spec = DEFAULT_MODEL
@@ -145,22 +145,29 @@ def _resolve(path_or_spec) -> tuple[ModelSpec, dict, Path | None, str]:
     path = Path(path_or_spec)
     if path.is_dir():
         from ninfer_gen.weights.checkpoint import load_checkpoint
+        from ninfer_gen.weights.container import is_container, load_host
 
-        spec, tensors = load_checkpoint(path, require_mtp=False)
+        if is_container(path):
+            spec, tensors = load_host(path, verify=verify, require_mtp=require_mtp)
+            return spec, tensors, path, f"{path} (converted)"
+        spec, tensors = load_checkpoint(path, require_mtp=require_mtp)
         return spec, tensors, path, str(path)
     if path.suffix in (".yaml", ".yml"):
         spec = load_spec(path)
         return spec, random_weights(spec), None, f"{spec.name} (random weights, seed 0)"
-    raise SpecError("", f"{path}: expected an HF checkpoint directory or a model spec .yaml file")
+    raise SpecError("", f"{path}: expected an HF checkpoint directory, a converted container or a model spec "
+                        ".yaml file")
 
 
 def load(path_or_spec=None, backend: str = "reference", dtype: str = "float32", quantize: bool = False,
          device: str | None = None, kv_dtype: str | None = None, max_context: int | None = None,
          random_weights: str = "host", vram_budget: int | None = None, use_graphs: bool = True,
          progress: bool = False, options: CompileOptions | None = None, build_root=None,
-         all_logits: bool = False, draft: int | None = None) -> Model:
-    """Load a model. `path_or_spec`: an HF checkpoint directory, a spec .yaml (seeded random weights),
-    a ModelSpec, or None for the small model shipped in the repository.
+         all_logits: bool = False, draft: int | None = None, verify: bool = True) -> Model:
+    """Load a model. `path_or_spec`: an HF checkpoint directory, a container `ninfer-gen convert` wrote
+    (its sha256 hashes checked unless `verify=False`), a spec .yaml (seeded random weights), a ModelSpec,
+    or None for the small model shipped in the repository. With `draft` > 0 a checkpoint must have its
+    MTP layer (else it loads without one).
 
     backend "reference": the graph interpreter in torch; `quantize=True` runs the spec's quantisation
     recipe at load and the reference uses the dequantised weights.
@@ -177,21 +184,23 @@ def load(path_or_spec=None, backend: str = "reference", dtype: str = "float32", 
     if backend == "gpu":
         gpu = dict(options=options or CompileOptions(), build_root=build_root, all_logits=all_logits,
                    use_graphs=use_graphs, progress=progress, draft=draft)
-        return _load_gpu(path_or_spec, kv_dtype, max_context, random_weights, vram_budget, gpu)
-    spec, tensors, folder, source = _resolve(path_or_spec)
+        return _load_gpu(path_or_spec, kv_dtype, max_context, random_weights, vram_budget, gpu, verify)
+    spec, tensors, folder, source = _resolve(path_or_spec, verify, bool(draft))
     if quantize:
         from ninfer_gen.weights.checkpoint import dequantized, quantize_weights
+        from ninfer_gen.weights.container import is_container
 
-        tensors = dequantized(quantize_weights(spec, tensors))
+        if not (folder and is_container(folder)):    # a container holds the recipe's formats already
+            tensors = dequantized(quantize_weights(spec, tensors))
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     ref = ReferenceBackend(spec, tensors, device=device, dtype=dtype, kv_dtype=kv_dtype, max_context=max_context)
     return Model(spec, ref, folder, source)
 
 
-def _load_gpu(path_or_spec, kv_dtype, max_context, random_weights, vram_budget, gpu: dict) -> Model:
+def _load_gpu(path_or_spec, kv_dtype, max_context, random_weights, vram_budget, gpu: dict, verify: bool) -> Model:
     if not torch.cuda.is_available():
         raise RuntimeError("the GPU backend needs a CUDA device; none is visible (use backend='reference')")
-    from ninfer_gen.executor.device_weights import from_host, random_on_device
+    from ninfer_gen.executor.device_weights import random_on_device
     from ninfer_gen.executor.gpu_backend import GpuBackend
     from ninfer_gen.executor.memory_plan import GiB
 
@@ -204,10 +213,25 @@ def _load_gpu(path_or_spec, kv_dtype, max_context, random_weights, vram_budget, 
         weights = random_on_device(spec, seed=0, progress=gpu["progress"])
         folder, source = None, f"{spec.name} (random weights drawn on the GPU, seed 0)"
     else:
-        from ninfer_gen.weights.checkpoint import quantize_weights
-
-        spec, tensors, folder, source = _resolve(path_or_spec)
-        weights = from_host(spec, quantize_weights(spec, tensors), progress=gpu["progress"])
-        del tensors
+        spec, weights, folder, source = _device_weights(path_or_spec, gpu["progress"], verify, bool(gpu["draft"]))
     backend = GpuBackend(spec, weights, max_context=max_context, kv_dtype=kv_dtype, vram_budget=budget, **gpu)
     return Model(spec, backend, folder, source)
+
+
+def _device_weights(path_or_spec, progress: bool, verify: bool, require_mtp: bool):
+    """GPU weights: a container's planes copied as stored, an HF checkpoint streamed and quantised on the
+    GPU one tensor at a time, or host tensors (random weights of a spec) quantised, then copied."""
+    from ninfer_gen.executor.device_weights import from_checkpoint, from_container, from_host
+    from ninfer_gen.weights.checkpoint import quantize_weights
+    from ninfer_gen.weights.container import is_container
+
+    path = DEFAULT_MODEL if path_or_spec is None and (DEFAULT_MODEL / "config.json").is_file() else path_or_spec
+    if isinstance(path, (str, Path)) and Path(path).is_dir():
+        path = Path(path)
+        if is_container(path):
+            weights = from_container(path, verify=verify, require_mtp=require_mtp, progress=progress)
+            return weights.spec, weights, path, f"{path} (converted)"
+        weights = from_checkpoint(path, require_mtp=require_mtp, progress=progress)
+        return weights.spec, weights, path, str(path)
+    spec, tensors, folder, source = _resolve(path_or_spec)
+    return spec, from_host(spec, quantize_weights(spec, tensors), progress=progress), folder, source

@@ -6,9 +6,11 @@
   a tied LM head gets its own packed copy;
 - norms and conv weights bf16 (conv as [C, width]), GDN `A_log` / `dt_bias` fp32.
 
-Two sources: host tensors (an HF checkpoint quantised at load by the spec's recipe, `from_host`), or
-`random_on_device`, which draws the whole weight set on the GPU directly in its quantised formats
-(seeded) so the 27B shape can be benchmarked without a checkpoint.
+Sources: an HF checkpoint streamed one tensor at a time and quantised on the device (`from_checkpoint`),
+a converted container whose planes are copied as stored (`from_container`), host tensors in the spec's
+formats (`from_host`), or `random_on_device`, which draws the whole weight set on the GPU directly in its
+quantised formats (seeded) so the 27B shape can be benchmarked without a checkpoint. Every source but
+the last builds the same planes (`ninfer_gen.weights.planes`), bit for bit.
 """
 from __future__ import annotations
 
@@ -19,9 +21,10 @@ import torch
 
 from compiler.kernels.weight_layout import group_of, pack_for_device
 from compiler.quant import QTensor
-from compiler.spec import ModelSpec, TensorInfo, format_of, tensor_table
-from compiler.weights import NON_MATRIX_ROLES, lm_head_name, packed_matrices, plane_bytes
+from compiler.spec import ModelSpec, format_of, tensor_table
+from compiler.weights import NON_MATRIX_ROLES, lm_head_name, packed_matrices, plane_bytes, planes_of
 
+from ninfer_gen.weights.planes import PlanePacker, device_format, split_key
 from ninfer_gen.weights.random_weights import _draw
 
 # code standard deviation of a uniform draw over each format's code range (random weights at O(1) scale)
@@ -62,6 +65,35 @@ class DeviceWeights:
         except KeyError:
             raise KeyError(f"weight matrix {name!r} is not on the device") from None
 
+    def put(self, plane_key: str, t: torch.Tensor) -> None:
+        """Store one plane (`planes.key`) already on its device; a small tensor in its recipe format
+        becomes the kernels' form here."""
+        name, plane = split_key(plane_key)
+        if plane == "tensor":
+            self.tensors[name] = _small_tensor(name, t, t.device)
+        elif plane == "rows":             # int8 codes, or a float table the gather reads as bf16
+            self.embed_codes = t if t.dtype == torch.int8 else t.to(torch.bfloat16).contiguous()
+        elif plane == "row_scales":
+            self.embed_scales = t
+        else:
+            self.matrices.setdefault(name, {})[plane] = t
+
+    def complete(self) -> "DeviceWeights":
+        """Fill each matrix's empty planes (not stored) and its format; every packed matrix must be here."""
+        for name, infos in packed_matrices(self.spec):
+            if name not in self.matrices:
+                raise KeyError(f"weight matrix {name!r} was never loaded")
+            fmt = device_format(format_of(self.spec, infos[0]))
+            self.formats[name] = fmt
+            planes, device = self.matrices[name], self.matrices[name]["lo"].device
+            for plane in ("lo", "hi", "scales"):
+                if plane not in planes:
+                    if plane in planes_of(fmt):
+                        raise KeyError(f"plane {plane!r} of weight matrix {name!r} was never loaded")
+                    planes[plane] = torch.zeros(0, dtype=torch.float16 if plane == "scales" else torch.uint8,
+                                                device=device)
+        return self
+
     @property
     def nbytes(self) -> int:
         n = sum(t.numel() * t.element_size() for planes in self.matrices.values() for t in planes.values())
@@ -71,10 +103,10 @@ class DeviceWeights:
         return n
 
 
-def _small_tensor(info: TensorInfo, value: torch.Tensor, device) -> torch.Tensor:
-    if info.name.endswith(("A_log", "dt_bias")):
+def _small_tensor(name: str, value: torch.Tensor, device) -> torch.Tensor:
+    if name.endswith(("A_log", "dt_bias")):
         return value.to(device, torch.float32).contiguous()
-    if info.name.endswith("conv1d.weight"):
+    if name.endswith("conv1d.weight"):
         return value.reshape(value.shape[0], -1).to(device, torch.bfloat16).contiguous()
     return value.to(device, torch.bfloat16).contiguous()
 
@@ -86,33 +118,55 @@ def _progress(items, desc: str, show: bool):
     return tqdm(items, desc=desc, unit="tensor", leave=False)
 
 
+def _to(value, device):
+    if isinstance(value, QTensor):
+        return QTensor(value.fmt, value.codes.to(device), value.scales.to(device))
+    return value.to(device)
+
+
 def from_host(spec: ModelSpec, tensors: dict, device="cuda", progress: bool = False) -> DeviceWeights:
     """`tensors`: canonical name → QTensor or float tensor in the spec's formats (checkpoint.quantize_weights)."""
     dw = DeviceWeights(spec)
-    for name, infos in _progress(packed_matrices(spec), "packing weights", progress):
-        parts = [tensors[i.name] for i in infos]
-        if isinstance(parts[0], QTensor):
-            parts = [QTensor(p.fmt, p.codes.to(device), p.scales.to(device)) for p in parts]
-            w = parts[0] if len(parts) == 1 else QTensor(parts[0].fmt, torch.cat([p.codes for p in parts]),
-                                                         torch.cat([p.scales for p in parts]))
-            fmt = w.fmt
-        else:
-            w = torch.cat([p.to(device, torch.bfloat16) for p in parts])
-            fmt = "bf16"
-        dw.matrices[name] = pack_for_device(w, gate_up=len(parts) == 2)
-        dw.formats[name] = fmt
-    for info in tensor_table(spec):
-        if info.name == "embed_tokens.weight":
-            e = tensors[info.name]
-            if isinstance(e, QTensor):
-                dw.embed_codes, dw.embed_scales = e.codes.to(device).contiguous(), e.scales.to(device).contiguous()
-            else:
-                dw.embed_codes = e.to(device, torch.bfloat16).contiguous()
-        elif info.role in NON_MATRIX_ROLES:
-            dw.tensors[info.name] = _small_tensor(info, tensors[info.name], device)
+    packer = PlanePacker(spec, dw.put)
+    for info in _progress(tensor_table(spec), "packing weights", progress):
+        packer.add(info.name, _to(tensors[info.name], device))
+    packer.finish()
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
-    return dw
+    return dw.complete()
+
+
+def from_checkpoint(path, spec: ModelSpec | None = None, device="cuda", require_mtp: bool = False,
+                    progress: bool = False) -> DeviceWeights:
+    """An HF checkpoint streamed onto `device`: each tensor read, quantised there by the spec's recipe,
+    packed and freed before host memory holds more than about one tensor (`weights.streaming`)."""
+    from ninfer_gen.weights.checkpoint import open_checkpoint
+    from ninfer_gen.weights.streaming import stream_formatted
+
+    ckpt = open_checkpoint(path, spec, require_mtp)
+    dw = DeviceWeights(ckpt.spec)
+    packer = PlanePacker(ckpt.spec, dw.put)
+    for name, value in stream_formatted(ckpt, device, progress):
+        packer.add(name, value)
+    packer.finish()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return dw.complete()
+
+
+def from_container(path, device="cuda", verify: bool = True, spec: ModelSpec | None = None,
+                   require_mtp: bool = False, progress: bool = False) -> DeviceWeights:
+    """A converted container's planes copied to `device` as stored (sha256-checked unless `verify` is
+    False); `spec`, when given, must be the container's (`weights.container.open_container`)."""
+    from ninfer_gen.weights.container import open_container, read_planes
+
+    box = open_container(path, spec=spec, require_mtp=require_mtp)
+    dw = DeviceWeights(box.spec)
+    for plane_key, t in read_planes(box, device, verify, progress):
+        dw.put(plane_key, t)
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return dw.complete()
 
 
 def _random_planes(fmt: str, n: int, k: int, std: float, gen: torch.Generator, device) -> dict:
@@ -154,5 +208,5 @@ def random_on_device(spec: ModelSpec, seed: int = 0, device="cuda", progress: bo
             else:
                 dw.embed_codes = torch.randn(v, h, generator=gen, device=device).to(torch.bfloat16)
         elif info.role in NON_MATRIX_ROLES:
-            dw.tensors[info.name] = _small_tensor(info, _draw(info.name, info.shape, host_gen), device)
+            dw.tensors[info.name] = _small_tensor(info.name, _draw(info.name, info.shape, host_gen), device)
     return dw

@@ -1,2 +1,3 @@
-"""weights: where host-side weights come from — HF safetensors checkpoints (checkpoint: name mapping,
-validation, the spec's quantisation recipe) and seeded random weights at O(1) scale (random_weights)."""
+"""weights: where weights come from — HF safetensors checkpoints (checkpoint: names, validation, the
+recipe on the host; streaming: one tensor at a time onto a device), converted containers (convert,
+container), the device plane set both build (planes), and seeded random weights (random_weights)."""

@@ -1,31 +1,34 @@
-"""checkpoint: loads an HF safetensors checkpoint of the Qwen3.5 family into canonical tensor names,
-validated against the spec's tensor table, and applies the spec's quantisation recipe.
+"""checkpoint: opens an HF safetensors checkpoint of the Qwen3.5 family — canonical tensor names,
+validated against the spec's tensor table (names, shapes, dtypes) from the headers alone — loads it into
+host tensors, and applies the spec's quantisation recipe on the host.
 
-Owns name mapping (prefixes, ignored vision tensors) and checkpoint errors; never touches a device.
+Owns name mapping (prefixes, ignored vision tensors) and checkpoint errors; never touches a device
+(`streaming` reads one tensor at a time onto one).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from compiler.quant import QTensor, convert, dequantize
 from compiler.schema import SpecError
 from compiler.spec import FLOAT_FORMATS, MTPSpec, ModelSpec, format_of, spec_from_hf_config, tensor_table
 
+from .safetensors_io import CheckpointError, Entry, Reader, read_header
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Names HF keeps outside the model prefix in every layout.
 UNPREFIXED = ("lm_head.", "mtp.")
+FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")    # stored dtypes a weight may have
 _MAX_LISTED = 10
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not match its spec; the message names the directory, file or tensors."""
+__all__ = ["CheckpointError", "Checkpoint", "open_checkpoint", "load_checkpoint", "quantize_weights",
+           "dequantized", "read_hf_config", "canonical_name"]
 
 
 def _listing(names: list[str]) -> str:
@@ -92,22 +95,18 @@ def canonical_name(key: str, spec: ModelSpec) -> str | None:
     return key
 
 
-def _scan(files: list[Path], spec: ModelSpec) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
-    """Canonical name → (file, stored key, shape), reading only the safetensors headers."""
-    found: dict[str, tuple[Path, str, tuple[int, ...]]] = {}
+def _scan(files: list[Path], spec: ModelSpec) -> dict[str, Entry]:
+    """Canonical name → stored entry, reading only the safetensors headers."""
+    found: dict[str, Entry] = {}
     for file in files:
-        try:
-            with safe_open(file, framework="pt") as f:
-                for key in f.keys():
-                    name = canonical_name(key, spec)
-                    if name is None:
-                        continue
-                    if name in found:
-                        raise CheckpointError(f"tensor {name!r} is stored twice: as {found[name][1]!r} in "
-                                              f"{found[name][0].name} and as {key!r} in {file.name}")
-                    found[name] = (file, key, tuple(f.get_slice(key).get_shape()))
-        except (SafetensorError, OSError) as err:
-            raise CheckpointError(f"cannot read safetensors file {file}: {err}") from None
+        for key, entry in read_header(file).items():
+            name = canonical_name(key, spec)
+            if name is None:
+                continue
+            if name in found:
+                raise CheckpointError(f"tensor {name!r} is stored twice: as {found[name].key!r} in "
+                                      f"{found[name].path.name} and as {key!r} in {file.name}")
+            found[name] = entry
     return found
 
 
@@ -127,7 +126,8 @@ def _reconcile(spec: ModelSpec, found: dict, path: Path, require_mtp: bool) -> M
         if require_mtp:
             mtp = [t.name for t in tensor_table(spec) if t.name.startswith("mtp.")]
             raise CheckpointError(f"{path}: the spec has an MTP layer but the checkpoint has no mtp.* tensors "
-                                  f"(expected {_listing(mtp)}); load with require_mtp=False to run without it")
+                                  f"(expected {_listing(mtp)}); drafting needs them: decode without drafts "
+                                  "(--draft 0), or load with require_mtp=False to run without the MTP layer")
         spec = _without_mtp(spec)
     if spec.model.tie_word_embeddings:
         found.pop("lm_head.weight", None)  # a tied head is the embedding; a stored copy is redundant
@@ -139,8 +139,10 @@ def _validate(spec: ModelSpec, found: dict, path: Path) -> None:
     expected = {t.name: t.shape for t in table}
     missing = [t.name for t in table if t.name not in found]
     unexpected = sorted(n for n in found if n not in expected)
-    wrong = [f"{n} (expected {list(expected[n])}, got {list(found[n][2])})"
-             for n in expected if n in found and found[n][2] != expected[n]]
+    wrong = [f"{n} (expected {list(expected[n])}, got {list(found[n].shape)})"
+             for n in expected if n in found and found[n].shape != expected[n]]
+    dtypes = [f"{found[n].where} has dtype {found[n].dtype}" for n in expected
+              if n in found and found[n].dtype not in FLOAT_DTYPES]
     problems = []
     if missing:
         problems.append(f"{len(missing)} missing tensor(s): {_listing(missing)}")
@@ -148,6 +150,9 @@ def _validate(spec: ModelSpec, found: dict, path: Path) -> None:
         problems.append(f"{len(unexpected)} unexpected tensor(s): {_listing(unexpected)}")
     if wrong:
         problems.append(f"{len(wrong)} tensor(s) with the wrong shape: {_listing(wrong)}")
+    if dtypes:
+        problems.append(f"{len(dtypes)} tensor(s) not stored as {', '.join(FLOAT_DTYPES)} (FP8 or integer "
+                        f"checkpoints are not supported: use the BF16 release): {_listing(dtypes)}")
     if problems:
         raise CheckpointError(f"checkpoint {path} does not match spec {spec.name!r}: " + "; ".join(problems))
 
@@ -160,31 +165,49 @@ def _spec_for(path: Path) -> ModelSpec:
         raise CheckpointError(f"{path / 'config.json'}: {err}") from None
 
 
-def load_checkpoint(path: str | Path, spec: ModelSpec | None = None,
-                    require_mtp: bool = True) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
-    """Load every tensor the spec needs as float32 CPU tensors keyed by canonical name.
+@dataclass(frozen=True)
+class Checkpoint:
+    """An opened, validated checkpoint: the final spec and, per tensor of its table, where it is stored."""
+    path: Path
+    spec: ModelSpec
+    entries: dict[str, Entry]        # canonical name → entry, in tensor-table order
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries.values())
+
+    def in_file_order(self) -> list[tuple[str, Entry]]:
+        """(name, entry) sorted by file and offset: sequential reads."""
+        return sorted(self.entries.items(), key=lambda kv: (str(kv[1].path), kv[1].offset))
+
+
+def open_checkpoint(path: str | Path, spec: ModelSpec | None = None, require_mtp: bool = True) -> Checkpoint:
+    """Validate a checkpoint from its config and headers alone (no tensor data is read).
 
     The spec defaults to the one derived from `config.json`. With `require_mtp=False` a checkpoint
-    without mtp.* tensors loads, and the returned spec has no MTP layer.
+    without mtp.* tensors opens, and its spec has no MTP layer.
     """
     path = _checkpoint_dir(path)
     if spec is None:
         spec = _spec_for(path)
-    files = _shard_files(path)
-    found = _scan(files, spec)
+    found = _scan(_shard_files(path), spec)
     spec = _reconcile(spec, found, path, require_mtp)
     _validate(spec, found, path)
-    by_file: dict[Path, list[tuple[str, str]]] = {}
-    for name, (file, key, _) in found.items():
-        by_file.setdefault(file, []).append((name, key))
+    return Checkpoint(path, spec, {t.name: found[t.name] for t in tensor_table(spec)})
+
+
+def load_checkpoint(path: str | Path, spec: ModelSpec | None = None,
+                    require_mtp: bool = True) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
+    """Every tensor the spec needs as a float32 CPU tensor keyed by canonical name (tensor-table
+    order), read one at a time (see `open_checkpoint` for `spec` and `require_mtp`)."""
+    ckpt = open_checkpoint(path, spec, require_mtp)
     tensors: dict[str, torch.Tensor] = {}
-    for file in tqdm(files, desc="loading shards", unit="file", disable=len(files) <= 2):
-        if file not in by_file:
-            continue
-        with safe_open(file, framework="pt") as f:
-            for name, key in by_file[file]:
-                tensors[name] = f.get_tensor(key).to(torch.float32)
-    return spec, {t.name: tensors[t.name] for t in tensor_table(spec)}
+    with Reader("cpu") as reader, tqdm(total=ckpt.nbytes, desc=f"loading {ckpt.path.name}", unit="B",
+                                       unit_scale=True, unit_divisor=1024, disable=None, leave=False) as bar:
+        for name, entry in ckpt.in_file_order():
+            tensors[name] = reader.read(entry).to(torch.float32)
+            bar.update(entry.nbytes)
+    return ckpt.spec, {name: tensors[name] for name in ckpt.entries}
 
 
 def quantize_weights(spec: ModelSpec, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | QTensor]:

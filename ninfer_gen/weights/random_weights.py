@@ -1,5 +1,6 @@
 """random_weights: seeded random weights for any spec at O(1) scale (MODEL.md: logits not flat,
-GDN decay moderate), so a spec with no checkpoint still gives a meaningful, non-trivial model."""
+GDN decay moderate), so a spec with no checkpoint still gives a meaningful, non-trivial model.
+`_draw` draws on its generator's device (tools/synth_checkpoint.py draws full-size checkpoints on a GPU)."""
 from __future__ import annotations
 
 import math
@@ -11,10 +12,10 @@ from compiler.spec import ModelSpec, tensor_table
 
 def _draw(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     def normal(std):
-        return torch.randn(shape, generator=gen) * std
+        return torch.randn(shape, generator=gen, device=gen.device) * std
 
     if name.endswith("A_log"):  # A in [0.5, 4]: the state survives several tokens
-        return torch.log(torch.rand(shape, generator=gen) * 3.5 + 0.5)
+        return torch.log(torch.rand(shape, generator=gen, device=gen.device) * 3.5 + 0.5)
     if name.endswith("dt_bias"):
         return -2.0 + normal(0.3)
     if name.endswith("linear_attn.norm.weight"):  # gated norm: the weight multiplies directly

@@ -1,0 +1,101 @@
+"""convert: `ninfer-gen convert <HF dir> <out>` — an HF checkpoint streamed once through the spec's recipe
+(quantised and packed on the GPU when there is one) into a container folder (`container` reads it):
+planes in safetensors shards, spec.yaml, the copied tokenizer / chat template / generation config /
+draft vocabulary, and the manifest, written last. Built in a temporary sibling folder and renamed into
+place, so a failed conversion leaves nothing that looks like a container.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+from compiler.spec import ModelSpec
+
+from .checkpoint import open_checkpoint
+from .container import FORMAT, FORMAT_VERSION, MANIFEST, SPEC_FILE, _file_hash, spec_dict, spec_hash
+from .planes import PlanePacker, layout_fingerprint, plane_table
+from .safetensors_io import CheckpointError, ShardWriter
+from .streaming import stream_formatted
+
+SHARD_BYTES = 4 << 30
+# Files of an HF folder a run needs beside the weights (tokenizer, chat template, generation settings),
+# plus any draft vocabulary (a reduced proposal head's id map) whose name starts with "draft_vocab".
+COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+          "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja",
+          "chat_template.json", "preprocessor_config.json")
+DRAFT_VOCAB = "draft_vocab*"
+
+
+def copied_files(source: Path) -> list[Path]:
+    files = [source / n for n in COPIED if (source / n).is_file()]
+    return files + sorted(p for p in source.glob(DRAFT_VOCAB) if p.is_file())
+
+
+def _spec_yaml(spec: ModelSpec) -> str:
+    head = (f"# The spec this container was converted for (its planes follow the quantization recipe below).\n"
+            f"# Written by ninfer-gen convert; {MANIFEST} holds its hash: edit nothing.\n")
+    return head + yaml.safe_dump(spec_dict(spec), sort_keys=False)
+
+
+def convert_checkpoint(source, out, spec: ModelSpec | None = None, device=None, shard_bytes: int = SHARD_BYTES,
+                       overwrite: bool = False, progress: bool = False) -> dict:
+    """Convert HF checkpoint `source` into container `out`; returns a summary (bytes, seconds, shards).
+    `spec` (default: derived from config.json) chooses the recipe; `device` the quantiser's (default
+    cuda when available)."""
+    source, out = Path(source), Path(out)
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not overwrite:
+        raise CheckpointError(f"{out} already exists and is not empty: choose another folder or overwrite it "
+                              "(--force)")
+    if out.resolve() == source.resolve():
+        raise CheckpointError(f"the container must go to another folder than its source {source}")
+    t0 = time.perf_counter()
+    ckpt = open_checkpoint(source, spec, require_mtp=False)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    tmp = out.parent / f".{out.name}.converting-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        writer = ShardWriter(tmp, plane_table(ckpt.spec), shard_bytes, stem="weights",
+                             metadata={"format": FORMAT})
+        try:
+            packer = PlanePacker(ckpt.spec, writer.write)
+            for name, value in stream_formatted(ckpt, device, progress):
+                packer.add(name, value)
+            packer.finish()
+        except BaseException:
+            writer.close(check=False)
+            raise
+        writer.close()
+        files = {}
+        for f in copied_files(source):
+            shutil.copyfile(f, tmp / f.name)
+            files[f.name] = _file_hash(tmp / f.name)
+        (tmp / SPEC_FILE).write_text(_spec_yaml(ckpt.spec))
+        tensors = {k: {"file": file, "dtype": dtype, "shape": list(shape), "sha256": writer.hashes[k]}
+                   for k, (file, dtype, shape, _, _) in writer.plan.items()}
+        manifest = {
+            "format": FORMAT, "format_version": FORMAT_VERSION, "spec_hash": spec_hash(ckpt.spec),
+            "layout": layout_fingerprint(), "mtp": bool(ckpt.spec.model.mtp.num_layers),
+            "source": {"path": str(source.resolve()), "bytes": ckpt.nbytes,
+                       "config_sha256": hashlib.sha256((source / "config.json").read_bytes()).hexdigest()},
+            "spec": spec_dict(ckpt.spec), "shards": writer.files, "files": files, "tensors": tensors,
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    written = sum(os.path.getsize(out / f) for f in writer.files)
+    return {"source": str(source), "out": str(out), "spec": ckpt.spec.name, "device": str(device),
+            "read_bytes": ckpt.nbytes, "written_bytes": written, "shards": len(writer.files),
+            "tensors": len(tensors), "mtp": manifest["mtp"], "files": sorted(files),
+            "seconds": time.perf_counter() - t0}
