@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .kernels import KernelKey
 from .lower import lower
@@ -23,6 +24,9 @@ from .plan import Plan
 from .spec import ModelSpec
 from .targets import Target
 from .trace import StatePools, trace
+
+if TYPE_CHECKING:
+    from .round import RoundPlan
 
 MAX_ROWS = 32          # B·T of a step bucket: the skinny GEMV's limit
 MIN_PREFILL = 16       # the prefill attention tiles 16 queries
@@ -40,6 +44,9 @@ class Profile:
     all_logits: bool = False            # prefill buckets keep every row's logits (evaluation), else the last
     options: CompileOptions = field(default_factory=CompileOptions)
     mtp: bool = False                   # the model has an MTP layer: drafts > 0 make speculative buckets
+    draft_vocab: int = 0                # rows of a reduced draft head (the most frequent tokens); 0: the full head
+    accept_coin: bool = False           # bench only (`--accept-prob`): rounds whose acceptance is a coin per draft
+    snapshots: bool = False             # verify/commit in the snapshot design (K+1 state copies), for comparison
 
     def __post_init__(self):
         if not self.cohorts or any(not isinstance(b, int) or b < 1 for b in self.cohorts):
@@ -75,6 +82,18 @@ class Profile:
     def speculative(self) -> bool:
         return self.mtp and self.draft > 0
 
+    def draft_rows(self, spec: ModelSpec) -> int:
+        """Rows of the MTP head's vocabulary projection: the reduced draft vocabulary's, else the vocabulary's."""
+        return self.draft_vocab or spec.model.vocab_size
+
+    def rounds(self) -> list[tuple[int, str]]:
+        """(lanes, acceptance) of every one-graph speculative round the profile runs (compiler.round)."""
+        if not self.speculative:
+            return []
+        lanes = [b for b in sorted(set(self.cohorts)) if b * self.tail_tokens <= MAX_ROWS]
+        kinds = ("greedy", "sampled") + (("coin",) if self.accept_coin else ())
+        return [(b, a) for b in lanes for a in kinds]
+
     def shapes(self) -> list[tuple[str, int, int]]:
         ts = sorted({1, self.tail_tokens})
         cohorts = sorted(set(self.cohorts))
@@ -106,12 +125,15 @@ class Profile:
                 + ("" if self.speculative or not self.draft else " (no MTP layer: plain decode)")
                 + f", prefill chunk {self.prefill_chunk}, "
                 f"max context {self.max_context}, {self.kv_dtype} KV"
-                + (", all prefill logits" if self.all_logits else "") + f", options {self.options.describe()}")
+                + (", all prefill logits" if self.all_logits else "")
+                + (f", draft vocabulary {self.draft_vocab}" if self.draft_vocab else "")
+                + (", snapshot state mode" if self.snapshots else "") + f", options {self.options.describe()}")
 
 
 def profile_of(spec: ModelSpec, *, cohorts=None, draft: int | None = None, max_context: int | None = None,
                kv_dtype: str | None = None, prefill_chunk: int | None = None, all_logits: bool = False,
-               options: CompileOptions | None = None) -> Profile:
+               options: CompileOptions | None = None, draft_vocab: int = 0, accept_coin: bool = False,
+               snapshots: bool = False) -> Profile:
     """The spec's runtime section, with the caller's choices where given; a context shorter than the
     spec's chunk takes the largest multiple of 16 that fits as its chunk."""
     rt = spec.runtime
@@ -119,7 +141,8 @@ def profile_of(spec: ModelSpec, *, cohorts=None, draft: int | None = None, max_c
     chunk = prefill_chunk or min(rt.prefill_chunk, context - context % MIN_PREFILL)
     return Profile(tuple(cohorts or rt.cohorts), rt.draft_tokens if draft is None else draft, chunk, context,
                    rt.page_size, kv_dtype or rt.kv_dtype, all_logits, options or CompileOptions(),
-                   mtp=spec.model.mtp.num_layers > 0)
+                   mtp=spec.model.mtp.num_layers > 0, draft_vocab=draft_vocab, accept_coin=accept_coin,
+                   snapshots=snapshots)
 
 
 def plan_bucket(spec: ModelSpec, target: Target, entry: str, batch: int, tokens: int,
@@ -130,7 +153,8 @@ def plan_bucket(spec: ModelSpec, target: Target, entry: str, batch: int, tokens:
     per_seq = profile.pages_per_seq
     pools = StatePools(per_seq * batch, batch, per_seq, profile.page_size, profile.kv_dtype)
     last = entry in ("prefill", "mtp") and batch == 1 and tokens > MAX_ROWS and not profile.all_logits
-    graph = trace(spec, entry, batch, tokens, pools, "bf16", last_logits=last)
+    graph = trace(spec, entry, batch, tokens, pools, "bf16", last_logits=last,
+                  draft_rows=profile.draft_vocab if entry == "mtp" else 0, snapshots=profile.snapshots)
     return lower(run_pipeline(graph, profile.options), spec, target, profile.options)
 
 
@@ -147,6 +171,13 @@ def plan_profile(spec: ModelSpec, target: Target, profile: Profile) -> dict[tupl
             gc.enable()
 
 
-def profile_keys(plans: dict[tuple[str, int, int], Plan]) -> list[KernelKey]:
-    """Every kernel key the plans launch, once, in order of first launch."""
-    return list(dict.fromkeys(k for p in plans.values() for k in p.keys()))
+def plan_rounds(spec: ModelSpec, target: Target, profile: Profile) -> dict[tuple[int, str], "RoundPlan"]:
+    """The profile's speculative rounds, fused (the eager variant launches the same keys)."""
+    from .round import plan_round
+    return {(b, a): plan_round(spec, target, profile, b, a) for b, a in profile.rounds()}
+
+
+def profile_keys(plans: dict[tuple[str, int, int], Plan], rounds: dict | None = None) -> list[KernelKey]:
+    """Every kernel key the plans (and the rounds between their buckets) launch, once, in order of first launch."""
+    return list(dict.fromkeys([k for p in plans.values() for k in p.keys()] +
+                              [k for r in (rounds or {}).values() for k in r.keys()]))

@@ -12,7 +12,7 @@ from .kernels import module_of
 from .lower_rules import RULES, ZEROED_WORKSPACE, Ctx, LoweringError, Val, align
 from .options import CompileOptions
 from .plan import Arena, Call, Input, Output, Plan, PlanError, Weight, Workspace, check_args
-from .spec import ModelSpec, format_of, tensor_table
+from .spec import DRAFT_HEAD, ModelSpec, draft_head_info, format_of, tensor_table
 from .targets import Target, supports_pdl
 
 __all__ = ["LoweringError", "PlanError", "lower", "concurrent_groups"]
@@ -91,6 +91,8 @@ def _workspace_per_lane(calls: list[Call]) -> dict[str, tuple[int, ...]]:
 def lower(g: Graph, spec: ModelSpec, target: Target, options: CompileOptions = CompileOptions()) -> Plan:
     """Lower a fused graph (after `passes.run_pipeline`) for one target card."""
     table = {t.name: t for t in tensor_table(spec)}
+    if DRAFT_HEAD in g.weights:
+        table[DRAFT_HEAD] = draft_head_info(spec, g.weights[DRAFT_HEAD].shape[0])
     ctx = Ctx(spec, target, g, options, {v.uid: format_of(spec, table[k]) for k, v in g.weights.items()},
               {v.uid: k for k, v in g.weights.items()}, {v.uid: k for k, v in g.state.items()})
     lowered = {}

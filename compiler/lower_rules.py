@@ -16,7 +16,7 @@ from .kernels import (KernelKey, attn_combine, attn_decode, attn_prefill, concat
                       gdn_conv, gdn_step, gemm, gemm_wg, gemv, module_of, qk_rope_kv, rmsnorm, xperm)
 from .options import CompileOptions
 from .plan import NULL, Binding, Const, Input, State, Weight, Workspace
-from .spec import ModelSpec
+from .spec import DRAFT_HEAD, ModelSpec
 from .targets import Target
 from .weights import gate_up_name, planes_of
 
@@ -146,7 +146,7 @@ def _matmul(ctx: Ctx, e: Eqn, x: Var, weights: list[Var], epilogue: str = "none"
     name = ctx.weight_name[w.uid] if len(weights) == 1 else gate_up_name(ctx.weight_name[w.uid])
     n = w.shape[0] * len(weights)
     # the vocabulary heads and the tiny a/b projections write fp32 (logits; the GDN gates read fp32)
-    out = "f32" if epilogue == "none" and (name in ("lm_head.weight", EMBEDDING) or n < 64) else "bf16"
+    out = "f32" if epilogue == "none" and (name in ("lm_head.weight", EMBEDDING, DRAFT_HEAD) or n < 64) else "bf16"
     fmt = ctx.weight_format[w.uid]
     key = matmul_key(fmt, n, w.shape[1], x.shape[0], ctx.target, epilogue, out, ctx.options)
     if folds.fields:
@@ -255,6 +255,7 @@ def prefill_gdn_key(hk, hv, dk, dv, t: int, target: Target) -> KernelKey:
 
 RECORD_PARAMS = {"rec_k": "k", "rec_v": "v", "rec_g": "g"}      # gdn_step parameter → the layer's record buffer
 FOLD_PARAMS = ("commit", "prev_k", "prev_v", "prev_g")
+SNAPSHOT_PRIMS = ("gdn_step_snapshot",)
 
 
 def _records(layer: str) -> dict[str, Binding]:
@@ -266,15 +267,18 @@ def _gdn_step(ctx, e):
     Prefill chunks of one sequence take the chunked kernel from 64 tokens."""
     q, _, v, a, b, a_log, dt_bias, state, _, *rec = e.inputs
     hk, dk, hv, dv = q.shape[2], q.shape[3], v.shape[2], v.shape[3]
+    snapshots = e.prim in SNAPSHOT_PRIMS
     if ctx.graph.params["entry"] == "prefill" and ctx.b == 1:
         key = prefill_gdn_key(hk, hv, dk, dv, ctx.t, ctx.target)
     else:
-        key = gdn_step.make_key(hk, hv, dk, dv, ctx.b, ctx.t, "record" if rec else "step", ctx.target)
+        mode = "snapshot" if snapshots else "record" if rec else "step"
+        key = gdn_step.make_key(hk, hv, dk, dv, ctx.b, ctx.t, mode, ctx.target)
     layer = ctx.layer(state)
     args = {"o": Val(e.outputs[0]), "qkv": Val(q), "a": Val(a), "b": Val(b), "a_log": Val(a_log),
             "dt_bias": Val(dt_bias), "state": State(f"gdn.{layer}.state"), "slots": Input("slots")}
     if key.family == "gdn_step":
-        args |= (_records(layer) if rec else dict.fromkeys(RECORD_PARAMS, NULL)) | dict.fromkeys(FOLD_PARAMS, NULL)
+        args |= (_records(layer) if rec and not snapshots else dict.fromkeys(RECORD_PARAMS, NULL)) | \
+            dict.fromkeys(FOLD_PARAMS, NULL) | {"snap": State(f"snap.{layer}") if snapshots else NULL}
     return Lowered([(key, args)], out_dtype="f32")
 
 
@@ -285,9 +289,21 @@ def _gdn_fold(ctx, e):
     b, t, hk, dk = rec_k.shape
     key = gdn_step.make_key(hk, rec_v.shape[2], dk, rec_v.shape[3], b, t, "fold", ctx.target)
     layer = ctx.layer(state)
-    args = dict.fromkeys(("o", "qkv", "a", "b", "a_log", "dt_bias", "prev_k", "prev_v", "prev_g"), NULL)
+    args = dict.fromkeys(("o", "qkv", "a", "b", "a_log", "dt_bias", "prev_k", "prev_v", "prev_g", "snap"), NULL)
     return Lowered([(key, args | {"state": State(f"gdn.{layer}.state"), "slots": Input("slots"),
                                   "commit": Input("commit")} | _records(layer))])
+
+
+def _gdn_snapshot_restore(ctx, e):
+    """Snapshot mode's commit: the state after the m-th verified token becomes the committed state."""
+    state, _, snaps, _ = e.inputs
+    b, t, hv, dk, dv = snaps.shape
+    hk = ctx.spec.model.linear_attention.num_key_heads
+    key = gdn_step.make_key(hk, hv, dk, dv, b, t, "restore", ctx.target)
+    layer = ctx.layer(state)
+    args = dict.fromkeys(("o", "qkv", "a", "b", "a_log", "dt_bias", "prev_k", "prev_v", "prev_g", *RECORD_PARAMS), NULL)
+    return Lowered([(key, args | {"state": State(f"gdn.{layer}.state"), "slots": Input("slots"),
+                                  "commit": Input("commit"), "snap": State(f"snap.{layer}")})])
 
 
 def _gated_rmsnorm(ctx, e):
@@ -349,6 +365,7 @@ RULES: dict[str, Callable[[Ctx, Eqn], Lowered]] = {
     "linear_silu_mul": _projection("silu_mul"),
     "rmsnorm": _norm, "add_rmsnorm": _add_norm, "gdn_conv": _gdn_conv, "gdn_step": _gdn_step,
     "gdn_conv_record": _gdn_conv, "gdn_step_record": _gdn_step, "gdn_conv_fold": _gdn_conv_fold, "gdn_fold": _gdn_fold,
+    "gdn_step_snapshot": _gdn_step, "gdn_snapshot_restore": _gdn_snapshot_restore,
     "gated_rmsnorm": _gated_rmsnorm, "qk_rope_kv": _qk_rope_kv, "paged_attention": _attention(False),
     "gated_paged_attention": _attention(True), "linear_residual_norm": _linear_residual_norm,
     "scaled_linear": _scaled(_projection("none")), "scaled_linear_silu_mul": _scaled(_projection("silu_mul")),

@@ -25,6 +25,7 @@ class Batch:
     page_size: int = 64
     kv_int8: bool = True
     records: Callable[[str], Any] | None = None     # verify (ReplaySSM): GDN layers log, never write state
+    snapshots: bool = False                         # verify/commit in snapshot mode: K+1 state copies per row
 
     def kv(self, layer: str) -> tuple:
         if self.kv_int8:
@@ -55,6 +56,8 @@ def gdn_mixer(ops: Ops, spec: ModelSpec, W, p: str, h, batch: Batch, layer: int)
     state = batch.state(f"gdn.{layer}.state") if stateful else None
     if rec is None:
         o = ops.gdn_recurrence(q, k, v, decay, beta, state, batch.slots)
+    elif batch.snapshots:
+        o = ops.gdn_recurrence_snapshot(q, k, v, decay, beta, state, batch.slots, rec(f"snap.{layer}"))
     else:
         o = ops.gdn_recurrence_record(q, k, v, decay, beta, state, batch.slots,
                                       *(rec(f"rec.{layer}.{part}") for part in ("k", "v", "g")))
@@ -123,10 +126,12 @@ def forward(ops: Ops, spec: ModelSpec, W, tokens, batch: Batch, last_logits: boo
     return ops.linear(head_in, W(lm_head_name(spec))), y
 
 
-def mtp_forward(ops: Ops, spec: ModelSpec, W, hidden, next_tokens, batch: Batch, last_logits: bool = False):
+def mtp_forward(ops: Ops, spec: ModelSpec, W, hidden, next_tokens, batch: Batch, last_logits: bool = False,
+                head: str | None = None):
     """MTP head: slot i takes final-norm hidden y_i and token x_{i+1} at RoPE position i and
     predicts x_{i+2} → (logits [N, vocab], normed MTP output [N, hidden] for chained drafts).
-    `last_logits`: over a prompt the MTP pass only fills its KV cache; the last slot drafts."""
+    `last_logits`: over a prompt the MTP pass only fills its KV cache; the last slot drafts. `head`: the
+    vocabulary projection's weight (default the LM head; a reduced draft head gives logits over its rows)."""
     eps = spec.model.rms_norm_eps
     e = ops.embed(ops.reshape(next_tokens, batch.B * batch.T), W("embed_tokens.weight"))
     e = ops.rmsnorm(e, W("mtp.pre_fc_norm_embedding.weight"), eps)
@@ -136,16 +141,20 @@ def mtp_forward(ops: Ops, spec: ModelSpec, W, hidden, next_tokens, batch: Batch,
     y = ops.rmsnorm(u, W("mtp.norm.weight"), eps)
     N = batch.B * batch.T
     head_in = ops.slice(y, 0, N - 1, N) if last_logits else y
-    return ops.linear(head_in, W(lm_head_name(spec))), y
+    return ops.linear(head_in, W(head or lm_head_name(spec))), y
 
 
 def commit(ops: Ops, spec: ModelSpec, batch: Batch, counts) -> None:
     """ReplaySSM fold (REPLAYSSM.md): each GDN layer replays the first `counts[r]` tokens a verify step
-    logged for row r into the row's state and conv history (0: nothing)."""
+    logged for row r into the row's state and conv history (0: nothing). Snapshot mode: the state takes
+    the verify's snapshot after token counts[r] instead (the conv history is folded either way)."""
     for i, kind in enumerate(spec.model.layers.kinds):
         if kind == "linear_attention":
             rec = batch.records
             ops.gdn_conv_fold(batch.state(f"gdn.{i}.conv"), batch.slots, rec(f"rec.{i}.conv"), counts)
+            if batch.snapshots:
+                ops.gdn_snapshot_restore(batch.state(f"gdn.{i}.state"), batch.slots, rec(f"snap.{i}"), counts)
+                continue
             ops.gdn_fold(batch.state(f"gdn.{i}.state"), batch.slots, rec(f"rec.{i}.k"), rec(f"rec.{i}.v"),
                          rec(f"rec.{i}.g"), counts)
 

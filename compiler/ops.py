@@ -74,6 +74,12 @@ class Ops:
     def gdn_recurrence_record(self, q, k, v, g, beta, state, slots, rec_k, rec_v, rec_g):
         return self._one("gdn_recurrence_record", q, k, v, g, beta, state, slots, rec_k, rec_v, rec_g)
 
+    def gdn_recurrence_snapshot(self, q, k, v, g, beta, state, slots, snaps):
+        return self._one("gdn_recurrence_snapshot", q, k, v, g, beta, state, slots, snaps)
+
+    def gdn_snapshot_restore(self, state, slots, snaps, counts):
+        self.bind("gdn_snapshot_restore", state, slots, snaps, counts)
+
     def gdn_conv_fold(self, history, slots, rec, counts):
         self.bind("gdn_conv_fold", history, slots, rec, counts)
 

@@ -161,7 +161,8 @@ def fuse_norm_rope(g: Graph) -> Graph:
     return _rewrite(g, match)
 
 
-GATED_RECURRENCES = {"gdn_recurrence": "gdn_step", "gdn_recurrence_record": "gdn_step_record"}
+GATED_RECURRENCES = {"gdn_recurrence": "gdn_step", "gdn_recurrence_record": "gdn_step_record",
+                     "gdn_recurrence_snapshot": "gdn_step_snapshot"}
 
 
 def fuse_gdn_gates(g: Graph) -> Graph:

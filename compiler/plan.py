@@ -99,7 +99,34 @@ class Null:
 
 
 NULL = Null()
-Binding = Arena | Input | Weight | State | Workspace | Const | Null
+
+
+@dataclass(frozen=True)
+class BucketInput:
+    """A step input of another bucket (entry, batch, tokens): what a round's calls write between entries."""
+    shape: tuple[str, int, int]
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.shape[0]} {self.shape[1]}x{self.shape[2]}:input:{self.name}"
+
+
+@dataclass(frozen=True)
+class BucketOutput:
+    """An output (`logits`, `hidden`) of another bucket, read by a round's calls before the next entry runs."""
+    shape: tuple[str, int, int]
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.shape[0]} {self.shape[1]}x{self.shape[2]}:output:{self.name}"
+
+
+class RoundBuffer(_Named):
+    """A buffer the speculative round keeps across replays (its state rows, block tables, distributions)."""
+    kind = "round"
+
+
+Binding = Arena | Input | Weight | State | Workspace | Const | Null | BucketInput | BucketOutput | RoundBuffer
 
 
 def _rope_inv_freq(theta: float, rotary_dim: int):

@@ -185,6 +185,24 @@ def _gdn_fold(state, slots, rec_k, rec_v, rec_g, commit):
     return []
 
 
+def _snapshots(v, state, snaps, name):
+    B, T = v.shape[:2]
+    _check(snaps.shape == (B, T, *state.shape[1:]) and snaps.dtype == "f32", lambda: f"{name}: snapshots {snaps} for {v}")
+
+
+@_prim("gdn_recurrence_snapshot", replay.gdn_recurrence_snapshot, effectful=True)
+def _gdn_recurrence_snapshot(q, k, v, g, beta, state, slots, snaps):
+    _snapshots(v, state, snaps, "gdn_recurrence_snapshot")
+    return _gdn_recurrence(q, k, v, g, beta, state, slots)
+
+
+@_prim("gdn_snapshot_restore", replay.gdn_snapshot_restore, effectful=True)
+def _gdn_snapshot_restore(state, slots, snaps, commit):
+    _check(snaps.shape[2:] == state.shape[1:] and commit.shape == slots.shape and snaps.shape[0] == slots.shape[0],
+           lambda: f"gdn_snapshot_restore: {state} {snaps} {commit}")
+    return []
+
+
 @_prim("causal_attention", ref.causal_attention)
 def _causal_attention(q, k, v, *, scale):
     _check(k.shape == v.shape and q.shape[:2] == k.shape[:2] and q.shape[2] % k.shape[2] == 0, lambda: f"causal_attention: {q} {k} {v}")
@@ -243,6 +261,12 @@ def _gdn_step(q, k, v, a, b, a_log, dt_bias, state, slots):
 @_prim("gdn_step_record", replay.gdn_step_record, effectful=True)
 def _gdn_step_record(q, k, v, a, b, a_log, dt_bias, state, slots, rec_k, rec_v, rec_g):
     _records(k, v, rec_k, rec_v, rec_g, "gdn_step_record")
+    return _gdn_step(q, k, v, a, b, a_log, dt_bias, state, slots)
+
+
+@_prim("gdn_step_snapshot", replay.gdn_step_snapshot, effectful=True)
+def _gdn_step_snapshot(q, k, v, a, b, a_log, dt_bias, state, slots, snaps):
+    _snapshots(v, state, snaps, "gdn_step_snapshot")
     return _gdn_step(q, k, v, a, b, a_log, dt_bias, state, slots)
 
 

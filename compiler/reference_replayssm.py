@@ -6,31 +6,56 @@ is bit-identical to theirs.
 
 Records per row r and token t: the pre-conv projection column (conv), raw k before l2 normalisation,
 v, and (g, beta) as the verify step computed them, fp32.
+
+Snapshot mode (the common design, for comparison): the verify's recurrence writes the state after each
+of its T tokens into K+1 snapshot copies per row, and the commit copies snapshot m−1 into the state; the
+conv history still takes the logged columns (its snapshots would be 3 columns each).
 """
 from __future__ import annotations
 
 from ._torch import torch
-from .reference_ops import _gdn_recurrent, _l2norm, _valid, gdn_conv_output, gdn_gates
+from .reference_ops import _gdn_recurrent, _l2norm, _read_slots, _valid, gdn_conv_output, gdn_gates
+
+
+def bind_torch() -> None:
+    """As reference_ops.bind_torch: the real torch module from here on."""
+    global torch
+    import torch as real
+    torch = real
+
+
+def _folds(slots, commit, tokens: int):
+    """(row, slot, m) of the valid rows with m = min(commit[r], tokens) > 0 tokens to fold."""
+    counts = commit.tolist()
+    for r, s in enumerate(slots.tolist()):
+        m = min(counts[r], tokens)
+        if s >= 0 and m > 0:
+            yield r, s, m
+
+
+def _log(rec, rows: list[int], value) -> None:
+    """rec[r] ← value[r] for the valid rows r (one copy when every row is valid)."""
+    if len(rows) == rec.shape[0]:
+        rec.copy_(value)
+    else:
+        for r in rows:
+            rec[r].copy_(value[r])
 
 
 def gdn_conv_record(c, w, history, slots, rec):
     """The verify step's conv over [history ++ c]; history untouched; rec[r] = c[r] for valid rows."""
-    hist = history[slots.long().clamp(min=0)].to(c.dtype)
+    hist = _read_slots(history, slots).to(c.dtype)
     out, _ = gdn_conv_output(c, w, hist)
-    rows = _valid(slots)
-    rec[rows] = c[rows].to(rec.dtype)
+    _log(rec, _valid(slots), c)
     return out
 
 
 def gdn_conv_fold(history, slots, rec, commit):
     """history[slot] ← the last K−1 columns of (history ++ rec[r, :m]), m = min(commit[r], T); m = 0 no-op."""
     width = history.shape[-1]
-    for r in _valid(slots).tolist():
-        m = min(int(commit[r]), rec.shape[1])
-        if m > 0:
-            s = int(slots[r])
-            full = torch.cat((history[s], rec[r, :m].transpose(0, 1).to(history.dtype)), dim=-1)
-            history[s] = full[:, -width:]
+    for r, s, m in _folds(slots, commit, rec.shape[1]):
+        full = torch.cat((history[s], rec[r, :m].transpose(0, 1).to(history.dtype)), dim=-1)
+        history[s] = full[:, -width:]
 
 
 def gdn_recurrence_record(q, k, v, g, beta, state, slots, rec_k, rec_v, rec_g):
@@ -41,10 +66,11 @@ def gdn_recurrence_record(q, k, v, g, beta, state, slots, rec_k, rec_v, rec_g):
     qf = (_l2norm(q.float()) / dk ** 0.5).repeat_interleave(grp, dim=2).transpose(1, 2)
     kf = _l2norm(k.float()).repeat_interleave(grp, dim=2).transpose(1, 2)
     vf, gf, bf = v.float().transpose(1, 2), g.float().transpose(1, 2), beta.float().transpose(1, 2)
-    out, _ = _gdn_recurrent(qf, kf, vf, gf, bf, state[slots.long().clamp(min=0)])
+    out, _ = _gdn_recurrent(qf, kf, vf, gf, bf, _read_slots(state, slots))
     rows = _valid(slots)
-    rec_k[rows], rec_v[rows] = k[rows].to(rec_k.dtype), v[rows].to(rec_v.dtype)
-    rec_g[rows] = torch.stack((g.float(), beta.float()), dim=-1)[rows]
+    _log(rec_k, rows, k)
+    _log(rec_v, rows, v)
+    _log(rec_g, rows, torch.stack((g.float(), beta.float()), dim=-1))
     return out.transpose(1, 2).to(v.dtype)
 
 
@@ -59,13 +85,41 @@ def gdn_fold(state, slots, rec_k, rec_v, rec_g, commit):
     """state[slot] ← the recurrence over the first m logged tokens of row r (m = min(commit[r], T))."""
     hk = rec_k.shape[2]
     grp = rec_v.shape[2] // hk
-    for r in _valid(slots).tolist():
-        m = min(int(commit[r]), rec_k.shape[1])
-        if m <= 0:
-            continue
-        s = int(slots[r])
+    for r, s, m in _folds(slots, commit, rec_k.shape[1]):
         kf = _l2norm(rec_k[r:r + 1, :m].float()).repeat_interleave(grp, dim=2).transpose(1, 2)
         vf = rec_v[r:r + 1, :m].float().transpose(1, 2)
         gb = rec_g[r:r + 1, :m].transpose(1, 2)
-        _, s1 = _gdn_recurrent(torch.zeros_like(kf), kf, vf, gb[..., 0], gb[..., 1], state[s:s + 1])
+        _, s1 = _gdn_recurrent(None, kf, vf, gb[..., 0], gb[..., 1], state[s:s + 1])
         state[s] = s1[0]
+
+
+def gdn_recurrence_snapshot(q, k, v, g, beta, state, slots, snaps):
+    """The verify step's recurrence from the committed state, which stays untouched; snaps[r, t] ← the
+    state after token t of each valid row (snaps [B, T, Hv, Dk, Dv] fp32)."""
+    B, T, hk, dk = q.shape
+    grp = v.shape[2] // hk
+    qf = (_l2norm(q.float()) / dk ** 0.5).repeat_interleave(grp, dim=2).transpose(1, 2)
+    kf = _l2norm(k.float()).repeat_interleave(grp, dim=2).transpose(1, 2)
+    vf, gf, bf = v.float().transpose(1, 2), g.float().transpose(1, 2), beta.float().transpose(1, 2)
+    s = _read_slots(state, slots)
+    outs = []
+    for t in range(T):
+        o, s = _gdn_recurrent(qf[:, :, t:t + 1], kf[:, :, t:t + 1], vf[:, :, t:t + 1], gf[:, :, t:t + 1],
+                              bf[:, :, t:t + 1], s)
+        outs.append(o)
+        for r in _valid(slots):
+            snaps[r, t] = s[r]
+    return torch.cat(outs, dim=2).transpose(1, 2).to(v.dtype)
+
+
+def gdn_step_snapshot(q, k, v, a, b, a_log, dt_bias, state, slots, snaps):
+    """gdn_gates → gdn_recurrence_snapshot (passes.fuse_gdn_gates)."""
+    g, beta = gdn_gates(a, b, a_log, dt_bias)
+    shape = v.shape[:3]
+    return gdn_recurrence_snapshot(q, k, v, g.reshape(shape), beta.reshape(shape), state, slots, snaps)
+
+
+def gdn_snapshot_restore(state, slots, snaps, commit):
+    """state[slot] ← snaps[r, m − 1] (m = min(commit[r], T)); m = 0: nothing."""
+    for r, s, m in _folds(slots, commit, snaps.shape[1]):
+        state[s] = snaps[r, m - 1]

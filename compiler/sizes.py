@@ -21,6 +21,14 @@ def record_bytes_per_token(spec: ModelSpec) -> int:
     return n_gdn * (2 * g.key_dim + 2 * g.value_dim + 2 * 4 * g.num_value_heads + 2 * g.conv_dim)
 
 
+def snapshot_bytes_per_token(spec: ModelSpec) -> int:
+    """Snapshot mode per verify token over all GDN layers: a copy of the fp32 state, plus the pre-conv
+    column (bf16) the conv history is folded from."""
+    g = spec.model.linear_attention
+    n_gdn = sum(k == "linear_attention" for k in spec.model.layers.kinds)
+    return n_gdn * (4 * g.num_value_heads * g.key_head_dim * g.value_head_dim + 2 * g.conv_dim)
+
+
 def summary(spec: ModelSpec) -> dict:
     """Sizes that drive the design (MODEL.md §7), computed from the spec."""
     a, g, at = spec.model, spec.model.linear_attention, spec.model.attention

@@ -326,6 +326,15 @@ def _decoder_tensors(a: ArchSpec, p: str, kind: str) -> list[TensorInfo]:
             TensorInfo(f"{p}mlp.down_proj.weight", (h, f), "mlp_down")]
 
 
+DRAFT_HEAD = "mtp.draft_head.weight"      # the MTP's reduced-vocabulary head: LM head rows of the draft ids
+
+
+def draft_head_info(spec: "ModelSpec", rows: int) -> "TensorInfo":
+    """The reduced draft head [rows, hidden] (rows of the LM head, its format): not a checkpoint tensor;
+    the runtime gathers it from the LM head for a draft vocabulary."""
+    return TensorInfo(DRAFT_HEAD, (rows, spec.model.hidden_size), "lm_head")
+
+
 def tensor_table(spec: ModelSpec) -> list[TensorInfo]:
     """Every checkpoint tensor the spec needs, in canonical names, with shape and quantisation role."""
     a = spec.model

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from . import model
 from .ir import Graph, typecheck
 from .ops import TraceOps
-from .spec import ModelSpec, tensor_table
+from .spec import DRAFT_HEAD, ModelSpec, draft_head_info, tensor_table
 
 ENTRIES = ("prefill", "step", "verify", "commit", "mtp")
 _ACT_DTYPE_OF_FORMAT = {"bf16": "bf16", "fp32": "f32"}
@@ -54,14 +54,19 @@ def state_avals(spec: ModelSpec, pools: StatePools) -> dict[str, tuple[tuple[int
     return out
 
 
-def record_avals(spec: ModelSpec, batch: int, tokens: int, act_dtype: str) -> dict[str, tuple[tuple[int, ...], str]]:
+def record_avals(spec: ModelSpec, batch: int, tokens: int, act_dtype: str,
+                 snapshots: bool = False) -> dict[str, tuple[tuple[int, ...], str]]:
     """Name → (shape, dtype) of the ReplaySSM records of a verify step of `batch` rows × `tokens`, per
-    GDN layer: pre-conv columns, raw k, v (activation dtype) and (g, beta) fp32 (REPLAYSSM.md)."""
+    GDN layer: pre-conv columns, raw k, v (activation dtype) and (g, beta) fp32 (REPLAYSSM.md); with
+    `snapshots`, the columns and the state after each token (fp32 [rows, tokens, Hv, Dk, Dv])."""
     g = spec.model.linear_attention
     out = {}
     for i, kind in enumerate(spec.model.layers.kinds):
         if kind == "linear_attention":
             out[f"rec.{i}.conv"] = ((batch, tokens, g.conv_dim), act_dtype)
+            if snapshots:
+                out[f"snap.{i}"] = ((batch, tokens, g.num_value_heads, g.key_head_dim, g.value_head_dim), "f32")
+                continue
             out[f"rec.{i}.k"] = ((batch, tokens, g.num_key_heads, g.key_head_dim), act_dtype)
             out[f"rec.{i}.v"] = ((batch, tokens, g.num_value_heads, g.value_head_dim), act_dtype)
             out[f"rec.{i}.g"] = ((batch, tokens, g.num_value_heads, 2), "f32")
@@ -74,10 +79,12 @@ def _weight_dtype(spec: ModelSpec, info) -> str:
 
 
 def trace(spec: ModelSpec, entry: str, batch: int, tokens: int, pools: StatePools,
-          act_dtype: str = "f32", last_logits: bool = False) -> Graph:
+          act_dtype: str = "f32", last_logits: bool = False, draft_rows: int = 0, snapshots: bool = False) -> Graph:
     """Trace one entry point at one static shape. Quantised weights appear as their dequantised
     dtype; the weight format is a property of the binding. `last_logits` (one-sequence chunks): the
-    vocab projection runs for the chunk's last token alone, as serving needs."""
+    vocab projection runs for the chunk's last token alone, as serving needs. `draft_rows` (mtp): the head
+    is the reduced draft head of that many rows (spec.DRAFT_HEAD), so the logits are over the draft ids.
+    `snapshots` (verify, commit): the snapshot design instead of ReplaySSM's records (reference_replayssm)."""
     if entry not in ENTRIES:
         raise ValueError(f"unknown entry point {entry!r} (expected one of {', '.join(ENTRIES)})")
     if entry == "prefill" and batch != 1:
@@ -86,8 +93,10 @@ def trace(spec: ModelSpec, entry: str, batch: int, tokens: int, pools: StatePool
         raise ValueError("last_logits applies to one-sequence chunks (batch 1) only")
     ops = TraceOps(act_dtype)
     table = {t.name: t for t in tensor_table(spec)}
+    if draft_rows:
+        table[DRAFT_HEAD] = draft_head_info(spec, draft_rows)
     weights, state = {}, {}
-    svals = state_avals(spec, pools) | (record_avals(spec, batch, tokens, act_dtype)
+    svals = state_avals(spec, pools) | (record_avals(spec, batch, tokens, act_dtype, snapshots)
                                         if entry in ("verify", "commit") else {})
 
     def W(name):
@@ -108,11 +117,12 @@ def trace(spec: ModelSpec, entry: str, batch: int, tokens: int, pools: StatePool
                     pools.kv_dtype == "int8")
     if entry in ("verify", "commit"):
         b.records = S
+        b.snapshots = snapshots
     outputs = {}
     if entry == "mtp":
         inputs["hidden"] = ops.new_var((batch * tokens, spec.model.hidden_size), act_dtype)
         outputs["logits"], outputs["hidden"] = model.mtp_forward(ops, spec, W, inputs["hidden"], inputs["tokens"], b,
-                                                                 last_logits)
+                                                                 last_logits, DRAFT_HEAD if draft_rows else None)
     elif entry == "commit":
         inputs = {"slots": ops.new_var((batch,), "i32"), "commit": ops.new_var((batch,), "i32")}
         b.slots = inputs["slots"]
@@ -124,6 +134,10 @@ def trace(spec: ModelSpec, entry: str, batch: int, tokens: int, pools: StatePool
               "page_size": pools.page_size}
     if last_logits:
         params["logits"] = "last"
+    if draft_rows:
+        params["draft_rows"] = draft_rows
+    if snapshots and entry in ("verify", "commit"):
+        params["state"] = "snapshots"
     g = Graph(f"{spec.name}.{entry}", inputs, weights, dict(sorted(state.items())), ops.eqns, outputs, params)
     typecheck(g)
     return g

@@ -81,7 +81,7 @@ def _gdn_step(key: gdn_step.Key, g) -> Case:
     o = torch.empty(b, t, key.hv, key.dv, device=dev)
     args = [None if key.mode == "fold" else o, inp["qkv"], inp["a"], inp["b"], inp["a_log"], inp["dt_bias"],
             inp["state"], slots, rec["k"], rec["v"], rec["g"], commit,
-            *([prev[n] for n in "kvg"] if key.mode == "commit_record" else [None] * 3)]
+            *([prev[n] for n in "kvg"] if key.mode == "commit_record" else [None] * 3), None]
     outputs = {} if key.mode == "fold" else {"o": o}
     if key.mode in ("record", "commit_record"):
         outputs |= {"rec_" + n: v for n, v in rec.items()}

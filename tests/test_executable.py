@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from compiler.buckets import plan_bucket, plan_profile, profile_keys, profile_of
+from compiler.buckets import plan_bucket, plan_profile, plan_rounds, profile_keys, profile_of
 from compiler.kernels import module_of
 from compiler.options import CompileOptions
 from compiler.spec import load_spec
@@ -120,18 +120,21 @@ def test_executable_launches_exactly_what_build_compiles(weights, spec_name):
     catalog extras), nothing less (no compile at request time)."""
     spec, w = (TINY, weights) if spec_name == "tiny" else (BIG, None)
     profile = profile_of(spec, cohorts=(1, 2, 4, 8), draft=3, max_context=4096)
-    built = profile_keys(plan_profile(spec, lookup("rtx3090"), profile))
+    built = profile_keys(plan_profile(spec, lookup("rtx3090"), profile), plan_rounds(spec, lookup("rtx3090"), profile))
     exe, rec = _exe(w, profile=profile, slots=1)
     exe.prepare()                 # builds the profile's kernels and sizes memory for every plan
     assert set(rec.built) == set(built)
     memory = [exe.arena.data_ptr(), *(p.data_ptr() for p in exe.pools.values())]
     for shape in exe.shapes:
         exe.bucket(*shape)
+    bucket_calls = len(rec.calls)
+    for b, acceptance in profile.rounds():      # the one-graph rounds: their calls between the buckets
+        exe.round(b, acceptance)
     launched = list(dict.fromkeys(k for k, _ in rec.calls))
     assert set(launched) == set(built) and len(launched) == len(built)
     # binding a prepared profile's buckets never moves memory (no bucket is rebound, no graph recaptured)
     assert memory == [exe.arena.data_ptr(), *(p.data_ptr() for p in exe.pools.values())]
-    assert len(rec.calls) == sum(len(exe.plan(s).calls) for s in exe.shapes)
+    assert bucket_calls == sum(len(exe.plan(s).calls) for s in exe.shapes)
     with pytest.raises(ExecutableError, match="not in the runtime profile"):
         exe.bucket("step", 3, 1)
 

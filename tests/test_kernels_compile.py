@@ -11,6 +11,7 @@ import pytest
 from compiler import codegen
 from compiler.build_cache import KernelCacheMiss, build_kernels
 from compiler.kernels import FAMILY_MODULES, gemm, gemm_wg, gemv, module_of, rmsnorm
+from compiler.buckets import plan_rounds, profile_of
 from compiler.lower_rules import matmul_key
 from compiler.spec import load_spec
 from compiler.targets import TargetError, lookup, resolve
@@ -27,7 +28,11 @@ def _spec_keys(arch: str, tiny: bool = True) -> list:
     keys = case_keys(SPECS["27b"], target) + (case_keys(SPECS["tiny"], target) if tiny else [])
     a = SPECS["27b"].model
     keys += [gemv.make_key("q6g64", a.hidden_size, a.intermediate_size, m, target, "residual") for m in (1, 32)]
-    return keys
+    # the one-graph round's own kernels (compiler.round), one lane, with the coin and a reduced draft head;
+    # they are tested on the GPU at the round level (tests/gpu/test_speculative_gpu.py), not as cases
+    profile = profile_of(SPECS["27b"], cohorts=(1,), draft=3, accept_coin=True, draft_vocab=32768)
+    keys += [k for r in plan_rounds(SPECS["27b"], target, profile).values() for k in r.keys()]
+    return list(dict.fromkeys(keys))
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from compiler.buckets import plan_bucket, profile_of
+from compiler.buckets import plan_bucket, plan_rounds, profile_of
 from compiler.lower import LoweringError, lower
 from compiler.spec import load_spec
 from compiler.targets import resolve
@@ -102,9 +102,11 @@ def test_build_cli_compiles_exactly_the_profile_without_spills(tmp_path, capsys)
     profile = profile_of(TINY, cohorts=(1,), draft=1, max_context=256)
     expected = {k.name for shape in profile.shapes() for k in plan_bucket(TINY, resolve(arch="sm_86"), *shape,
                                                                              profile).keys()}
+    expected |= {k.name for r in plan_rounds(TINY, resolve(arch="sm_86"), profile).values() for k in r.keys()}
     built = {p.parent.name.rsplit("-", 1)[0] for p in tmp_path.glob("sm_86/*/*/kernel.cubin")}
     assert built == expected and f"kernels: {len(expected)}, every one launched" in out
     assert "spills 0" in out and "cached 0" in out and "verify B=1 T=2" in out and "mtp B=1 T=1" in out
+    assert "round B=1 greedy" in out and "round B=1 sampled" in out
     assert main(argv) == 0
     assert "compiled 0" in capsys.readouterr().out  # warm rebuild does no NVRTC work
 

@@ -134,3 +134,32 @@ def test_padded_rows_touch_nothing(weights):
               weights, state | records)
     assert all(torch.equal(state[k], v) for k, v in before.items() if k.startswith("gdn."))
     assert all(torch.isnan(r).all() for r in records.values())       # no record row written either
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_snapshot_mode_commits_the_same_state_as_replayssm(weights, fused):
+    """The snapshot design (K+1 state copies, for comparison): its verify never writes the committed state
+    and gives the same logits; its commit of m takes the snapshot after token m, which equals ReplaySSM's
+    fold of m logged tokens (fp32 rounding: the snapshots come from a T-token pass, the fold from m)."""
+    prep = (lambda g: run_pipeline(g)) if fused else (lambda g: g)
+    graphs = {mode: (prep(trace(SPEC, "verify", B, T, POOLS, snapshots=mode == "snap")),
+                     prep(trace(SPEC, "commit", B, T, POOLS, snapshots=mode == "snap"))) for mode in ("rec", "snap")}
+    assert any(e.prim == ("gdn_step_snapshot" if fused else "gdn_recurrence_snapshot")
+               for e in graphs["snap"][0].eqns)
+    gen = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, SPEC.model.vocab_size, (B, T), generator=gen).tolist()
+    for m in (0, 1, T):
+        states = {}
+        for mode, (verify, commit) in graphs.items():
+            state = _state(0)
+            buffers = {name: torch.full(shape, float("nan"), dtype=torch_dtype(dt))
+                       for name, (shape, dt) in record_avals(SPEC, B, T, "f32", mode == "snap").items()}
+            before = _gdn(state)
+            out = run_graph(verify, _inputs(tokens, 5), weights, state | buffers)
+            assert all(torch.equal(state[k], v) for k, v in before.items()), f"{mode} verify wrote the state"
+            counts = {"slots": torch.tensor([1, 0], dtype=torch.int32), "commit": torch.tensor([m, m], dtype=torch.int32)}
+            run_graph(commit, counts, weights, state | buffers)
+            states[mode] = (out["logits"], _gdn(state))
+        assert torch.allclose(states["rec"][0], states["snap"][0], rtol=1e-5, atol=1e-5)
+        for k, v in states["rec"][1].items():
+            assert torch.allclose(states["snap"][1][k], v, rtol=1e-5, atol=1e-6), f"m = {m}: {k}"

@@ -50,7 +50,8 @@ class KernelKey:
 
 
 FAMILY_MODULES = ("gemv", "gemm", "gemm_wg", "xperm", "rmsnorm", "gated_rmsnorm", "embed", "argmax", "gdn_conv",
-                  "gdn_step", "gdn_chunk", "qk_rope_kv", "attn_decode", "attn_combine", "attn_prefill", "concat")
+                  "gdn_step", "gdn_chunk", "qk_rope_kv", "attn_decode", "attn_combine", "attn_prefill", "concat",
+                  "spec_round")
 
 
 # The matrix-multiply families: same arguments (gemv.MATMUL_PARAMS, + gemv's split-K workspace), same

@@ -17,7 +17,7 @@ from .._torch import torch
 from ..targets import Target
 from . import KernelKey, Launch, Param
 
-MODES = ("step", "record", "fold", "commit_record")
+MODES = ("step", "record", "fold", "commit_record", "snapshot", "restore")
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,8 @@ def params(key: Key) -> list[Param]:
             Param("rec_g", "ptr", "[b, t, hv, 2] f32 (g, beta)"),
             Param("commit", "ptr", "[b] int32 m (fold, commit_record)"),
             Param("prev_k", "ptr", "previous round's rec_k (commit_record)"), Param("prev_v", "ptr", ""),
-            Param("prev_g", "ptr", "")]
+            Param("prev_g", "ptr", ""),
+            Param("snap", "ptr", "[b, t, hv, dk, dv] f32 state after each token (snapshot: written; restore: read)")]
 
 
 def gates(a, b, a_log, dt_bias):

@@ -183,7 +183,8 @@ def run_bench(args) -> dict:
     budget = parse_bytes(args.vram_budget)
     spec = load_spec(args.spec) if args.weights is None else None
     longs = [int(x) for x in args.prefill.split(",") if x] if args.prefill else []
-    ctx = max([args.prompt_tokens + args.output_tokens, *longs]) + 64
+    rounds_ctx = args.prompt_tokens + (args.rounds + 48) * (args.draft + 1) if args.draft else 0   # + replays
+    ctx = max([args.prompt_tokens + args.output_tokens, rounds_ctx, *longs]) + 64
     result: dict = {"device": torch.cuda.get_device_name(), "budget_bytes": budget, "max_context": ctx}
     peak = _Peak()
     copy_gbs = copy_bandwidth()
@@ -194,7 +195,9 @@ def run_bench(args) -> dict:
         raise ValueError("--accept-prob needs --draft K > 0 and a probability in [0, 1]")
     model = ninfer_gen.load(source, backend="gpu", max_context=ctx, vram_budget=budget,
                             random_weights="device" if args.weights is None else "host", progress=True,
-                            options=compile_options(), build_root=build_root(), draft=args.draft)
+                            options=compile_options(), build_root=build_root(), draft=args.draft,
+                            accept_coin=args.accept_prob is not None, draft_vocab=_draft_vocab(args),
+                            round_mode="snapshot" if getattr(args, "state_mode", "") == "snapshot" else "fused")
     spec = model.spec
     be = model.backend
     torch.cuda.synchronize()
@@ -336,6 +339,14 @@ def table(r: dict) -> str:
         if k.endswith("ratio"):
             lines.append(f"{'vs HF ' + k.replace('_ratio', ''):<34} {v:>13.2f}×")
     return "\n".join(lines)
+
+
+def _draft_vocab(args):
+    """--draft-vocab: a draft_vocab.json, or N (bench only: the first N ids, labelled in the output)."""
+    value = getattr(args, "draft_vocab", None)
+    if value is None:
+        return None
+    return list(range(int(value))) if str(value).isdigit() else value
 
 
 def cmd_bench(args) -> int:

@@ -90,7 +90,7 @@ def _profile(spec, cohorts: str | None = None, draft: int | None = None, max_con
 
 def cmd_build(args) -> int:
     from compiler.build_cache import build_kernels
-    from compiler.buckets import plan_profile, profile_keys
+    from compiler.buckets import plan_profile, plan_rounds, profile_keys
     from compiler.spec import load_spec
     from compiler.targets import resolve
 
@@ -102,8 +102,11 @@ def cmd_build(args) -> int:
     print(f"  {'bucket':<22} {'launches':>8} {'arena MiB':>10}")
     for (entry, b, t), plan in plans.items():
         print(f"  {f'{entry} B={b} T={t}':<22} {plan.launches:>8} {plan.arena_bytes / 2**20:>10.1f}")
-    keys = profile_keys(plans)
-    print(f"  kernels: {len(keys)}, every one launched by this profile's plans")
+    rounds = plan_rounds(spec, target, profile)
+    for (b, acceptance), r in rounds.items():
+        print(f"  {f'round B={b} {acceptance}':<22} {len(r.steps):>8} steps, {len(r.calls())} round calls")
+    keys = profile_keys(plans, rounds)
+    print(f"  kernels: {len(keys)}, every one launched by this profile's plans and rounds")
     summary = build_kernels(keys, jobs=args.jobs, root=args.build_dir, ptx=args.ptx)
     print(summary.table())
     return 0 if summary.spills == 0 else 1
@@ -162,7 +165,7 @@ def cmd_run(args) -> int:
                                 random_weights="device" if args.random_weights else "host",
                                 vram_budget=parse_bytes(args.vram_budget), use_graphs=not args.no_graphs,
                                 progress=True, options=compile_options(), build_root=build_root(), draft=args.draft,
-                                verify=not args.no_verify)
+                                verify=not args.no_verify, round_mode=args.round_mode, draft_vocab=args.draft_vocab)
     else:
         if args.random_weights:
             raise ValueError("--random-weights draws weights on the GPU: use it with --backend gpu")
@@ -285,7 +288,23 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--draft", type=int, default=None, help="MTP speculative decoding with K drafts per round "
                    "(default: the spec's, where the model has an MTP layer and the backend drafts; 0 = plain "
                    "decode); prints the acceptance and tokens per round")
+    r.add_argument("--round-mode", choices=("fused", "eager", "host", "snapshot"), default="fused",
+                   help="gpu: how a speculative round runs — fused (default): one CUDA graph per round, the fold of "
+                   "the accepted tokens its first kernels; eager: the fold its own graph after the host has read "
+                   "the round; host: each step of the round waits for the host's decision (the reference's way); "
+                   "snapshot: fused rounds whose verify keeps K+1 copies of the GDN state (the common design)")
+    r.add_argument("--draft-vocab", default=None, help="gpu: a draft_vocab.json (ninfer-gen draft-vocab): the MTP "
+                   "drafts from those token ids only (a reduced LM head); verification still uses the full head")
     r.set_defaults(func=cmd_run)
+    dv = sub.add_parser("draft-vocab", help="rank the N most frequent tokens of text files: a reduced draft vocabulary",
+                        description="Tokenizes the files with the model's tokenizer, counts every token and writes "
+                        "the N most frequent ids (ties: lower id first) as draft_vocab.json, which `run "
+                        "--draft-vocab` and `load(draft_vocab=...)` read. Draft from text like what you will serve.")
+    dv.add_argument("files", nargs="+", help="text files or folders (folders: every *.py, *.md, *.txt, *.json below)")
+    dv.add_argument("--weights", default=None, help="the model whose tokenizer to use (default: the shipped small model)")
+    dv.add_argument("--size", type=int, required=True, help="N: how many token ids to keep")
+    dv.add_argument("--out", required=True, help="where to write the JSON file")
+    dv.set_defaults(func=cmd_draft_vocab)
     bn = sub.add_parser("bench", help="GPU benchmark: TTFT, decode and prefill speed, bandwidth efficiency, memory",
                         description="Runs the reference workload on the GPU backend: ~30-token prompts with "
                         "1024 greedy output tokens (one request), then long prompts (8K, 32K). Prints a table "
@@ -327,6 +346,39 @@ def cmd_convert(args) -> int:
     return 0
 
 
+DRAFT_VOCAB_SUFFIXES = (".py", ".md", ".txt", ".json", ".rst", ".c", ".h", ".js", ".ts", ".rs", ".go", ".java")
+
+
+def cmd_draft_vocab(args) -> int:
+    from pathlib import Path
+
+    from ninfer_gen.engine.api import _resolve_tokenizer
+    from ninfer_gen.weights.draft_vocab import rank, save
+
+    tok, vocab = _resolve_tokenizer(args.weights)
+    files = []
+    for name in args.files:
+        path = Path(name)
+        if path.is_dir():
+            files += sorted(f for f in path.rglob("*") if f.is_file() and f.suffix in DRAFT_VOCAB_SUFFIXES)
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise ValueError(f"{path}: no such file or folder")
+    if not files:
+        raise ValueError("no text files found in " + ", ".join(args.files))
+    texts = (f.read_text(errors="replace") for f in tqdm_files(files))
+    ids, counted = rank(tok.encode, texts, args.size, vocab)
+    save(Path(args.out), ids, counted, [str(f) for f in files])
+    print(f"{args.out}: the {len(ids)} most frequent of {vocab} token ids over {counted:,} tokens in {len(files)} files")
+    return 0
+
+
+def tqdm_files(files):
+    from tqdm import tqdm
+    return tqdm(files, desc="counting tokens", unit="file", leave=False)
+
+
 def _bench_arguments(p) -> None:
     p.add_argument("spec", nargs="?", default="model_specs/qwen3.8-27b.yaml",
                    help="model spec YAML; its weights are drawn on the GPU in the spec's formats (default: 27B)")
@@ -344,6 +396,11 @@ def _bench_arguments(p) -> None:
                    "probability (a coin per position until the first failure) instead of comparing it with the "
                    "target: random weights draft at random")
     p.add_argument("--rounds", type=int, default=128, help="timed speculative rounds (with --draft)")
+    p.add_argument("--state-mode", choices=("replayssm", "snapshot"), default="replayssm",
+                   help="with --draft: ReplaySSM (records; rounds timed fused, eager and host-driven) or the "
+                   "snapshot design (K+1 GDN state copies per lane; fused rounds), for comparison")
+    p.add_argument("--draft-vocab", default=None, help="with --draft: a draft_vocab.json, or a number N — bench only: "
+                   "the first N token ids (random weights have no frequent tokens) — for a reduced MTP head")
 
 
 def cmd_bench(args) -> int:

@@ -84,8 +84,12 @@ class Model:
         if max_new_tokens <= 0:
             return
         if self.speculative(draft):
-            yield from speculative_stream(self.backend, list(token_ids), max_new_tokens, draft, sampling, stop_tokens,
-                                          stats)
+            rounds = getattr(self.backend, "device_rounds", None)        # the GPU's one-graph rounds
+            if rounds is not None:
+                yield from rounds.stream(list(token_ids), max_new_tokens, sampling, stop_tokens, stats)
+            else:
+                yield from speculative_stream(self.backend, list(token_ids), max_new_tokens, draft, sampling,
+                                              stop_tokens, stats)
             return
         sample = Sampler(sampling)
         seq = self.backend.new_sequence()
@@ -119,6 +123,17 @@ class Model:
         decodes speculatively with K MTP drafts per round."""
         params = SamplingParams(0.0 if greedy else temperature, top_k, top_p, seed)
         return list(self.stream(token_ids, max_new_tokens, params, stop_tokens, draft))
+
+
+def _resolve_tokenizer(path=None):
+    """(tokenizer, vocabulary size) of a model folder, a spec, or the shipped small model."""
+    folder = Path(path) if path else (DEFAULT_MODEL if (DEFAULT_MODEL / "config.json").is_file() else None)
+    if folder is not None and folder.is_dir():
+        config = json.loads((folder / "config.json").read_text())
+        vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+        return load_tokenizer(folder, vocab), vocab
+    spec = load_spec(folder or TINY_SPEC)
+    return load_tokenizer(None, spec.model.vocab_size), spec.model.vocab_size
 
 
 def _eos_ids(folder: Path | None) -> set[int]:
@@ -163,7 +178,8 @@ def load(path_or_spec=None, backend: str = "reference", dtype: str = "float32", 
          device: str | None = None, kv_dtype: str | None = None, max_context: int | None = None,
          random_weights: str = "host", vram_budget: int | None = None, use_graphs: bool = True,
          progress: bool = False, options: CompileOptions | None = None, build_root=None,
-         all_logits: bool = False, draft: int | None = None, verify: bool = True) -> Model:
+         all_logits: bool = False, draft: int | None = None, round_mode: str = "fused", verify: bool = True,
+         accept_coin: bool = False, draft_vocab=None) -> Model:
     """Load a model. `path_or_spec`: an HF checkpoint directory, a container `ninfer-gen convert` wrote
     (its sha256 hashes checked unless `verify=False`), a spec .yaml (seeded random weights), a ModelSpec,
     or None for the small model shipped in the repository. With `draft` > 0 a checkpoint must have its
@@ -176,14 +192,18 @@ def load(path_or_spec=None, backend: str = "reference", dtype: str = "float32", 
     quantised formats (any size, seconds; values differ from the host draw of the same seed); `options`
     (compiler.options.CompileOptions, default the shipped ones) and `build_root` (the kernel cache)
     choose what it compiles, `all_logits` keeps every prefill row's logits (`forward_logits`), `draft` the
-    MTP drafts per speculative round it builds for (default: the spec's; the reference drafts any K)."""
+    MTP drafts per speculative round it builds for (default: the spec's; the reference drafts any K),
+    `round_mode` how it runs them: `fused` / `eager` one-graph rounds, or `host`-driven (the reference's way);
+    `accept_coin` is the bench's (`--accept-prob`): it also builds rounds whose acceptance is a coin;
+    `draft_vocab` (GPU): token ids, or a draft_vocab.json, the MTP drafts from (weights.draft_vocab)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is not available (available: {', '.join(BACKENDS)})")
     if random_weights not in ("host", "device"):
         raise ValueError(f"random_weights must be 'host' or 'device', got {random_weights!r}")
     if backend == "gpu":
         gpu = dict(options=options or CompileOptions(), build_root=build_root, all_logits=all_logits,
-                   use_graphs=use_graphs, progress=progress, draft=draft)
+                   use_graphs=use_graphs, progress=progress, draft=draft, round_mode=round_mode,
+                   accept_coin=accept_coin, draft_vocab=draft_vocab)
         return _load_gpu(path_or_spec, kv_dtype, max_context, random_weights, vram_budget, gpu, verify)
     spec, tensors, folder, source = _resolve(path_or_spec, verify, bool(draft))
     if quantize:
@@ -214,7 +234,12 @@ def _load_gpu(path_or_spec, kv_dtype, max_context, random_weights, vram_budget, 
         folder, source = None, f"{spec.name} (random weights drawn on the GPU, seed 0)"
     else:
         spec, weights, folder, source = _device_weights(path_or_spec, gpu["progress"], verify, bool(gpu["draft"]))
-    backend = GpuBackend(spec, weights, max_context=max_context, kv_dtype=kv_dtype, vram_budget=budget, **gpu)
+    ids = gpu.pop("draft_vocab")
+    if ids is not None and not isinstance(ids, (list, tuple)):
+        from ninfer_gen.weights.draft_vocab import load as load_draft_vocab
+        ids = load_draft_vocab(ids, spec.model.vocab_size)
+    backend = GpuBackend(spec, weights, max_context=max_context, kv_dtype=kv_dtype, vram_budget=budget,
+                         draft_vocab=list(ids) if ids is not None else None, **gpu)
     return Model(spec, backend, folder, source)
 
 

@@ -28,7 +28,7 @@ class DeviceState:
     """KV pages and GDN state slots in the kernels' layouts."""
 
     def __init__(self, spec: ModelSpec, num_pages: int, num_slots: int, kv_dtype: str = "int8", device="cuda",
-                 record_rows: int = 0, record_tokens: int = 0):
+                 record_rows: int = 0, record_tokens: int = 0, snapshots: bool = False):
         """`num_pages` usable pages plus one trash page (the last) for padded rows and warm-up runs."""
         a, at, g = spec.model, spec.model.attention, spec.model.linear_attention
         page = spec.runtime.page_size
@@ -46,7 +46,13 @@ class DeviceState:
             if kind == "full_attention":
                 self.kv[str(i)] = self._kv_layer(pages, kv_dtype, device)
             else:
-                if record_rows and record_tokens:
+                if record_rows and record_tokens and snapshots:    # the snapshot design: states, columns
+                    rt = (record_rows, record_tokens)
+                    self.records[str(i)] = {
+                        "conv": torch.zeros(*rt, g.conv_dim, dtype=torch.bfloat16, device=device),
+                        "snap": torch.zeros(*rt, g.num_value_heads, g.key_head_dim, g.value_head_dim,
+                                            dtype=torch.float32, device=device)}
+                elif record_rows and record_tokens:
                     rt = (record_rows, record_tokens)
                     self.records[str(i)] = {
                         "conv": torch.zeros(*rt, g.conv_dim, dtype=torch.bfloat16, device=device),
@@ -71,13 +77,15 @@ class DeviceState:
 
     def buffer(self, name: str) -> torch.Tensor:
         """A state buffer by its plan name: `kv.<layer>.k|v|k_scales|v_scales`, `gdn.<layer>.state|conv`,
-        `rec.<layer>.conv|k|v|g`."""
+        `rec.<layer>.conv|k|v|g`, `snap.<layer>` (snapshot mode)."""
         kind, layer, part = (name.split(".") + ["", ""])[:3]
         try:
             if kind == "kv":
                 return self.kv[layer][part]
             if kind == "rec":
                 return self.records[layer][part]
+            if kind == "snap":
+                return self.records[layer]["snap"]
             if kind == "gdn" and part in ("state", "conv"):
                 return (self.ssm if part == "state" else self.conv)[layer]
         except KeyError:

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import math
 from itertools import zip_longest
+from typing import Callable
 
 import torch
 
-from compiler.buckets import Profile, plan_bucket, plan_profile, profile_keys
-from compiler.plan import Arena, Const, Input, Null, Plan, State, Weight, Workspace
+from compiler.buckets import Profile, plan_bucket, plan_profile, plan_rounds, profile_keys
+from compiler.plan import (Arena, BucketInput, BucketOutput, Const, Input, Null, Plan, RoundBuffer, State, Weight,
+                           Workspace)
+from compiler.round import RoundPlan, plan_round
 from compiler.spec import ModelSpec
 from compiler.targets import Target
 
@@ -63,6 +66,28 @@ class Bucket:
                 main.wait_event(join)
 
 
+class Round:
+    """One bound RoundPlan (compiler.round): its steps as bucket runs and launchers, replayed as one CUDA graph."""
+
+    def __init__(self, plan: RoundPlan, steps: list):
+        self.plan, self.steps = plan, steps
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    @property
+    def launches(self) -> int:
+        return sum(len(s.launchers) if isinstance(s, Bucket) else 1 for s in self.steps)
+
+    def run(self, use_graph: bool = True) -> None:
+        if use_graph and self.graph is not None:
+            self.graph.replay()
+            return
+        for s in self.steps:
+            if isinstance(s, Bucket):
+                s.run(use_graph=False)
+            else:
+                s.launch()
+
+
 class Executable:
     """The plans of one runtime profile for one spec and target, bound to one weight set, one state pool
     and one arena."""
@@ -75,13 +100,18 @@ class Executable:
         self.profile, self.device = profile, torch.device(device)
         self.buckets: dict[tuple, Bucket] = {}
         self._plans: dict[tuple, Plan] = {}
+        self._round_plans: dict | None = None
         self.arena = torch.zeros(0, dtype=torch.uint8, device=self.device)
         self.pools = {p: torch.zeros(0, dtype=torch.uint8, device=self.device) for p in ("scratch", "zeroed")}
         self.lane_bytes: dict[str, tuple[int, ...]] = {"scratch": (), "zeroed": ()}
         self.constants: dict[Const, torch.Tensor] = {}
         self.side_streams: list = []
+        self.rounds: dict[tuple, Round] = {}
+        self.round_buffers: dict[str, torch.Tensor] = {}
         self._resolvers = {Arena: self._arena, Input: self._input, Weight: self._weight, State: self._state,
-                           Workspace: self._workspace, Const: self._const, Null: lambda b, inputs: 0}
+                           Workspace: self._workspace, Const: self._const, Null: lambda b, inputs: 0,
+                           BucketInput: self._bucket_input, BucketOutput: self._bucket_output,
+                           RoundBuffer: self._round_buffer}
 
     @property
     def shapes(self) -> list[tuple[str, int, int]]:
@@ -92,7 +122,9 @@ class Executable:
         missing = [s for s in self.shapes if s not in self._plans]
         if missing:
             self._plans |= plan_profile(self.spec, self.target, self.profile)
-        return profile_keys({s: self._plans[s] for s in self.shapes})
+        if self._round_plans is None:
+            self._round_plans = plan_rounds(self.spec, self.target, self.profile)
+        return profile_keys({s: self._plans[s] for s in self.shapes}, self._round_plans)
 
     def plan(self, shape: tuple[str, int, int]) -> Plan:
         if shape not in self.shapes:
@@ -132,6 +164,13 @@ class Executable:
         self.kernels.build(self.keys())
         for shape in self.shapes:
             self._fit(self._plans[shape])
+        sizes: dict[str, tuple[int, str, bool]] = {}
+        for r in self._round_plans.values():
+            for name, (shape, dtype, zeroed) in r.buffers.items():
+                n = math.prod(shape)
+                sizes[name] = (max(n, sizes.get(name, (0,))[0]), dtype, zeroed)
+        self.round_buffers = {name: torch.zeros(n, dtype=TORCH_DTYPES[dt], device=self.device)
+                              for name, (n, dt, _) in sizes.items()}
 
     def _fit(self, plan: Plan, new: Bucket | None = None) -> None:
         """Grow the arena and the workspace lanes for a plan; growing moves them, so every other bucket is
@@ -189,6 +228,21 @@ class Executable:
             self.constants[b] = b.tensor().to(self.device).contiguous()
         return self.constants[b].data_ptr()
 
+    def _bucket_input(self, b: BucketInput, inputs) -> int:
+        return self.bucket(*b.shape).inputs.ptr(b.name)
+
+    def _bucket_output(self, b: BucketOutput, inputs) -> int:
+        out = getattr(self.bucket(*b.shape), b.name)
+        if out is None:
+            raise ExecutableError(f"bucket {b.shape} has no output {b.name!r}")
+        return out.data_ptr()
+
+    def _round_buffer(self, b: RoundBuffer, inputs) -> int:
+        if b.name not in self.round_buffers:
+            raise ExecutableError(f"no round buffer {b.name!r} (the profile's rounds have "
+                                  f"{', '.join(self.round_buffers) or 'none'})")
+        return self.round_buffers[b.name].data_ptr()
+
     def _output(self, plan: Plan, name: str) -> torch.Tensor | None:
         out = plan.outputs.get(name)
         if out is None:                   # e.g. the commit entry: state writes only
@@ -208,6 +262,39 @@ class Executable:
         with torch.cuda.graph(graph):
             bucket.run(use_graph=False)
         bucket.graph = graph
+
+    # ------------------------------------------------------------ speculative rounds
+    def round(self, batch: int, acceptance: str, fold: bool = True) -> Round:
+        """The profile's round of `batch` lanes (compiler.round), bound on first use; `fold` False: the eager
+        variant, without the commit bucket (the caller runs it after reading the round)."""
+        key = (batch, acceptance, fold)
+        if key not in self.rounds:
+            self.keys()
+            if (batch, acceptance) not in self._round_plans:
+                raise ExecutableError(f"no {acceptance} round of {batch} lanes in the runtime profile "
+                                      f"({self.profile.describe()}): it has {sorted(self._round_plans) or 'none'}")
+            plan = self._round_plans[(batch, acceptance)] if fold else \
+                plan_round(self.spec, self.target, self.profile, batch, acceptance, fold=False)
+            self.kernels.build(plan.keys())
+            steps = [self.bucket(*s) if isinstance(s, tuple) else
+                     self.kernels.bind(s.key, [self.resolve(b, None) for _, b in s.args], programmatic=s.programmatic)
+                     for s in plan.steps]
+            self.rounds[key] = Round(plan, steps)
+        return self.rounds[key]
+
+    def capture_round(self, rnd: Round, idle: Callable[[], Callable[[], None]]) -> None:
+        """Record a round as one CUDA graph after one eager warm-up; `idle()` makes every lane idle (padded
+        rows only, so nothing changes) and returns the function that restores them."""
+        rnd.graph = None
+        restore = idle()
+        rnd.run(use_graph=False)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            rnd.run(use_graph=False)
+        torch.cuda.synchronize(self.device)
+        restore()
+        rnd.graph = graph
 
     @property
     def launches(self) -> dict[tuple, int]:

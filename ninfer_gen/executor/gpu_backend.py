@@ -23,6 +23,8 @@ from compiler.targets import Target, resolve
 
 from ninfer_gen.executor.cuda_module import KernelCache, primary_context
 from ninfer_gen.executor.device_weights import DeviceWeights
+from ninfer_gen.executor.device_rounds import ROUND_MODES, DeviceRounds
+from ninfer_gen.executor.draft_head import IDS as DRAFT_IDS, add_draft_head
 from ninfer_gen.executor.device_state import DeviceState
 from ninfer_gen.executor.executable import Executable
 from ninfer_gen.executor.memory_plan import GiB, MemoryPlan, plan_memory
@@ -41,25 +43,38 @@ class GpuBackend(SequencePool):
                  use_graphs: bool = True, build_root=None, jobs: int | None = None, device="cuda",
                  memory: MemoryPlan | None = None, progress: bool = False,
                  options: CompileOptions = CompileOptions(), all_logits: bool = False,
-                 prefill_chunk: int | None = None, draft: int | None = None):
+                 prefill_chunk: int | None = None, draft: int | None = None, round_mode: str = "fused",
+                 accept_coin: bool = False, draft_vocab: list[int] | None = None):
         """`cohorts` lanes (the profile's step buckets: the spec's cohort sizes up to it); `all_logits`:
         prefill buckets keep every row's logits (evaluation: `Model.forward_logits`), else the last;
         `prefill_chunk`: the largest prefill bucket (default: the spec's, within the context); `draft`: the MTP
-        drafts per speculative round the profile builds for (default: the spec's; 0: plain decode only)."""
+        drafts per speculative round the profile builds for (default: the spec's; 0: plain decode only);
+        `round_mode`: `fused` or `eager` one-graph rounds (executor.device_rounds), `host` the host-driven
+        round of engine.speculative, `snapshot` fused rounds built in the snapshot design (K+1 state copies
+        per lane instead of ReplaySSM records, for comparison); `accept_coin` (bench only) also builds the `--accept-prob` rounds;
+        `draft_vocab`: token ids the MTP drafts from (a reduced head of those LM-head rows; None: all)."""
         self.spec, self.device, self.use_graphs = spec, torch.device(device), use_graphs
         rt = spec.runtime
         kv_dtype = kv_dtype or rt.kv_dtype
         ctx = max_context or rt.max_context
-        self.memory = memory or plan_memory(spec, cohorts, ctx, vram_budget, draft=draft, kv_dtype=kv_dtype)
+        snapshots = round_mode == "snapshot"
+        self.memory = memory or plan_memory(spec, cohorts, ctx, vram_budget, draft=draft, kv_dtype=kv_dtype,
+                                            snapshots=snapshots)
         per_seq = math.ceil(ctx / rt.page_size)
         pages = min(self.memory.kv_pages, cohorts * per_seq)
         primary_context(self.device.index)
         self.target = device_target(self.device)
+        if draft_vocab is not None and len(draft_vocab) < spec.model.vocab_size:
+            add_draft_head(weights, draft_vocab)
+        else:
+            draft_vocab = None
+        self.draft_ids = draft_vocab
         self.profile = profile_of(spec, cohorts=tuple(b for b in rt.cohorts if b <= cohorts) or (1,),
                                   max_context=ctx, kv_dtype=kv_dtype, all_logits=all_logits, options=options,
-                                  prefill_chunk=prefill_chunk, draft=draft)
+                                  prefill_chunk=prefill_chunk, draft=draft, accept_coin=accept_coin,
+                                  draft_vocab=len(draft_vocab) if draft_vocab else 0, snapshots=snapshots)
         rounds = (max(self.profile.cohorts), self.profile.tail_tokens) if self.profile.speculative else (0, 0)
-        self.state = DeviceState(spec, pages, cohorts, kv_dtype, self.device, *rounds)
+        self.state = DeviceState(spec, pages, cohorts, kv_dtype, self.device, *rounds, snapshots=snapshots)
         self.weights = weights
         self.kernels = KernelCache(build_root, jobs=jobs, progress=progress)
         self.exe = Executable(spec, self.target, weights, self.state, self.kernels, self.profile, self.device)
@@ -68,6 +83,25 @@ class GpuBackend(SequencePool):
         self._greedy_out: torch.Tensor | None = None       # greedy(): tokens chosen on the device
         self._greedy_index: torch.Tensor | None = None
         self._advance: torch.cuda.CUDAGraph | None = None
+        self.set_round_mode(round_mode)
+
+    def set_round_mode(self, mode: str) -> None:
+        """Switch how speculative rounds run: `fused`, `eager` (one-graph rounds) or `host`-driven; a
+        backend built in `snapshot` mode (K+1 state copies) runs `snapshot` (fused) or `host` rounds."""
+        modes = ("snapshot", "host") if self.profile.snapshots else ("host", *ROUND_MODES)
+        if mode not in modes:
+            raise ValueError(f"round mode {mode!r}: this backend runs {', '.join(modes)}"
+                             + ("" if self.profile.snapshots else " (snapshot mode is chosen when it is built)"))
+        self.round_mode, self._device_rounds = mode, None
+
+    @property
+    def device_rounds(self) -> DeviceRounds | None:
+        """The one-graph speculative rounds (None in `host` round mode or without speculative buckets)."""
+        if self.round_mode == "host" or not self.profile.speculative:
+            return None
+        if self._device_rounds is None:
+            self._device_rounds = DeviceRounds(self, "fused" if self.round_mode == "snapshot" else self.round_mode)
+        return self._device_rounds
 
     def _reset_slot(self, slot: int) -> None:
         self.state.reset_slot(slot)
@@ -188,7 +222,12 @@ class GpuBackend(SequencePool):
             bucket.run(self.use_graphs)
             at += used
         last = used - 1 if bucket.logits.shape[0] > 1 else 0
-        return bucket.logits[last:last + 1].clone(), bucket.hidden[used - 1:used].clone()
+        logits = bucket.logits[last:last + 1]
+        if self.draft_ids is not None:                 # over the full vocabulary: −inf off the draft ids
+            full = torch.full((1, self.spec.model.vocab_size), float("-inf"), device=logits.device)
+            full[:, self.weights.tensors[DRAFT_IDS].long()] = logits
+            logits = full
+        return logits.clone(), bucket.hidden[used - 1:used].clone()
 
     def prefill(self, seq: Sequence, ids: list[int], chunk: int | None = None, all_logits: bool = False,
                 all_hidden: bool = False):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from compiler.sizes import record_bytes_per_token, summary
+from compiler.sizes import record_bytes_per_token, snapshot_bytes_per_token, summary
 from compiler.spec import ModelSpec
 
 GiB = 1024 ** 3
@@ -32,6 +32,7 @@ class MemoryPlan:
     graph_pools: int
     state_slots: int
     records: int
+    rounds: int
     headroom: int
     kv_pool: int
     kv_bytes_per_token: int
@@ -48,12 +49,13 @@ class MemoryPlan:
     @property
     def total(self) -> int:
         return (self.weights + self.activations + self.graph_pools + self.state_slots + self.records
-                + self.headroom + self.kv_pool)
+                + self.rounds + self.headroom + self.kv_pool)
 
     def rows(self) -> list[tuple[str, int]]:
         return [("weights", self.weights), ("activation arena", self.activations), ("graph pools", self.graph_pools),
                 (f"GDN state slots ({self.cohort})", self.state_slots),
                 (f"ReplaySSM records ({self.cohort} × {self.draft_tokens + 1} tokens)", self.records),
+                ("round buffers (sampling distributions)", self.rounds),
                 ("context headroom", self.headroom),
                 (f"KV pool ({self.kv_pages} pages = {self.kv_tokens} tokens)", self.kv_pool)]
 
@@ -72,8 +74,17 @@ def activation_bytes(spec: ModelSpec, cohort: int, draft: int) -> int:
     return spec.runtime.prefill_chunk * per_token * 2 + 2 * rows * a.vocab_size * 4
 
 
+def round_bytes(spec: ModelSpec, cohort: int, draft: int) -> int:
+    """The one-graph round's own buffers (compiler.round): the sampled rounds' fp32 distributions of every
+    verify row and every draft over the vocabulary, plus small state rows, tables and argmax partials."""
+    if not draft or not spec.model.mtp.num_layers:
+        return 0
+    return (cohort * (2 * draft + 1) * spec.model.vocab_size * 4) + MiB
+
+
 def plan_memory(spec: ModelSpec, cohort: int, max_context: int, budget: int, draft: int | None = None,
-                kv_dtype: str | None = None) -> MemoryPlan:
+                kv_dtype: str | None = None, snapshots: bool = False) -> MemoryPlan:
+    """`snapshots`: verify keeps K+1 state copies per lane (snapshot mode) instead of ReplaySSM records."""
     if cohort <= 0 or max_context <= 0 or budget <= 0:
         raise MemoryPlanError("cohort, max context and budget must be positive")
     draft = spec.runtime.draft_tokens if draft is None else draft
@@ -83,7 +94,9 @@ def plan_memory(spec: ModelSpec, cohort: int, max_context: int, budget: int, dra
     fixed = dict(weights=s["weight_bytes"], activations=activation_bytes(spec, cohort, draft),
                  graph_pools=GRAPH_POOLS,
                  state_slots=cohort * (s["gdn_state_bytes_per_sequence"] + s["conv_history_bytes_per_sequence"]),
-                 records=cohort * (draft + 1) * record_bytes_per_token(spec) if draft else 0,
+                 records=cohort * (draft + 1) * (snapshot_bytes_per_token(spec) if snapshots else
+                                                record_bytes_per_token(spec)) if draft else 0,
+                rounds=round_bytes(spec, cohort, draft),
                  headroom=CONTEXT_HEADROOM)
     left = budget - sum(fixed.values())
     plan = MemoryPlan(budget, cohort, draft, max_context, kv_dtype, kv_pool=max(0, left),

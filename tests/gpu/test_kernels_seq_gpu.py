@@ -19,7 +19,8 @@ def h():
 
 @pytest.mark.parametrize("shape", [(2, 6, 32, 32, 3, 4), (16, 48, 128, 128, 4, 4)], ids=["tiny", "27b"])
 def test_gdn_fold_equals_sequential_steps(h, shape):
-    """ReplaySSM: record never writes S0; fold of m records == m decode steps, bit for bit (state, conv)."""
+    """ReplaySSM: record never writes S0; fold of m records == m decode steps, bit for bit (state, conv).
+    The snapshot design too: its verify never writes S0 and restoring snapshot m == m decode steps."""
     hk, hv, dk, dv, b, t = shape
     rec_key = gdn_step.make_key(hk, hv, dk, dv, b, t, "record", TARGET)
     fold_key = gdn_step.make_key(hk, hv, dk, dv, b, t, "fold", TARGET)
@@ -33,21 +34,31 @@ def test_gdn_fold_equals_sequential_steps(h, shape):
     rg, o_ver = torch.empty(b, t, hv, 2, device="cuda"), torch.empty(b, t, hv, dv, device="cuda")
     fixed = [inp["a_log"], inp["dt_bias"]]
     h.launch_key(rec_key, gdn_step, [o_ver, inp["qkv"], inp["a"], inp["b"], *fixed, s_fold, inp["slots"], rk, rv, rg,
-                                      None, None, None, None])
+                                      None, None, None, None, None])
+    s_snap, snaps = inp["state"].clone(), torch.full((b, t, hv, dk, dv), float("nan"), device="cuda")
+    o_snap = torch.empty_like(o_ver)
+    h.launch_key(gdn_step.make_key(hk, hv, dk, dv, b, t, "snapshot", TARGET), gdn_step,
+                 [o_snap, inp["qkv"], inp["a"], inp["b"], *fixed, s_snap, inp["slots"], *[None] * 7, snaps])
+    torch.cuda.synchronize()
+    assert h.same_bits(s_snap, inp["state"]), "snapshot mode wrote the committed state"
+    assert h.same_bits(o_snap, o_ver), "snapshot and record verify outputs differ"
+    h.launch_key(gdn_step.make_key(hk, hv, dk, dv, b, t, "restore", TARGET), gdn_step,
+                 [*[None] * 6, s_snap, inp["slots"], None, None, None, commit, None, None, None, snaps])
     torch.cuda.synchronize()
     assert h.same_bits(s_fold, inp["state"]), "record mode wrote the committed state"
     s_before = s_fold.clone()
     h.launch_key(fold_key, gdn_step, [None, None, None, None, *fixed, s_fold, inp["slots"], rk, rv, rg, commit,
-                                       None, None, None])
+                                       None, None, None, None])
     for tt in range(t):
         slots_tt = torch.where(commit > tt, inp["slots"], -1).to(torch.int32)
         o_step = torch.full((b, 1, hv, dv), float("nan"), device="cuda")
         cols = [inp[n][:, tt:tt + 1].contiguous() for n in ("qkv", "a", "b")]
-        h.launch_key(step_key, gdn_step, [o_step, *cols, *fixed, s_seq, slots_tt, *[None] * 7])
+        h.launch_key(step_key, gdn_step, [o_step, *cols, *fixed, s_seq, slots_tt, *[None] * 8])
         torch.cuda.synchronize()
         live = commit > tt
         assert h.same_bits(o_step[live, 0], o_ver[live, tt]), f"token {tt}: verify output != decode output"
     assert h.same_bits(s_fold, s_seq), "fold != sequential decode steps"
+    assert h.same_bits(s_snap, s_seq), "restored snapshot != sequential decode steps"
     _fused_commit_check(h, shape, s_before, (rk, rv, rg), commit, fixed, g)
     _conv_fold_check(h, 2 * hk * dk + hv * dv, b, t, commit, g)
 
@@ -65,10 +76,10 @@ def _fused_commit_check(h, shape, s0, prev, commit, fixed, g):
         rec = [torch.empty_like(prev[0]), torch.empty_like(prev[1]), torch.empty_like(prev[2])]
         cur = [o, nxt["qkv"], nxt["a"], nxt["b"], *fixed, s, slots, *rec]
         if fused:
-            h.launch_key(keys["commit_record"], gdn_step, [*cur, commit, *prev])
+            h.launch_key(keys["commit_record"], gdn_step, [*cur, commit, *prev, None])
         else:
-            h.launch_key(keys["fold"], gdn_step, [None] * 4 + [*fixed, s, slots, *prev, commit, None, None, None])
-            h.launch_key(keys["record"], gdn_step, [*cur, None, None, None, None])
+            h.launch_key(keys["fold"], gdn_step, [None] * 4 + [*fixed, s, slots, *prev, commit, None, None, None, None])
+            h.launch_key(keys["record"], gdn_step, [*cur, None, None, None, None, None])
         torch.cuda.synchronize()
         outs[fused] = [s, o, *rec]
     for name, a, c in zip(("state", "o", "rec_k", "rec_v", "rec_g"), outs[False], outs[True]):

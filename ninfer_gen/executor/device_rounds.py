@@ -1,0 +1,163 @@
+"""device_rounds: speculative decoding on the GPU with every round one CUDA graph replay (compiler.round).
+
+The host's part of a round is small: reserve the KV pages the round may touch (and write the block table
+when a page was added), replay the round's graph, read back the lane's state row (the emitted tokens) —
+one device→host copy and one synchronisation per round. Between rounds the round-state rows on the
+device hold everything (committed length, anchor, drafts, budget, stop tokens, sampling parameters,
+RNG counter); the round graph reads and updates them.
+
+Modes (`round_mode`): `fused` — the commit (fold) of the accepted records is the first step of the next
+round's graph; `eager` — the fold runs as its own graph after the host has read the round.
+The first drafts of a request come from the MTP pass over its prompt (engine.speculative.Drafter).
+"""
+from __future__ import annotations
+
+import struct
+
+import torch
+
+from compiler.kernels import spec_round as sr
+from ninfer_gen.engine.sampling import SamplingParams, distribution, draw
+from ninfer_gen.engine.speculative import Drafter, Stats
+
+ROUND_MODES = ("fused", "eager")
+_F = {name: i for i, name in enumerate(sr.ROUND_FIELDS)}
+
+
+def _f32_bits(x: float) -> int:
+    return struct.unpack("<i", struct.pack("<f", x))[0]
+
+
+class DeviceRounds:
+    """The round-state rows of one GPU backend's lanes and the driver of its round graphs."""
+
+    def __init__(self, backend, mode: str = "fused"):
+        if mode not in ROUND_MODES:
+            raise ValueError(f"round mode {mode!r}: expected one of {', '.join(ROUND_MODES)}")
+        self.be, self.mode = backend, mode
+        self.exe, self.k = backend.exe, backend.profile.draft
+        self.T = self.k + 1
+        self.rows = self.exe.round_buffers["round"].view(-1, sr.ROW_WORDS)
+        self.tables = self.exe.round_buffers["tables"].view(self.rows.shape[0], -1)
+        self.host = torch.zeros(sr.ROW_WORDS, dtype=torch.int32, pin_memory=True)
+        self.rows[:, _F["state"]] = sr.IDLE
+        self.active = None                  # (sequence, round) of the request being streamed
+
+    # ------------------------------------------------------------ graphs
+    def _round(self, acceptance: str):
+        rnd = self.exe.round(1, acceptance, fold=self.mode == "fused")
+        if self.be.use_graphs and rnd.graph is None:
+            self.exe.capture_round(rnd, self._idle)
+        return rnd
+
+    def _idle(self):
+        """Every lane idle and no fold pending (the capture's warm-up then touches no state)."""
+        saved = self.rows.clone()
+        fold = self.be.bucket("commit", 1, self.T).inputs
+        fold_saved = fold.device.clone()
+        self.rows[:, _F["state"]] = sr.IDLE
+        fold.set([], [], [], [])
+
+        def restore():
+            self.rows.copy_(saved)
+            fold.device.copy_(fold_saved)
+        return restore
+
+    # ------------------------------------------------------------ one request
+    def stream(self, prompt: list[int], max_new_tokens: int, params: SamplingParams,
+               stop_ids: set[int] | None = None, stats: Stats | None = None, accept_prob: float | None = None,
+               seed: int = 0):
+        """Yields new tokens: prefill and the prompt's drafts on the host side, then device rounds.
+        `accept_prob` (bench only): acceptance by a coin per draft with that probability."""
+        be, k, T = self.be, self.k, self.T
+        if stop_ids and len(stop_ids) > sr.MAX_STOPS:
+            raise ValueError(f"at most {sr.MAX_STOPS} stop tokens in a device round, got {len(stop_ids)}")
+        acceptance = "coin" if accept_prob is not None else ("greedy" if params.greedy else "sampled")
+        rnd = self._round(acceptance)
+        stats = stats if stats is not None else Stats()
+        gen = torch.Generator()
+        seed = params.seed if params.seed is not None else seed
+        gen.manual_seed(seed)
+        seq = be.new_sequence()
+        self.active = (seq, rnd)
+        try:
+            logits, hidden = be.prefill(seq, list(prompt), all_hidden=True)
+            anchor = int(logits[-1].argmax()) if params.greedy else draw(distribution(logits[-1:], params)[0], gen)
+            yield anchor
+            produced = 1
+            if produced >= max_new_tokens or (stop_ids and anchor in stop_ids):
+                return
+            drafts, q = Drafter(be, params, k, gen).propose(seq, hidden, list(prompt[1:]) + [anchor], 0)
+            self._seed(seq, anchor, drafts, q, max_new_tokens - produced, params, stop_ids, accept_prob, seed)
+            fold = be.bucket("commit", 1, T)
+            while True:
+                length = int(self.host[_F["length"]])
+                if length + T > be.max_context:      # no room to verify K+1 positions: stop at the context limit
+                    return
+                self._reserve(seq, min(length + 2 * T, be.max_context))
+                rnd.run(be.use_graphs)
+                self.host.copy_(self.rows[0], non_blocking=True)
+                torch.cuda.current_stream().synchronize()
+                h = self.host
+                n = int(h[_F["emitted"]])
+                out = h[sr.OUT_AT:sr.OUT_AT + n].tolist()
+                if self.mode == "eager":
+                    fold.run(be.use_graphs)
+                seq.table.length = int(h[_F["length"]])
+                stats.rounds += 1
+                stats.drafted += k
+                stats.accepted += int(h[_F["accepted"]])
+                stats.emitted.append(n)
+                yield from out
+                if int(h[_F["state"]]) != sr.RUNNING:
+                    return
+        finally:
+            self.rows[0, _F["state"]] = sr.IDLE
+            self.active = None
+            be.release(seq)
+
+    def time_replays(self, rounds: int) -> float:
+        """Bench: the median device time (ms) of the running request's round graph replayed `rounds` times
+        back to back with no host work between them (the pages for all of them reserved first; the lane
+        keeps running on the device, so its length moves on and its stream should end after this)."""
+        seq, rnd = self.active
+        self.rows[0, _F["budget"]] = 1 << 30
+        length = int(self.host[0])
+        self._reserve(seq, min(length + (rounds + 2) * self.T, self.be.max_context))
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(rounds + 1)]
+        events[0].record()
+        for e in events[1:]:
+            rnd.run(self.be.use_graphs)
+            e.record()
+        torch.cuda.synchronize()
+        times = sorted(a.elapsed_time(b) for a, b in zip(events, events[1:]))
+        return times[len(times) // 2]
+
+    def _seed(self, seq, anchor, drafts, q, budget, params, stop_ids, accept_prob, seed) -> None:
+        """Lane 0's state row for a request whose prompt has been prefilled and drafted."""
+        row = torch.zeros(sr.ROW_WORDS, dtype=torch.int32)
+        stops = sorted(stop_ids or ())
+        values = {"length": seq.length, "budget": budget, "anchor": anchor, "state": sr.RUNNING, "slot": seq.slot,
+                  "trash": self.be.state.trash_page, "seed_lo": seed & 0x7FFFFFFF, "seed_hi": (seed >> 31) & 0x7FFFFFFF,
+                  "top_k": params.top_k, "temperature": _f32_bits(params.temperature), "top_p": _f32_bits(params.top_p),
+                  "n_stop": len(stops), "accept_prob": _f32_bits(accept_prob if accept_prob is not None else 0.0)}
+        for name, v in values.items():
+            row[_F[name]] = v
+        row[sr.DRAFTS_AT:sr.DRAFTS_AT + self.k] = torch.tensor(drafts, dtype=torch.int32)
+        row[sr.STOPS_AT:sr.STOPS_AT + len(stops)] = torch.tensor(stops, dtype=torch.int32)
+        self.rows[0].copy_(row)
+        self.host.copy_(row)
+        if q is not None:                                     # the prompt's drafts' distributions (sampled)
+            self.exe.round_buffers["q_dist"].view(-1, self.k, q.shape[-1])[0].copy_(q)
+        self.be.bucket("commit", 1, self.T).inputs.set([], [], [], [])      # nothing to fold before round 1
+        self._pages = -1
+
+    def _reserve(self, seq, length: int) -> None:
+        """Pages for `length` tokens; the lane's block-table row is written when a page was added."""
+        self.be._reserve(seq, length)
+        pages = seq.table.pages
+        if len(pages) != self._pages:
+            row = torch.full((self.tables.shape[1],), self.be.state.trash_page, dtype=torch.int32)
+            row[:len(pages)] = torch.tensor(pages, dtype=torch.int32)
+            self.tables[0].copy_(row)
+            self._pages = len(pages)
