@@ -3,7 +3,7 @@
 # round mode and with the reduced draft vocabulary, truncation, the transaction in both designs, the
 # sampling distribution). BENCH=1: the 27B bench with K drafts and --accept-prob three times — ReplaySSM
 # with the full MTP head (fused, eager and host-driven rounds), with a 32,768-id draft head, and in the
-# snapshot design. FULL=1: the rest of the GPU tier. Logs and JSON to $OUT.
+# snapshot design (VARIANTS='name::flags|…' picks others). FULL=1: the rest of the GPU tier. Logs and JSON to $OUT.
 # Run from the repository root on the GPU machine:  SPEC=1 bash lab/gpu_rounds.sh
 set -uo pipefail
 : "${OUT:?set OUT}"
@@ -16,7 +16,8 @@ if [ "${SPEC:-0}" = 1 ]; then
   echo "speculative tests: rc $?"; grep -E "K=|top_k|passed|failed|FAILED|Error|error" $OUT/spec_tests.log | tail -${SPEC_TAIL:-60}
 fi
 if [ "${BENCH:-0}" = 1 ]; then
-  for variant in "replayssm::" "vocab::--draft-vocab 32768" "snapshot::--state-mode snapshot"; do
+  IFS='|' read -ra variants <<< "${VARIANTS:-replayssm::|vocab::--draft-vocab 32768|snapshot::--state-mode snapshot}"
+  for variant in "${variants[@]}"; do
     name=${variant%%::*}; extra=${variant#*::}
     timeout ${BENCH_S:-150} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --draft ${K:-3} \
       --accept-prob ${P:-0.8} --prefill '' --output-tokens 256 --repeats 1 $extra \

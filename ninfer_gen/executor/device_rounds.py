@@ -2,7 +2,9 @@
 
 The host's part of a round is small: reserve the KV pages the round may touch (and write the block table
 when a page was added), replay the round's graph, read back the lane's state row (the emitted tokens) —
-one device→host copy and one synchronisation per round. Between rounds the round-state rows on the
+one device→host copy per round. In fused mode the host keeps IN_FLIGHT rounds queued: it launches the
+next round before it reads the last one back (a lane that finished makes the rounds after it padded
+rows, which emit nothing), so the host's work overlaps the device's. Between rounds the round-state rows on the
 device hold everything (committed length, anchor, drafts, budget, stop tokens, sampling parameters,
 RNG counter); the round graph reads and updates them.
 
@@ -13,6 +15,7 @@ The first drafts of a request come from the MTP pass over its prompt (engine.spe
 from __future__ import annotations
 
 import struct
+from collections import deque
 
 import torch
 
@@ -21,6 +24,7 @@ from ninfer_gen.engine.sampling import SamplingParams, distribution, draw
 from ninfer_gen.engine.speculative import Drafter, Stats
 
 ROUND_MODES = ("fused", "eager")
+IN_FLIGHT = 2          # fused rounds queued ahead of the host's read-back (the device state carries everything)
 _F = {name: i for i, name in enumerate(sr.ROUND_FIELDS)}
 
 
@@ -40,6 +44,8 @@ class DeviceRounds:
         self.rows = self.exe.round_buffers["round"].view(-1, sr.ROW_WORDS)
         self.tables = self.exe.round_buffers["tables"].view(self.rows.shape[0], -1)
         self.host = torch.zeros(sr.ROW_WORDS, dtype=torch.int32, pin_memory=True)
+        self.ring = [torch.zeros(sr.ROW_WORDS, dtype=torch.int32, pin_memory=True) for _ in range(IN_FLIGHT + 1)]
+        self._ring_at = 0
         self.rows[:, _F["state"]] = sr.IDLE
         self.active = None                  # (sequence, round) of the request being streamed
 
@@ -90,27 +96,41 @@ class DeviceRounds:
             drafts, q = Drafter(be, params, k, gen).propose(seq, hidden, list(prompt[1:]) + [anchor], 0)
             self._seed(seq, anchor, drafts, q, max_new_tokens - produced, params, stop_ids, accept_prob, seed)
             fold = be.bucket("commit", 1, T)
+            depth = IN_FLIGHT if self.mode == "fused" else 1      # eager: the fold waits for the host
+            inflight: deque = deque()
+            launched, finished = seq.length, False                # launched: the length if every round kept T
             while True:
-                length = int(self.host[_F["length"]])
-                if length + T > be.max_context:      # no room to verify K+1 positions: stop at the context limit
+                while not finished and len(inflight) < depth and launched + T <= be.max_context:
+                    self._reserve(seq, min(launched + 2 * T, be.max_context))   # this round's verify and drafts
+                    rnd.run(be.use_graphs)
+                    buf = self._next_buffer()
+                    buf.copy_(self.rows[0], non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record()
+                    inflight.append((done, buf))
+                    launched += T
+                if not inflight:                  # no room to verify K+1 positions: stop at the context limit
                     return
-                self._reserve(seq, min(length + 2 * T, be.max_context))
-                rnd.run(be.use_graphs)
-                self.host.copy_(self.rows[0], non_blocking=True)
-                torch.cuda.current_stream().synchronize()
-                h = self.host
+                done, h = inflight.popleft()
+                done.synchronize()
+                self.host.copy_(h)
                 n = int(h[_F["emitted"]])
+                if n == 0:                        # a round launched after the lane finished: nothing ran
+                    continue
                 out = h[sr.OUT_AT:sr.OUT_AT + n].tolist()
                 if self.mode == "eager":
                     fold.run(be.use_graphs)
                 seq.table.length = int(h[_F["length"]])
+                launched = seq.table.length + len(inflight) * T
                 stats.rounds += 1
                 stats.drafted += k
                 stats.accepted += int(h[_F["accepted"]])
                 stats.emitted.append(n)
                 yield from out
                 if int(h[_F["state"]]) != sr.RUNNING:
-                    return
+                    finished = True
+                    if not inflight:
+                        return
         finally:
             self.rows[0, _F["state"]] = sr.IDLE
             self.active = None
@@ -132,6 +152,12 @@ class DeviceRounds:
         torch.cuda.synchronize()
         times = sorted(a.elapsed_time(b) for a, b in zip(events, events[1:]))
         return times[len(times) // 2]
+
+    def _next_buffer(self) -> torch.Tensor:
+        """The next read-back buffer of the ring (one more than the rounds in flight, so none is reused
+        while its copy may still be pending)."""
+        self._ring_at = (self._ring_at + 1) % len(self.ring)
+        return self.ring[self._ring_at]
 
     def _seed(self, seq, anchor, drafts, q, budget, params, stop_ids, accept_prob, seed) -> None:
         """Lane 0's state row for a request whose prompt has been prefilled and drafted."""
