@@ -106,6 +106,14 @@ class Drafter:
         return drafts, (torch.stack(probs) if probs else None)
 
 
+def prompt_pass(backend, seq, prompt: list[int], params: SamplingParams, gen: torch.Generator):
+    """Prefill the prompt and choose the first token → (first token, every prompt row's hidden state for
+    the MTP's pass over the prompt)."""
+    logits, hidden = backend.prefill(seq, list(prompt), all_hidden=True)
+    first = int(logits[-1].argmax()) if params.greedy else draw(distribution(logits[-1:], params)[0], gen)
+    return first, hidden
+
+
 def speculative_stream(backend, prompt: list[int], max_new_tokens: int, k: int, params: SamplingParams,
                        stop_ids: set[int] | None = None, stats: Stats | None = None):
     """Yields new tokens, K drafts per round (the backend's `prefill`, `mtp`, `verify`, `commit`)."""
@@ -116,8 +124,7 @@ def speculative_stream(backend, prompt: list[int], max_new_tokens: int, k: int, 
     drafter = Drafter(backend, params, k, gen)
     seq = backend.new_sequence()
     try:
-        logits, hidden = backend.prefill(seq, list(prompt), all_hidden=True)
-        anchor = int(logits[-1].argmax()) if params.greedy else draw(distribution(logits[-1:], params)[0], gen)
+        anchor, hidden = prompt_pass(backend, seq, prompt, params, gen)
         yield anchor
         produced = 1
         if produced >= max_new_tokens or (stop_ids and anchor in stop_ids):

@@ -20,8 +20,8 @@ from collections import deque
 import torch
 
 from compiler.kernels import spec_round as sr
-from ninfer_gen.engine.sampling import SamplingParams, distribution, draw
-from ninfer_gen.engine.speculative import Drafter, Stats
+from ninfer_gen.engine.sampling import SamplingParams
+from ninfer_gen.engine.speculative import Drafter, Stats, prompt_pass
 
 ROUND_MODES = ("fused", "eager")
 IN_FLIGHT = 2          # fused rounds queued ahead of the host's read-back (the device state carries everything)
@@ -87,8 +87,7 @@ class DeviceRounds:
         seq = be.new_sequence()
         self.active = (seq, rnd)
         try:
-            logits, hidden = be.prefill(seq, list(prompt), all_hidden=True)
-            anchor = int(logits[-1].argmax()) if params.greedy else draw(distribution(logits[-1:], params)[0], gen)
+            anchor, hidden = prompt_pass(be, seq, prompt, params, gen)
             yield anchor
             produced = 1
             if produced >= max_new_tokens or (stop_ids and anchor in stop_ids):
