@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from compiler.interpret import run_graph
+from compiler.interpret import Program
 from compiler.reference_ops import torch_dtype
 from compiler.spec import ModelSpec
 from compiler.trace import StatePools, record_avals, state_avals, trace
@@ -38,19 +38,28 @@ class ReferenceBackend(SequencePool):
         self.weights = {k: self._place(k, v) for k, v in weights.items()}
         self.state = {name: torch.zeros(shape, dtype=torch_dtype(dt), device=self.device)
                       for name, (shape, dt) in state_avals(spec, self.pools).items()}
-        self._graphs: dict = {}
+        self._programs: dict = {}                              # (entry, B, T) → the traced graph, prepared
         self._records: dict[tuple[int, int], dict] = {}        # (B, T) of a verify → its ReplaySSM records
         self.bf16_matmul_inputs = bf16_matmul_inputs
+        self.profile = None         # (seconds, calls) dicts: every equation timed (lab.reference_speed)
 
     def _place(self, name: str, w: torch.Tensor) -> torch.Tensor:
         keep_fp32 = self.act == "f32" or name.endswith(("A_log", "dt_bias"))
         return w.to(self.device, torch.float32 if keep_fp32 else torch.bfloat16)
 
     def graph(self, entry: str, batch: int, tokens: int):
+        return self.program(entry, batch, tokens).graph
+
+    def program(self, entry: str, batch: int, tokens: int) -> Program:
+        """The entry's graph at this shape, traced and prepared on first use."""
         key = (entry, batch, tokens)
-        if key not in self._graphs:
-            self._graphs[key] = trace(self.spec, entry, batch, tokens, self.pools, self.act)
-        return self._graphs[key]
+        if key not in self._programs:
+            graph = trace(self.spec, entry, batch, tokens, self.pools, self.act)
+            self._programs[key] = Program(graph, bf16_matmul_inputs=self.bf16_matmul_inputs)
+        return self._programs[key]
+
+    def _run(self, entry: str, batch: int, tokens: int, inputs: dict, state: dict) -> dict:
+        return self.program(entry, batch, tokens).run(inputs, self.weights, state, self.profile)
 
     # ------------------------------------------------------------ sequences
     def _reset_slot(self, slot: int) -> None:
@@ -77,8 +86,7 @@ class ReferenceBackend(SequencePool):
             inputs["hidden"] = hidden
         else:
             inputs["slots"] = self._i32([s.slot for s in seqs])
-        out = run_graph(self.graph(entry, B, T), inputs, self.weights, self.state,
-                        bf16_matmul_inputs=self.bf16_matmul_inputs)
+        out = self._run(entry, B, T, inputs, self.state)
         if entry != "mtp":
             for s, p in zip(seqs, starts):
                 s.table.length = p + T
@@ -98,15 +106,14 @@ class ReferenceBackend(SequencePool):
         self._verified_tokens(seq, T)
         inputs = {"tokens": self._i32([tokens]), "pos": self._i32([start]), "block_table": self._block_table([seq]),
                   "slots": self._i32([seq.slot])}
-        out = run_graph(self.graph("verify", 1, T), inputs, self.weights, self.state | self.records(1, T),
-                        bf16_matmul_inputs=self.bf16_matmul_inputs)
+        out = self._run("verify", 1, T, inputs, self.state | self.records(1, T))
         return out["logits"], out["hidden"]
 
     def commit(self, seq: Sequence, m: int) -> None:
         """Fold the first m tokens the last verify logged into the state; the length moves by m."""
         T = self._committing(seq, m)
-        run_graph(self.graph("commit", 1, T), {"slots": self._i32([seq.slot]), "commit": self._i32([m])},
-                  self.weights, self.state | self.records(1, T))
+        self._run("commit", 1, T, {"slots": self._i32([seq.slot]), "commit": self._i32([m])},
+                  self.state | self.records(1, T))
         seq.table.length += m
 
     def prefill(self, seq: Sequence, ids: list[int], chunk: int | None = None, all_logits: bool = True,
