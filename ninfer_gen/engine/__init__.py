@@ -1,2 +1,18 @@
-"""engine: what a user of the engine talks to — `load()` and `Model` (api), sampling parameters and the
-sampler, the tokenizer. Picks weights and a backend; computes nothing itself and imports no CUDA."""
+"""engine: what a user of the engine talks to — `load()` and `Model` (api), the cohort `Engine` (engine)
+and its lane adapters (lanes), sampling parameters and the sampler, the tokenizer. Picks weights and a
+backend; computes nothing itself and imports no CUDA.
+
+The cohort engine's names are imported on first use (`from ninfer_gen.engine import Engine`)."""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {"Engine": "engine", "EngineFull": "engine", "Event": "engine", "Handle": "engine", "Request": "engine",
+            "RequestStats": "engine", "LaneBackend": "lanes", "LaneState": "lanes", "ReferenceLanes": "lanes"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,412 @@
+"""engine: the cohort engine — requests, admission (a bounded queue, a clear refusal beyond it), lanes,
+the scheduling step, finishing and freeing, events and statistics. The numbers come from a LaneBackend
+(engine.lanes: the contract); this module imports no CUDA and no torch.
+
+A request holds a lane from admission to its end; the lane's sequence (state slot + KV pages) is the
+adapter's, released when the request finishes, fails or is cancelled. `step()` is one scheduling
+iteration: reap cancelled requests, admit waiting ones into free lanes, run at most one prefill chunk
+(≤ `prefill_budget` prompt tokens, the oldest prefilling lane first), then one decode round over every
+decode-ready lane — so a long prompt is cut across steps and never stalls the running lanes for its whole
+prefill. Drive it by hand (`step`, `run_until_idle`: deterministic, with any `clock`), or in a background
+thread (`start`/`stop`) that a server uses: submit and cancel are thread-safe and events arrive on
+thread-safe queues. An exception in one request fails that request alone (an `error` event).
+"""
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+
+from ninfer_gen.engine.lanes import LaneBackend, LaneState
+from ninfer_gen.engine.sampling import SamplingParams
+
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+class EngineFull(RuntimeError):
+    """submit() refused: every lane is busy (or promised) and `max_queue` requests wait for one."""
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: tuple[int, ...]
+    max_tokens: int = 64
+    sampling: SamplingParams = SamplingParams()
+    stop: frozenset[int] = frozenset()
+    draft: int = 0                      # MTP drafts per round (0: plain steps)
+    id: str | None = None
+    max_context: int | None = None      # this request's context limit (≤ the backend's)
+
+    def __post_init__(self):
+        object.__setattr__(self, "prompt", tuple(int(t) for t in self.prompt))
+        object.__setattr__(self, "stop", frozenset(int(t) for t in self.stop))
+        if not self.prompt:
+            raise ValueError("the prompt is empty")
+        if not isinstance(self.sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
+        for name in ("max_tokens", "draft", "max_context"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < (0 if name == "draft" else 1)):
+                raise ValueError(f"{name} must be an integer ≥ {0 if name == 'draft' else 1}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class RequestStats:
+    prompt_tokens: int
+    tokens: int                         # output tokens
+    queued_s: float                     # submit → a lane
+    ttft_s: float | None                # submit → first token (None: none came)
+    decode_s: float                     # first token → last token
+    rounds: int
+    drafted: int
+    accepted: int
+
+    @property
+    def decode_tok_s(self) -> float:
+        return (self.tokens - 1) / self.decode_s if self.tokens > 1 and self.decode_s > 0 else 0.0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        """Output tokens per decode round (the prefill's first token apart)."""
+        return (self.tokens - 1) / self.rounds if self.rounds else 0.0
+
+
+@dataclass(frozen=True)
+class Event:
+    """New tokens of a request; the last event has `finish` (one of FINISH_REASONS) and `stats`."""
+    id: str
+    tokens: tuple[int, ...] = ()
+    finish: str | None = None
+    stats: RequestStats | None = None
+    error: str | None = None
+
+
+class Handle:
+    """A submitted request: iterate it for its events (the final one last); `tokens` and `final` are what the
+    engine has sent so far. Without a background loop, iterating drives `engine.step()` itself."""
+
+    def __init__(self, engine: "Engine", request_id: str):
+        self.id, self._engine = request_id, engine
+        self._events: queue.Queue[Event] = queue.Queue()
+        self.tokens: list[int] = []             # every token sent so far
+        self.final: Event | None = None         # the final event, once sent
+        self._done = False                      # the reader has had the final event
+
+    def __iter__(self):
+        while not self._done:
+            event = self._next()
+            self._done = event.finish is not None
+            yield event
+
+    def result(self) -> Event:
+        """Reads every event; the final one (all tokens are in `tokens`)."""
+        for _ in self:
+            pass
+        return self.final
+
+    def poll(self) -> list[Event]:
+        """The events that have arrived, without waiting or driving the engine."""
+        events = []
+        while not self._done and not self._events.empty():
+            events.append(self._events.get_nowait())
+            self._done = events[-1].finish is not None
+        return events
+
+    def cancel(self) -> bool:
+        return self._engine.cancel(self.id)
+
+    def _next(self) -> Event:
+        while True:
+            try:
+                return self._events.get_nowait()
+            except queue.Empty:
+                pass
+            if self._engine.running:
+                try:
+                    return self._events.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+            if not self._engine.step() and self._events.empty():
+                raise RuntimeError(f"request {self.id}: the engine is idle and sent no final event")
+
+
+@dataclass(eq=False)
+class _Live:
+    request: Request
+    handle: Handle
+    order: int
+    t_submit: float
+    lane: LaneState | None = None
+    t_admit: float | None = None
+    t_first: float | None = None
+    t_last: float | None = None
+    cancelled: bool = False
+
+
+class Engine:
+    """`lanes` requests run at once (≤ the backend's state slots); `max_queue` more may wait for a lane;
+    `prefill_budget` prompt tokens run per step (default: the backend's prefill chunk); `clock` stamps
+    the per-request statistics (a fake one makes them deterministic)."""
+
+    def __init__(self, backend: LaneBackend, *, lanes: int = 8, max_queue: int = 64, prefill_budget: int | None = None,
+                 clock=time.monotonic):
+        if not 1 <= lanes <= backend.capacity:
+            raise ValueError(f"lanes must be between 1 and the backend's {backend.capacity} state slots, got {lanes}")
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be ≥ 0, got {max_queue}")
+        self.prefill_budget = prefill_budget or backend.prefill_chunk
+        if self.prefill_budget < 1:
+            raise ValueError(f"prefill_budget must be ≥ 1 token, got {prefill_budget}")
+        self.backend, self.max_queue, self.clock = backend, max_queue, clock
+        self._lanes: list[_Live | None] = [None] * lanes
+        self._waiting: deque[_Live] = deque()
+        self._live: dict[str, _Live] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.RLock()          # waiting, live, cancel flags, counters
+        self._wake = threading.Condition(self._lock)
+        self._step_lock = threading.Lock()      # one step at a time: the adapter is never called concurrently
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._count = Counter()                 # requests, tokens, prefill tokens, rounds, lane rounds, drafted, accepted
+        self._finished = Counter()
+
+    # ------------------------------------------------------------ the public face
+    @property
+    def lanes(self) -> int:
+        return len(self._lanes)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, request: Request) -> Handle:
+        """Queue a request; EngineFull when `lanes` + `max_queue` requests are in the engine already; a
+        ValueError names what the backend cannot run (both before anything is held)."""
+        self.backend.validate(request)
+        with self._lock:
+            rid = request.id if request.id is not None else f"r{next(self._ids)}"
+            if rid in self._live:
+                raise ValueError(f"request id {rid!r} is already in the engine")
+            if len(self._live) >= self.lanes + self.max_queue:       # every lane busy or promised, the queue full
+                raise EngineFull(f"engine full: {len(self._live)} requests in the engine, the most it takes "
+                                 f"({self.lanes} lanes + max_queue={self.max_queue}); retry later")
+            live = _Live(request, Handle(self, rid), self._count["requests"], self.clock())
+            self._count["requests"] += 1
+            self._live[rid] = live
+            self._waiting.append(live)
+            self._wake.notify_all()
+        return live.handle
+
+    def cancel(self, request_id: str) -> bool:
+        """Ends a request with `cancelled` (its lane and sequence are freed now when no step runs, else at the
+        start of the next step). False when no such request is in the engine."""
+        with self._lock:
+            live = self._live.get(request_id)
+            if live is None:
+                return False
+            live.cancelled = True
+            if live.lane is None:
+                self._waiting.remove(live)
+                self._finish(live, "cancelled")
+            self._wake.notify_all()
+        if self._step_lock.acquire(blocking=False):
+            try:
+                self._reap()
+            finally:
+                self._step_lock.release()
+        return True
+
+    def stats(self) -> dict:
+        with self._lock:
+            c = self._count
+            return {"lanes": self.lanes, "lanes_busy": sum(live is not None for live in self._lanes),
+                    "queue_depth": len(self._waiting), "max_queue": self.max_queue, "requests": c["requests"],
+                    "finished": dict(self._finished), "tokens": c["tokens"], "prefill_tokens": c["prefill_tokens"],
+                    "rounds": c["rounds"], "lane_rounds": c["lane_rounds"], "drafted": c["drafted"],
+                    "accepted": c["accepted"], "acceptance": c["accepted"] / c["drafted"] if c["drafted"] else 0.0,
+                    **self.backend.usage()}
+
+    # ------------------------------------------------------------ scheduling
+    def step(self) -> bool:
+        """One scheduling iteration; False when there was nothing to do."""
+        with self._step_lock:
+            worked = self._reap()
+            worked |= self._admit()
+            worked |= self._prefill_one()
+            ready = [live for live in self._lanes if live is not None and live.lane.anchor is not None]
+            if ready:
+                self._round(ready)
+            return worked or bool(ready)
+
+    def run_until_idle(self) -> None:
+        while self.step():
+            pass
+
+    def start(self) -> None:
+        """Runs steps in a background thread until `stop()`; it sleeps while there is no work."""
+        if self.running:
+            raise RuntimeError("the engine loop is already running")
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="ninfer-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, cancel: bool = True) -> None:
+        """Ends the background loop after its current step; `cancel` also ends every request still in the
+        engine (else they wait for the next `step` or `start`)."""
+        with self._lock:
+            self._stopping = True
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if cancel:
+            for rid in list(self._live):
+                self.cancel(rid)
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and not self._live:
+                    self._wake.wait()
+                if self._stopping:
+                    return
+            try:
+                self.step()
+            except Exception as err:             # a bug of the engine's own: fail what runs, keep serving
+                with self._step_lock:
+                    for live in list(self._live.values()):
+                        self._fail(live, err)
+
+    # ------------------------------------------------------------ a step's parts
+    def _reap(self) -> bool:
+        with self._lock:
+            gone = [live for live in self._lanes if live is not None and live.cancelled]
+            for live in gone:
+                self._finish(live, "cancelled")
+        return bool(gone)
+
+    def _admit(self) -> bool:
+        admitted = False
+        with self._lock:
+            for i, holder in enumerate(self._lanes):
+                while holder is None and self._waiting:
+                    live, admitted = self._waiting.popleft(), True
+                    req = live.request
+                    limit = min(req.max_context or self.backend.max_context, self.backend.max_context)
+                    live.lane = LaneState(i, list(req.prompt), req.sampling, req.stop, req.draft, limit)
+                    live.t_admit = self.clock()
+                    if len(req.prompt) > limit:
+                        self._finish(live, "error", f"the prompt of {len(req.prompt)} tokens exceeds the context "
+                                                    f"limit of {limit} tokens")
+                        continue
+                    self._lanes[i] = holder = live
+                    try:
+                        self.backend.open(live.lane)
+                    except Exception as err:
+                        self._fail(live, err)
+                        holder = None
+        return admitted
+
+    def _prefill_one(self) -> bool:
+        pending = [live for live in self._lanes if live is not None and live.lane.anchor is None]
+        if not pending:
+            return False
+        live = min(pending, key=lambda x: x.order)
+        lane = live.lane
+        ids = lane.prompt[lane.prefilled:lane.prefilled + self.prefill_budget]
+        last = lane.prefilled + len(ids) == len(lane.prompt)
+        try:
+            token = self.backend.prefill(lane, ids, last)
+            if last and not isinstance(token, int):
+                raise RuntimeError(f"the backend's prefill returned {token!r}, not the first token")
+        except Exception as err:
+            self._fail(live, err)
+            return True
+        lane.prefilled += len(ids)
+        with self._lock:
+            self._count["prefill_tokens"] += len(ids)
+        if last:
+            self._emit(live, [token])
+        return True
+
+    def _round(self, ready: list[_Live]) -> None:
+        for live in ready:
+            live.lane.budget = min(live.request.max_tokens - len(live.lane.tokens), live.lane.room)
+        before = {live: (live.lane.stats.drafted, live.lane.stats.accepted) for live in ready}
+        try:
+            results = self.backend.round([live.lane for live in ready])
+        except Exception as err:
+            results = {live.lane.lane: err for live in ready}
+        with self._lock:
+            self._count["rounds"] += 1
+            self._count["lane_rounds"] += len(ready)
+            for live in ready:
+                self._count["drafted"] += live.lane.stats.drafted - before[live][0]
+                self._count["accepted"] += live.lane.stats.accepted - before[live][1]
+        for live in ready:
+            out = results.get(live.lane.lane, RuntimeError(f"the backend returned nothing for lane {live.lane.lane}"))
+            if not isinstance(out, BaseException):
+                out = self._checked(live.lane, out)
+            if isinstance(out, BaseException):
+                self._fail(live, out)
+                continue
+            live.lane.stats.rounds += 1
+            live.lane.stats.emitted.append(len(out))
+            self._emit(live, out)
+
+    @staticmethod
+    def _checked(lane: LaneState, out) -> list[int] | BaseException:
+        """The adapter's tokens, or an error when they break the contract (1..budget, a stop token last)."""
+        out = list(out)
+        if not 1 <= len(out) <= lane.budget or any(t in lane.stop for t in out[:-1]):
+            return RuntimeError(f"the backend's round gave lane {lane.lane} {len(out)} tokens {out[:8]} for a budget "
+                                f"of {lane.budget} (stop tokens only last)")
+        return out
+
+    def _emit(self, live: _Live, tokens: list[int]) -> None:
+        lane, req, now = live.lane, live.request, self.clock()
+        lane.tokens += tokens
+        live.t_first = live.t_first if live.t_first is not None else now
+        live.t_last = now
+        with self._lock:
+            self._count["tokens"] += len(tokens)
+        live.handle.tokens += tokens
+        live.handle._events.put(Event(live.handle.id, tuple(tokens)))
+        if tokens[-1] in req.stop:
+            self._finish(live, "stop")
+        elif len(lane.tokens) >= req.max_tokens or lane.room <= 0:
+            self._finish(live, "length")
+
+    def _fail(self, live: _Live, err: BaseException) -> None:
+        self._finish(live, "error", f"{type(err).__name__}: {err}")
+
+    def _finish(self, live: _Live, reason: str, error: str | None = None) -> None:
+        """Releases the request's lane and sequence and sends its final event (callers hold the step)."""
+        lane = live.lane
+        if lane is not None and lane.seq is not None:
+            try:
+                self.backend.release(lane)
+            except Exception as err:
+                reason, error = "error", f"releasing its sequence failed: {type(err).__name__}: {err}"
+        with self._lock:
+            if lane is not None and self._lanes[lane.lane] is live:
+                self._lanes[lane.lane] = None
+            self._live.pop(live.handle.id, None)
+            self._finished[reason] += 1
+        t_first = live.t_first
+        stats = RequestStats(
+            prompt_tokens=len(live.request.prompt), tokens=len(lane.tokens) if lane else 0,
+            queued_s=(live.t_admit if live.t_admit is not None else self.clock()) - live.t_submit,
+            ttft_s=None if t_first is None else t_first - live.t_submit,
+            decode_s=0.0 if t_first is None else live.t_last - t_first,
+            rounds=lane.stats.rounds if lane else 0, drafted=lane.stats.drafted if lane else 0,
+            accepted=lane.stats.accepted if lane else 0)
+        live.handle.final = Event(live.handle.id, (), reason, stats, error)
+        live.handle._events.put(live.handle.final)
