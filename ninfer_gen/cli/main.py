@@ -155,6 +155,7 @@ def cmd_run(args) -> int:
     from ninfer_gen.engine.speculative import Stats
 
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)  # validate before loading
+    prompts = _prompts(args)
     if args.backend == "auto":
         import torch
         args.backend = "gpu" if torch.cuda.is_available() and args.device in (None, "cuda") else "reference"
@@ -174,7 +175,9 @@ def cmd_run(args) -> int:
     tok = model.tokenizer
     print(f"[model: {model.source}; backend: {args.backend} on {model.backend.device}; tokenizer: {tok.name}]",
           file=sys.stderr)
-    ids = tok.encode(args.prompt)
+    if len(prompts) > 1 or args.json:
+        return _run_cohort(model, args, prompts, params, _draft(model, args.draft))
+    ids = tok.encode(prompts[0])
     if not ids:
         raise ValueError("the prompt is empty")
     draft = _draft(model, args.draft)
@@ -183,7 +186,7 @@ def cmd_run(args) -> int:
     first = None
     new: list[int] = []
     shown = ""
-    sys.stdout.write(args.prompt)
+    sys.stdout.write(prompts[0])
     for token in model.stream(ids, args.max_tokens, params, model.eos_ids, draft, stats):
         first = first or time.perf_counter()
         new.append(token)
@@ -201,6 +204,113 @@ def cmd_run(args) -> int:
     print(f"[{len(ids)} prompt tokens, {len(new)} new tokens; time to first token "
           f"{((first or end) - t0) * 1e3:.0f} ms; decode {rate:.1f} tok/s{spec_line}]", file=sys.stderr)
     return 0
+
+
+COHORT_LANES = 8      # `run`'s default cohort: one lane per prompt, at most this many
+
+
+def _prompts(args) -> list[str]:
+    """--prompt as often as given, then --prompts-file's lines (blank lines skipped)."""
+    from pathlib import Path
+
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        path = Path(args.prompts_file)
+        if not path.is_file():
+            raise ValueError(f"no such prompts file: {path}")
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        if not lines:
+            raise ValueError(f"no prompts in {path} (one per line; blank lines are skipped)")
+        prompts += lines
+    if not prompts:
+        raise ValueError("give a prompt: --prompt TEXT (repeat it for several) or --prompts-file FILE")
+    if args.lanes is not None and args.lanes < 1:
+        raise ValueError(f"--lanes must be ≥ 1, got {args.lanes}")
+    return prompts
+
+
+def _run_cohort(model, args, prompts: list[str], params, draft: int) -> int:
+    """Several prompts (or --json): on the reference backend one cohort through the Engine; on the GPU one
+    after another through Model.stream (until the GPU lane adapter exists). Exit 2 if a request failed."""
+    tok, eos = model.tokenizer, model.eos_ids
+    ids = [tok.encode(p) for p in prompts]
+    for i, x in enumerate(ids, 1):
+        if not x:
+            raise ValueError(f"prompt {i} is empty")
+    outs = [_Labelled(i, p, tok, eos, args.json, draft) for i, p in enumerate(prompts, 1)]
+    if args.backend == "gpu":
+        _one_by_one(model, ids, args.max_tokens, params, draft, outs)
+    else:
+        from ninfer_gen.engine import Engine, ReferenceLanes, Request
+
+        lanes = args.lanes or min(len(prompts), COHORT_LANES)
+        engine = Engine(ReferenceLanes.for_model(model, lanes), lanes=lanes, max_queue=len(prompts))
+        handles = [engine.submit(Request(x, args.max_tokens, params, eos, draft)) for x in ids]
+        while engine.step():
+            for handle, out in zip(handles, outs):
+                for event in handle.poll():
+                    out.feed(event)
+    return 2 if any(out.final.finish == "error" for out in outs) else 0
+
+
+def _one_by_one(model, ids, max_tokens: int, params, draft: int, outs) -> None:
+    from ninfer_gen.engine.engine import Event, RequestStats
+    from ninfer_gen.engine.speculative import Stats
+
+    for x, out in zip(ids, outs):
+        stats, t0, first, last = Stats(), time.perf_counter(), None, None
+        for token in model.stream(x, max_tokens, params, model.eos_ids, draft, stats):
+            last = time.perf_counter()
+            first = first or last
+            out.feed(Event(str(out.index), (token,)))
+        finish = "stop" if out.tokens and out.tokens[-1] in model.eos_ids else "length"
+        out.feed(Event(str(out.index), (), finish, RequestStats(
+            len(x), len(out.tokens), 0.0, None if first is None else first - t0,
+            0.0 if first is None else last - first, stats.rounds, stats.drafted, stats.accepted)))
+
+
+class _Labelled:
+    """One request's output: `[i] ` lines (its prompt, then the completion as lines complete), or with
+    --json one object when it ends; a summary on stderr."""
+
+    def __init__(self, index: int, prompt: str, tok, eos: set[int], as_json: bool, draft: int):
+        self.index, self.tok, self.eos, self.json, self.draft = index, tok, eos, as_json, draft
+        self.prompt_text, self.tokens, self.text, self.line, self.final = prompt, [], "", prompt, None
+
+    def feed(self, event) -> None:
+        self.tokens += event.tokens
+        text = self.tok.decode([t for t in self.tokens if t not in self.eos])
+        if event.finish or not text.endswith("\ufffd"):     # wait for the rest of a multi-byte character
+            self.line += text[len(self.text):]
+            self.text = text
+        if not self.json:
+            *done, self.line = self.line.split("\n")
+            for line in done:
+                print(f"[{self.index}] {line}", flush=True)
+        if event.finish:
+            self._end(event)
+
+    def _end(self, event) -> None:
+        import json
+
+        self.final, s = event, event.stats
+        ttft = None if s.ttft_s is None else round(s.ttft_s * 1e3, 1)
+        if self.json:
+            print(json.dumps({"index": self.index, "text": self.text, "tokens": self.tokens, "ttft_ms": ttft,
+                              "decode_tok_s": round(s.decode_tok_s, 2),
+                              "acceptance": round(s.acceptance, 4) if self.draft else None,
+                              "tokens_per_round": round(s.tokens_per_round, 3) if self.draft else None,
+                              "prompt_tokens": s.prompt_tokens, "finish": event.finish, "error": event.error}),
+                  flush=True)
+        else:
+            print(f"[{self.index}] {self.line}", flush=True)
+        spec = (f"; acceptance {s.acceptance:.1%}, {s.tokens_per_round:.2f} tokens per round over {s.rounds} rounds"
+                if self.draft else "")
+        print(f"[{self.index}: {s.prompt_tokens} prompt tokens, {s.tokens} new tokens; time to first token "
+              f"{'-' if ttft is None else f'{ttft:.0f}'} ms; decode {s.decode_tok_s:.1f} tok/s{spec}; {event.finish}]",
+              file=sys.stderr)
+        if event.error:
+            print(f"error: prompt {self.index}: {event.error}", file=sys.stderr)
 
 
 def _draft(model, asked: int | None) -> int:
@@ -263,11 +373,20 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--target", default=None, help="--plan: card (default rtx3090)")
     i.add_argument("--arch", default=None, help="--plan: sm_80 | sm_86 | sm_87 | sm_89 | sm_90 (wins over --target)")
     i.set_defaults(func=cmd_inspect)
-    r = sub.add_parser("run", help="generate a completion for one prompt")
+    r = sub.add_parser("run", help="generate completions: one prompt, or several as one cohort")
     r.add_argument("--weights", help="HF checkpoint dir, converted container (ninfer-gen convert) or spec YAML "
                    "(random weights); default: the small model shipped in models/")
     r.add_argument("--no-verify", action="store_true", help="a converted container: skip checking its sha256 hashes")
-    r.add_argument("--prompt", required=True)
+    r.add_argument("--prompt", action="append", help="the prompt; repeat it for several, which run as one cohort "
+                   "(reference backend: the engine, one lane per prompt; gpu: for now one after another through "
+                   "Model.stream), each streamed to its own [i] lines")
+    r.add_argument("--prompts-file", default=None, help="a text file of prompts, one per line (blank lines "
+                   "skipped), after any --prompt")
+    r.add_argument("--lanes", type=int, default=None, help=f"several prompts: lanes of the cohort (default: one per "
+                   f"prompt, at most {COHORT_LANES}); more prompts than lanes wait in the engine's queue")
+    r.add_argument("--json", action="store_true", help="print one JSON object per request and line instead of the "
+                   "text: index, text, tokens, ttft_ms, decode_tok_s, acceptance (null without drafts), "
+                   "tokens_per_round, prompt_tokens, finish, error")
     r.add_argument("--max-tokens", type=int, default=96)
     r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     r.add_argument("--top-k", type=int, default=0)
