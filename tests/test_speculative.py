@@ -108,3 +108,19 @@ def test_cli_run_prints_acceptance_and_refuses_drafting_without_mtp(capsys):
     assert "2 drafts per round: acceptance" in capsys.readouterr().err
     assert main(argv + ["--draft", "0"]) == 0 and "plain decode" in capsys.readouterr().err
     assert main(argv + ["--draft", "-1"]) == 2 and "--draft must be ≥ 0" in capsys.readouterr().err
+
+
+def test_rounds_that_keep_every_draft_stop_inside_the_context(monkeypatch):
+    """A round that keeps all K drafts near the context end: the next drafts would be chained past the last
+    position, so the stream stops at the context limit instead (it used to fail reserving the pages)."""
+    from ninfer_gen.engine import speculative
+
+    model = ninfer_gen.load("model_specs/qwen3.8-tiny.yaml", device="cpu", max_context=64)
+    keep_all = lambda drafts, logits: drafts + [int(logits.reshape(len(drafts) + 1, -1)[-1].argmax())]
+    monkeypatch.setattr(speculative, "accept_greedy", keep_all)
+    ids = list(range(1, 41))
+    stats = Stats()
+    out = list(model.stream(ids, 100, SamplingParams(), None, draft=3, stats=stats))
+    assert stats.rounds > 0 and all(n == 4 for n in stats.emitted)
+    held = len(ids) + len(out) - 1                   # the last token is the next anchor, never run
+    assert held <= 64 and 64 - held <= 3, f"stopped {64 - held} positions before the context limit"

@@ -127,14 +127,11 @@ def speculative_stream(backend, prompt: list[int], max_new_tokens: int, k: int, 
         anchor, hidden = prompt_pass(backend, seq, prompt, params, gen)
         yield anchor
         produced = 1
-        if produced >= max_new_tokens or (stop_ids and anchor in stop_ids):
-            return
+        if produced >= max_new_tokens or (stop_ids and anchor in stop_ids) or backend.max_context - seq.length <= k:
+            return                          # (no room to verify K+1 positions: stop at the context limit)
         drafts, draft_probs = drafter.propose(seq, hidden, list(prompt[1:]) + [anchor], 0)
         while produced < max_new_tokens:
             start = seq.length
-            room = backend.max_context - start
-            if room <= k:                  # no room to verify K+1 positions: stop at the context limit
-                return
             v_logits, v_hidden = backend.verify(seq, [anchor] + drafts)
             if params.greedy:
                 out = accept_greedy(drafts, v_logits)
@@ -151,6 +148,8 @@ def speculative_stream(backend, prompt: list[int], max_new_tokens: int, k: int, 
             produced += len(out)
             if produced >= max_new_tokens or (stop_ids and out[-1] in stop_ids):
                 return
+            if backend.max_context - seq.length <= k:    # the next verify (and the chained drafts before
+                return                                    # it) would run past the context: stop here
             anchor = out[-1]
             drafts, draft_probs = drafter.propose(seq, v_hidden[:len(out)], out, start)
     finally:

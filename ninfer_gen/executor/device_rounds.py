@@ -90,7 +90,7 @@ class DeviceRounds:
             anchor, hidden = prompt_pass(be, seq, prompt, params, gen)
             yield anchor
             produced = 1
-            if produced >= max_new_tokens or (stop_ids and anchor in stop_ids):
+            if produced >= max_new_tokens or (stop_ids and anchor in stop_ids) or seq.length + 2 * T - 2 > be.max_context:
                 return
             drafts, q = Drafter(be, params, k, gen).propose(seq, hidden, list(prompt[1:]) + [anchor], 0)
             self._seed(seq, anchor, drafts, q, max_new_tokens - produced, params, stop_ids, accept_prob, seed)
@@ -99,7 +99,8 @@ class DeviceRounds:
             inflight: deque = deque()
             launched, finished = seq.length, False                # launched: the length if every round kept T
             while True:
-                while not finished and len(inflight) < depth and launched + T <= be.max_context:
+                # a round verifies L..L+K and drafts up to L' + K − 2 (L' ≤ L + T): all inside the context
+                while not finished and len(inflight) < depth and launched + 2 * T - 2 <= be.max_context:
                     self._reserve(seq, min(launched + 2 * T, be.max_context))   # this round's verify and drafts
                     rnd.run(be.use_graphs)
                     buf = self._next_buffer()
