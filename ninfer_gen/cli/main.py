@@ -440,6 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("--shard-size", default="4GiB", help="largest shard file (default 4GiB)")
     cv.add_argument("--force", action="store_true", help="replace an existing container folder")
     cv.set_defaults(func=cmd_convert)
+    __import__("ninfer_gen.cli.serve", fromlist=["add_serve_parser"]).add_serve_parser(sub)
     return p
 
 

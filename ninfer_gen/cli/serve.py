@@ -1,0 +1,66 @@
+"""serve: the `ninfer-gen serve` subcommand — loads the model, builds the cohort engine over its lanes
+and runs the HTTP server (serve.app: OpenAI Chat Completions / Completions, Anthropic Messages) with
+uvicorn. `add_serve_parser(sub)` registers it on the CLI's subparsers."""
+from __future__ import annotations
+
+import sys
+
+
+def add_serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="HTTP server: OpenAI chat/completions and Anthropic messages over the cohort "
+                       "engine")
+    s.add_argument("--weights", help="HF checkpoint dir, converted container or spec YAML (random weights); default: "
+                   "the small model shipped in models/")
+    s.add_argument("--backend", choices=("auto", "gpu", "reference"), default="auto",
+                   help="reference: the graph interpreter in torch (the only backend the server runs for now); "
+                   "gpu: refused until the engine has a GPU lane adapter; auto (default): reference")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require this key on /v1 paths (Authorization: Bearer KEY or "
+                   "x-api-key: KEY)")
+    s.add_argument("--lanes", type=int, default=4, help="requests decoded at once (cohort lanes; default 4)")
+    s.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a lane; beyond it: 429 "
+                   "with Retry-After (default 64)")
+    s.add_argument("--draft", type=int, default=0, help="MTP speculative decoding with K drafts per round "
+                   "(default 0: plain decode)")
+    s.add_argument("--served-model-name", default=None, help="the model name clients use (default: the spec's name)")
+    s.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="reference activations")
+    s.add_argument("--device", default=None, help="reference: cpu or cuda (default: cuda when available)")
+    s.add_argument("--max-context", type=int, default=None, help="tokens per sequence (default: the spec's)")
+    s.add_argument("--no-verify", action="store_true", help="a converted container: skip checking its hashes")
+    s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    s.set_defaults(func=cmd_serve)
+
+
+def build_server(args):
+    """(app, engine) from parsed arguments; a ValueError / RuntimeError says what cannot be served."""
+    import ninfer_gen
+    from ninfer_gen.engine import Engine, ReferenceLanes
+    from ninfer_gen.serve.app import create_app
+
+    if args.backend == "gpu":
+        raise RuntimeError("--backend gpu is not supported by the server yet: the cohort engine has no GPU lane "
+                           "adapter (only ReferenceLanes); use --backend reference")
+    if args.lanes < 1:
+        raise ValueError(f"--lanes must be ≥ 1, got {args.lanes}")
+    if args.draft < 0:
+        raise ValueError(f"--draft must be ≥ 0, got {args.draft}")
+    model = ninfer_gen.load(args.weights, backend="reference", dtype=args.dtype, device=args.device,
+                            max_context=args.max_context, verify=not args.no_verify, draft=args.draft or None)
+    model.speculative(args.draft)                 # a ValueError naming why K drafts cannot run here
+    engine = Engine(ReferenceLanes.for_model(model, args.lanes), lanes=args.lanes, max_queue=args.max_queue)
+    app = create_app(engine, model, served_model_name=args.served_model_name or model.spec.name,
+                     api_key=args.api_key, model_folder=args.weights if args.weights and not
+                     str(args.weights).endswith((".yaml", ".yml")) else None, draft=args.draft)
+    return app, engine, model
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    app, engine, model = build_server(args)
+    name = args.served_model_name or model.spec.name
+    print(f"[serving {name} ({model.source}) on the reference backend, {args.lanes} lanes, max queue "
+          f"{args.max_queue}, draft {args.draft}; http://{args.host}:{args.port}]", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
