@@ -8,6 +8,8 @@ import time
 from collections import Counter
 
 from compiler.schema import SpecError
+from ninfer_gen.cli.run_cohort import COHORT_LANES, _prompts, _run_cohort
+from ninfer_gen.cli.weights_cmds import CONVERT_DESCRIPTION, cmd_convert, cmd_draft_vocab
 
 EPILOG = """examples:
   ninfer-gen run --prompt "def fibonacci(n):"        the small model shipped in models/
@@ -206,113 +208,6 @@ def cmd_run(args) -> int:
     return 0
 
 
-COHORT_LANES = 8      # `run`'s default cohort: one lane per prompt, at most this many
-
-
-def _prompts(args) -> list[str]:
-    """--prompt as often as given, then --prompts-file's lines (blank lines skipped)."""
-    from pathlib import Path
-
-    prompts = list(args.prompt or [])
-    if args.prompts_file:
-        path = Path(args.prompts_file)
-        if not path.is_file():
-            raise ValueError(f"no such prompts file: {path}")
-        lines = [line for line in path.read_text().splitlines() if line.strip()]
-        if not lines:
-            raise ValueError(f"no prompts in {path} (one per line; blank lines are skipped)")
-        prompts += lines
-    if not prompts:
-        raise ValueError("give a prompt: --prompt TEXT (repeat it for several) or --prompts-file FILE")
-    if args.lanes is not None and args.lanes < 1:
-        raise ValueError(f"--lanes must be ≥ 1, got {args.lanes}")
-    return prompts
-
-
-def _run_cohort(model, args, prompts: list[str], params, draft: int) -> int:
-    """Several prompts (or --json): on the reference backend one cohort through the Engine; on the GPU one
-    after another through Model.stream (until the GPU lane adapter exists). Exit 2 if a request failed."""
-    tok, eos = model.tokenizer, model.eos_ids
-    ids = [tok.encode(p) for p in prompts]
-    for i, x in enumerate(ids, 1):
-        if not x:
-            raise ValueError(f"prompt {i} is empty")
-    outs = [_Labelled(i, p, tok, eos, args.json, draft) for i, p in enumerate(prompts, 1)]
-    if args.backend == "gpu":
-        _one_by_one(model, ids, args.max_tokens, params, draft, outs)
-    else:
-        from ninfer_gen.engine import Engine, ReferenceLanes, Request
-
-        lanes = args.lanes or min(len(prompts), COHORT_LANES)
-        engine = Engine(ReferenceLanes.for_model(model, lanes), lanes=lanes, max_queue=len(prompts))
-        handles = [engine.submit(Request(x, args.max_tokens, params, eos, draft)) for x in ids]
-        while engine.step():
-            for handle, out in zip(handles, outs):
-                for event in handle.poll():
-                    out.feed(event)
-    return 2 if any(out.final.finish == "error" for out in outs) else 0
-
-
-def _one_by_one(model, ids, max_tokens: int, params, draft: int, outs) -> None:
-    from ninfer_gen.engine.engine import Event, RequestStats
-    from ninfer_gen.engine.speculative import Stats
-
-    for x, out in zip(ids, outs):
-        stats, t0, first, last = Stats(), time.perf_counter(), None, None
-        for token in model.stream(x, max_tokens, params, model.eos_ids, draft, stats):
-            last = time.perf_counter()
-            first = first or last
-            out.feed(Event(str(out.index), (token,)))
-        finish = "stop" if out.tokens and out.tokens[-1] in model.eos_ids else "length"
-        out.feed(Event(str(out.index), (), finish, RequestStats(
-            len(x), len(out.tokens), 0.0, None if first is None else first - t0,
-            0.0 if first is None else last - first, stats.rounds, stats.drafted, stats.accepted)))
-
-
-class _Labelled:
-    """One request's output: `[i] ` lines (its prompt, then the completion as lines complete), or with
-    --json one object when it ends; a summary on stderr."""
-
-    def __init__(self, index: int, prompt: str, tok, eos: set[int], as_json: bool, draft: int):
-        self.index, self.tok, self.eos, self.json, self.draft = index, tok, eos, as_json, draft
-        self.prompt_text, self.tokens, self.text, self.line, self.final = prompt, [], "", prompt, None
-
-    def feed(self, event) -> None:
-        self.tokens += event.tokens
-        text = self.tok.decode([t for t in self.tokens if t not in self.eos])
-        if event.finish or not text.endswith("\ufffd"):     # wait for the rest of a multi-byte character
-            self.line += text[len(self.text):]
-            self.text = text
-        if not self.json:
-            *done, self.line = self.line.split("\n")
-            for line in done:
-                print(f"[{self.index}] {line}", flush=True)
-        if event.finish:
-            self._end(event)
-
-    def _end(self, event) -> None:
-        import json
-
-        self.final, s = event, event.stats
-        ttft = None if s.ttft_s is None else round(s.ttft_s * 1e3, 1)
-        if self.json:
-            print(json.dumps({"index": self.index, "text": self.text, "tokens": self.tokens, "ttft_ms": ttft,
-                              "decode_tok_s": round(s.decode_tok_s, 2),
-                              "acceptance": round(s.acceptance, 4) if self.draft else None,
-                              "tokens_per_round": round(s.tokens_per_round, 3) if self.draft else None,
-                              "prompt_tokens": s.prompt_tokens, "finish": event.finish, "error": event.error}),
-                  flush=True)
-        else:
-            print(f"[{self.index}] {self.line}", flush=True)
-        spec = (f"; acceptance {s.acceptance:.1%}, {s.tokens_per_round:.2f} tokens per round over {s.rounds} rounds"
-                if self.draft else "")
-        print(f"[{self.index}: {s.prompt_tokens} prompt tokens, {s.tokens} new tokens; time to first token "
-              f"{'-' if ttft is None else f'{ttft:.0f}'} ms; decode {s.decode_tok_s:.1f} tok/s{spec}; {event.finish}]",
-              file=sys.stderr)
-        if event.error:
-            print(f"error: prompt {self.index}: {event.error}", file=sys.stderr)
-
-
 def _draft(model, asked: int | None) -> int:
     """--draft K as asked (an unsupported K > 0 is an error naming why); unset: the spec's draft length
     where the model and backend can draft, else plain decode (said on stderr)."""
@@ -442,61 +337,6 @@ def build_parser() -> argparse.ArgumentParser:
     cv.set_defaults(func=cmd_convert)
     __import__("ninfer_gen.cli.serve", fromlist=["add_serve_parser"]).add_serve_parser(sub)
     return p
-
-
-CONVERT_DESCRIPTION = ("Streams the checkpoint one tensor at a time through the spec's quantisation recipe (on the "
-                       "GPU when there is one) into the planes the kernels read, and writes them as safetensors "
-                       "shards with spec.yaml, the tokenizer, chat template and generation config, and a manifest "
-                       "holding a sha256 per tensor. `run --weights OUT` and `bench --weights OUT` load it.")
-
-
-def cmd_convert(args) -> int:
-    from compiler.spec import load_spec
-    from ninfer_gen.executor.memory_plan import parse_bytes
-    from ninfer_gen.weights.convert import convert_checkpoint
-
-    spec = load_spec(args.spec) if args.spec else None
-    r = convert_checkpoint(args.source, args.out, spec=spec, device=args.device, shard_bytes=parse_bytes(args.shard_size),
-                           overwrite=args.force, progress=True)
-    print(f"{r['out']}: {r['tensors']} planes of spec {r['spec']} in {r['shards']} shard(s), "
-          f"{_fmt_bytes(r['written_bytes'])} from {_fmt_bytes(r['read_bytes'])} read, quantised on {r['device']}, "
-          f"{r['seconds']:.1f} s ({r['read_bytes'] / max(r['seconds'], 1e-9) / 1e9:.2f} GB/s)")
-    print(f"  MTP layer: {'yes' if r['mtp'] else 'no (the source has no mtp.* tensors: no drafting)'}; "
-          f"copied: {', '.join(r['files']) or 'nothing'}")
-    return 0
-
-
-DRAFT_VOCAB_SUFFIXES = (".py", ".md", ".txt", ".json", ".rst", ".c", ".h", ".js", ".ts", ".rs", ".go", ".java")
-
-
-def cmd_draft_vocab(args) -> int:
-    from pathlib import Path
-
-    from ninfer_gen.engine.api import _resolve_tokenizer
-    from ninfer_gen.weights.draft_vocab import rank, save
-
-    tok, vocab = _resolve_tokenizer(args.weights)
-    files = []
-    for name in args.files:
-        path = Path(name)
-        if path.is_dir():
-            files += sorted(f for f in path.rglob("*") if f.is_file() and f.suffix in DRAFT_VOCAB_SUFFIXES)
-        elif path.is_file():
-            files.append(path)
-        else:
-            raise ValueError(f"{path}: no such file or folder")
-    if not files:
-        raise ValueError("no text files found in " + ", ".join(args.files))
-    texts = (f.read_text(errors="replace") for f in tqdm_files(files))
-    ids, counted = rank(tok.encode, texts, args.size, vocab)
-    save(Path(args.out), ids, counted, [str(f) for f in files])
-    print(f"{args.out}: the {len(ids)} most frequent of {vocab} token ids over {counted:,} tokens in {len(files)} files")
-    return 0
-
-
-def tqdm_files(files):
-    from tqdm import tqdm
-    return tqdm(files, desc="counting tokens", unit="file", leave=False)
 
 
 def _bench_arguments(p) -> None:

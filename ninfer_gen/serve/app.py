@@ -11,7 +11,6 @@ Not here (yet): /v1/responses, /metrics, structured output, prefix reuse."""
 from __future__ import annotations
 
 import hmac
-import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 

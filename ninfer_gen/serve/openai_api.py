@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ninfer_gen.serve.core import (APIError, Generation, ServeState, bad_request, get, json_body, new_id,
                                    sampling_params, sse, stop_strings)
 from ninfer_gen.serve.parsing import (ContentDelta, OutputParser, ReasoningDelta, ToolCallArgumentsDelta,
-                                      ToolCallEnd, ToolCallInvalid, ToolCallStart, prompt_opens_thinking)
+                                      ToolCallEnd, ToolCallInvalid, ToolCallStart)
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # fields OpenAI defines that this server does not implement: answered 400 naming the field when they ask
