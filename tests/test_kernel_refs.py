@@ -97,6 +97,9 @@ def test_gemv_stream_fields_follow_the_shape_and_m():
     out_proj = gemv.make_key("q5g64", 5120, 6144, 1, h200, "residual")
     assert (out_proj.warps, out_proj.interleave, out_proj.prefetch, out_proj.stage_x) == (8, False, 0, True)
     assert not gemv.make_key("q5g64", 6144, 5120, 1, h200).stage_x                              # not residual
+    # a row wider than the staging buffer streams from L1 (the 9B shape's 12,288-wide down projection)
+    wide = gemv.make_key("q5g64", 4096, 12288, 1, h200, "residual")
+    assert wide.warps == 8 and wide.splits == 1 and not wide.stage_x
     head = gemv.make_key("w8g32", 248320, 5120, 1, h200, out_dtype="f32")
     assert (head.interleave, head.prefetch) == (False, 0)
     on_3090 = gemv.make_key("q4g64", 34816, 5120, 1, T3090, "silu_mul")

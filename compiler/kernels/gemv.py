@@ -189,8 +189,8 @@ def stream_config(fmt: str, n: int, k: int, m: int, warps: int, target: Target, 
     if waves >= 4:
         return {}
     fields = {"interleave": warps == 4}
-    if m == 1 and splits == 1 and warps == 8 and epilogue == "residual":
-        fields["stage_x"] = True
+    if m == 1 and splits == 1 and warps == 8 and epilogue == "residual" and (k + 8) * 2 <= STAGE_X_LIMIT:
+        fields["stage_x"] = True    # (k + 8) · 2 B: stage_x_bytes of one unsplit row; wider rows stream from L1
     if m == 1 and splits == 1 and warps == 4 and ceil_div(n, 16) > 2 * 5 * target.sms:
         fields["min_blocks"] = 6
     return fields
