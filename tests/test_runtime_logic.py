@@ -6,7 +6,7 @@ import pytest
 from compiler.spec import load_spec
 from ninfer_gen.cli import main
 from ninfer_gen.allocators.kv import BlockManager, BlockTable, OutOfPages
-from ninfer_gen.executor.memory_plan import GiB, MemoryPlanError, parse_bytes, plan_memory
+from ninfer_gen.executor.memory_plan import GiB, MemoryPlanError, kv_pool_pages, parse_bytes, plan_memory
 from ninfer_gen.allocators.slots import OutOfSlots, SlotAllocator
 
 SPECS = Path(__file__).parent.parent / "model_specs"
@@ -79,6 +79,17 @@ def test_27b_plan_fits_24gib_at_8_lanes_16k():
     assert 16.0 * GiB < plan.weights < 16.2 * GiB
     assert plan.state_slots == 8 * (150994944 + 2949120)
     assert plan.kv_tokens >= 8 * 16384
+
+
+def test_27b_plan_with_a_shared_kv_pool():
+    """C8 sharing one 16K-token pool (the reference engine's setting) needs far less than C8 × 16K each."""
+    shared = plan_memory(BIG, cohort=8, max_context=16384, budget=24 * GiB, kv_pool_tokens=16384)
+    assert kv_pool_pages(8, 16384, shared.page_size, 16384) * shared.page_size == 16384
+    assert kv_pool_pages(8, 16384, shared.page_size) == 8 * kv_pool_pages(1, 16384, shared.page_size)
+    with pytest.raises(MemoryPlanError, match="cannot hold one lane's context"):
+        plan_memory(BIG, cohort=8, max_context=32768, budget=24 * GiB, kv_pool_tokens=16384)
+    with pytest.raises(MemoryPlanError, match="a shared pool of 900000 tokens"):
+        plan_memory(BIG, cohort=8, max_context=16384, budget=24 * GiB, kv_pool_tokens=900000)
 
 
 def test_27b_plan_overflow_names_the_parts():

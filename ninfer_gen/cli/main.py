@@ -8,7 +8,7 @@ import time
 from collections import Counter
 
 from compiler.schema import SpecError
-from ninfer_gen.cli.run_cohort import COHORT_LANES, _prompts, _run_cohort
+from ninfer_gen.cli.run_cohort import COHORT_LANES, _prompts, _run_cohort, cohort_size
 from ninfer_gen.cli.weights_cmds import CONVERT_DESCRIPTION, cmd_convert, cmd_draft_vocab
 
 EPILOG = """examples:
@@ -62,11 +62,11 @@ def cmd_plan(args) -> int:
     import json
 
     from compiler.spec import load_spec
-    from ninfer_gen.executor.memory_plan import GiB, parse_bytes, plan_memory
+    from ninfer_gen.executor.memory_plan import GiB, kv_pool_pages, parse_bytes, plan_memory
 
     spec = load_spec(args.spec)
     plan = plan_memory(spec, args.cohorts, args.max_context or spec.runtime.max_context,
-                       parse_bytes(args.vram_budget), args.draft, args.kv)
+                       parse_bytes(args.vram_budget), args.draft, args.kv, kv_pool_tokens=args.kv_pool_tokens)
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))
         return 0
@@ -75,7 +75,13 @@ def cmd_plan(args) -> int:
     for name, size in plan.rows():
         print(f"  {name:<46} {size / GiB:8.3f} GiB")
     print(f"  {'total':<46} {plan.total / GiB:8.3f} GiB")
-    print(f"  KV holds {plan.kv_tokens} tokens = {plan.kv_tokens // plan.cohort} per lane")
+    if args.kv_pool_tokens:
+        pool = kv_pool_pages(plan.cohort, plan.max_context, plan.page_size, args.kv_pool_tokens) * plan.page_size
+        used = pool * plan.kv_bytes_per_token
+        print(f"  the lanes share a KV pool of {pool} tokens ({used / GiB:.3f} GiB): "
+              f"{(plan.kv_pool - used) / GiB:.3f} GiB of the budget stay free")
+    else:
+        print(f"  KV holds {plan.kv_tokens} tokens = {plan.kv_tokens // plan.cohort} per lane")
     return 0
 
 
@@ -168,7 +174,8 @@ def cmd_run(args) -> int:
                                 random_weights="device" if args.random_weights else "host",
                                 vram_budget=parse_bytes(args.vram_budget), use_graphs=not args.no_graphs,
                                 progress=True, options=compile_options(), build_root=build_root(), draft=args.draft,
-                                verify=not args.no_verify, round_mode=args.round_mode, draft_vocab=args.draft_vocab)
+                                verify=not args.no_verify, round_mode=args.round_mode, draft_vocab=args.draft_vocab,
+                                cohorts=cohort_size(args, prompts))
     else:
         if args.random_weights:
             raise ValueError("--random-weights draws weights on the GPU: use it with --backend gpu")
@@ -239,6 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--vram-budget", default="24GiB", help="device memory to plan for (default 24GiB = RTX 3090)")
     pl.add_argument("--draft", type=int, default=None, help="MTP draft tokens (default: the spec's)")
     pl.add_argument("--kv", choices=("int8", "bf16"), default=None, help="KV cache dtype (default: the spec's)")
+    pl.add_argument("--kv-pool-tokens", type=int, default=None,
+                    help="one KV pool of this many tokens shared by the lanes (default: every lane its whole context)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.set_defaults(func=cmd_plan)
     b = sub.add_parser("build", help="trace, lower and compile every kernel a runtime profile launches (NVRTC → build/)",

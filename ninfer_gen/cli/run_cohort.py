@@ -1,10 +1,9 @@
 """run_cohort: `ninfer-gen run` with several prompts (`--prompt` repeated or `--prompts-file`) — one cohort
-through engine.Engine on the reference backend (one after another on the GPU backend until the engine has
-a GPU lane adapter), each request streamed to its own labelled lines, or one JSON object per request."""
+through engine.Engine (ReferenceLanes on the reference backend, executor.gpu_lanes on the GPU), each
+request streamed to its own labelled lines, or one JSON object per request."""
 from __future__ import annotations
 
 import sys
-import time
 
 COHORT_LANES = 8      # `run`'s default cohort: one lane per prompt, at most this many
 
@@ -29,44 +28,34 @@ def _prompts(args) -> list[str]:
     return prompts
 
 
+def cohort_size(args, prompts: list[str]) -> int:
+    """The lanes of the run: --lanes, else one per prompt up to COHORT_LANES (1 for a single prompt)."""
+    return args.lanes or min(len(prompts), COHORT_LANES)
+
+
 def _run_cohort(model, args, prompts: list[str], params, draft: int) -> int:
-    """Several prompts (or --json): on the reference backend one cohort through the Engine; on the GPU one
-    after another through Model.stream (until the GPU lane adapter exists). Exit 2 if a request failed."""
+    """Several prompts (or --json): one cohort through the Engine. Exit 2 if a request failed."""
     tok, eos = model.tokenizer, model.eos_ids
     ids = [tok.encode(p) for p in prompts]
     for i, x in enumerate(ids, 1):
         if not x:
             raise ValueError(f"prompt {i} is empty")
     outs = [_Labelled(i, p, tok, eos, args.json, draft) for i, p in enumerate(prompts, 1)]
+    from ninfer_gen.engine import Engine, ReferenceLanes, Request
+
+    lanes = cohort_size(args, prompts)
     if args.backend == "gpu":
-        _one_by_one(model, ids, args.max_tokens, params, draft, outs)
+        from ninfer_gen.executor.gpu_lanes import GpuLanes
+        backend = GpuLanes.for_model(model, lanes)
     else:
-        from ninfer_gen.engine import Engine, ReferenceLanes, Request
-
-        lanes = args.lanes or min(len(prompts), COHORT_LANES)
-        engine = Engine(ReferenceLanes.for_model(model, lanes), lanes=lanes, max_queue=len(prompts))
-        handles = [engine.submit(Request(x, args.max_tokens, params, eos, draft)) for x in ids]
-        while engine.step():
-            for handle, out in zip(handles, outs):
-                for event in handle.poll():
-                    out.feed(event)
+        backend = ReferenceLanes.for_model(model, lanes)
+    engine = Engine(backend, lanes=lanes, max_queue=len(prompts))
+    handles = [engine.submit(Request(x, args.max_tokens, params, eos, draft)) for x in ids]
+    while engine.step():
+        for handle, out in zip(handles, outs):
+            for event in handle.poll():
+                out.feed(event)
     return 2 if any(out.final.finish == "error" for out in outs) else 0
-
-
-def _one_by_one(model, ids, max_tokens: int, params, draft: int, outs) -> None:
-    from ninfer_gen.engine.engine import Event, RequestStats
-    from ninfer_gen.engine.speculative import Stats
-
-    for x, out in zip(ids, outs):
-        stats, t0, first, last = Stats(), time.perf_counter(), None, None
-        for token in model.stream(x, max_tokens, params, model.eos_ids, draft, stats):
-            last = time.perf_counter()
-            first = first or last
-            out.feed(Event(str(out.index), (token,)))
-        finish = "stop" if out.tokens and out.tokens[-1] in model.eos_ids else "length"
-        out.feed(Event(str(out.index), (), finish, RequestStats(
-            len(x), len(out.tokens), 0.0, None if first is None else first - t0,
-            0.0 if first is None else last - first, stats.rounds, stats.drafted, stats.accepted)))
 
 
 class _Labelled:

@@ -179,7 +179,7 @@ def load(path_or_spec=None, backend: str = "reference", dtype: str = "float32", 
          random_weights: str = "host", vram_budget: int | None = None, use_graphs: bool = True,
          progress: bool = False, options: CompileOptions | None = None, build_root=None,
          all_logits: bool = False, draft: int | None = None, round_mode: str = "fused", verify: bool = True,
-         accept_coin: bool = False, draft_vocab=None) -> Model:
+         accept_coin: bool = False, draft_vocab=None, cohorts: int = 1, kv_pool_tokens: int | None = None) -> Model:
     """Load a model. `path_or_spec`: an HF checkpoint directory, a container `ninfer-gen convert` wrote
     (its sha256 hashes checked unless `verify=False`), a spec .yaml (seeded random weights), a ModelSpec,
     or None for the small model shipped in the repository. With `draft` > 0 a checkpoint must have its
@@ -195,7 +195,9 @@ def load(path_or_spec=None, backend: str = "reference", dtype: str = "float32", 
     MTP drafts per speculative round it builds for (default: the spec's; the reference drafts any K),
     `round_mode` how it runs them: `fused` / `eager` one-graph rounds, or `host`-driven (the reference's way);
     `accept_coin` is the bench's (`--accept-prob`): it also builds rounds whose acceptance is a coin;
-    `draft_vocab` (GPU): token ids, or a draft_vocab.json, the MTP drafts from (weights.draft_vocab)."""
+    `draft_vocab` (GPU): token ids, or a draft_vocab.json, the MTP drafts from (weights.draft_vocab);
+    `cohorts` (GPU): the most sequences decoded together (the cohort engine's lanes, executor.gpu_lanes);
+    `kv_pool_tokens` (GPU): one KV pool of that many tokens shared by them (default: cohorts × context)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is not available (available: {', '.join(BACKENDS)})")
     if random_weights not in ("host", "device"):
@@ -203,7 +205,8 @@ def load(path_or_spec=None, backend: str = "reference", dtype: str = "float32", 
     if backend == "gpu":
         gpu = dict(options=options or CompileOptions(), build_root=build_root, all_logits=all_logits,
                    use_graphs=use_graphs, progress=progress, draft=draft, round_mode=round_mode,
-                   accept_coin=accept_coin, draft_vocab=draft_vocab)
+                   accept_coin=accept_coin, draft_vocab=draft_vocab, cohorts=cohorts,
+                   kv_pool_tokens=kv_pool_tokens)
         return _load_gpu(path_or_spec, kv_dtype, max_context, random_weights, vram_budget, gpu, verify)
     spec, tensors, folder, source = _resolve(path_or_spec, verify, bool(draft))
     if quantize:

@@ -32,6 +32,41 @@ def _f32_bits(x: float) -> int:
     return struct.unpack("<i", struct.pack("<f", x))[0]
 
 
+def round_row(seq, anchor: int, drafts: list[int], budget: int, params: SamplingParams, stop_ids, accept_prob,
+              seed: int, trash_page: int) -> torch.Tensor:
+    """The round-state row (host, int32 [ROW_WORDS]) of a lane whose prompt has been prefilled and drafted:
+    RUNNING at the sequence's length with its anchor, drafts, budget, stop tokens, sampling parameters and
+    RNG seed (the round counter starts at 0)."""
+    stops = sorted(stop_ids or ())
+    if len(stops) > sr.MAX_STOPS:
+        raise ValueError(f"at most {sr.MAX_STOPS} stop tokens in a device round, got {len(stops)}")
+    row = torch.zeros(sr.ROW_WORDS, dtype=torch.int32)
+    values = {"length": seq.length, "budget": budget, "anchor": anchor, "state": sr.RUNNING, "slot": seq.slot,
+              "trash": trash_page, "seed_lo": seed & 0x7FFFFFFF, "seed_hi": (seed >> 31) & 0x7FFFFFFF,
+              "top_k": params.top_k, "temperature": _f32_bits(params.temperature), "top_p": _f32_bits(params.top_p),
+              "n_stop": len(stops), "accept_prob": _f32_bits(accept_prob if accept_prob is not None else 0.0)}
+    for name, v in values.items():
+        row[_F[name]] = v
+    row[sr.DRAFTS_AT:sr.DRAFTS_AT + len(drafts)] = torch.tensor(drafts, dtype=torch.int32)
+    row[sr.STOPS_AT:sr.STOPS_AT + len(stops)] = torch.tensor(stops, dtype=torch.int32)
+    return row
+
+
+def idle_rows(backend, rows: torch.Tensor, batch: int):
+    """For a round capture (Executable.capture_round): every lane idle and nothing to fold in the `batch`-lane
+    commit bucket, so the warm-up touches no state; returns the function that puts both back."""
+    saved = rows.clone()
+    fold = backend.bucket("commit", batch, backend.profile.tail_tokens).inputs
+    fold_saved = fold.device.clone()
+    rows[:, _F["state"]] = sr.IDLE
+    fold.set([], [], [], [])
+
+    def restore():
+        rows.copy_(saved)
+        fold.device.copy_(fold_saved)
+    return restore
+
+
 class DeviceRounds:
     """The round-state rows of one GPU backend's lanes and the driver of its round graphs."""
 
@@ -53,21 +88,8 @@ class DeviceRounds:
     def _round(self, acceptance: str):
         rnd = self.exe.round(1, acceptance, fold=self.mode == "fused")
         if self.be.use_graphs and rnd.graph is None:
-            self.exe.capture_round(rnd, self._idle)
+            self.exe.capture_round(rnd, lambda: idle_rows(self.be, self.rows, 1))
         return rnd
-
-    def _idle(self):
-        """Every lane idle and no fold pending (the capture's warm-up then touches no state)."""
-        saved = self.rows.clone()
-        fold = self.be.bucket("commit", 1, self.T).inputs
-        fold_saved = fold.device.clone()
-        self.rows[:, _F["state"]] = sr.IDLE
-        fold.set([], [], [], [])
-
-        def restore():
-            self.rows.copy_(saved)
-            fold.device.copy_(fold_saved)
-        return restore
 
     # ------------------------------------------------------------ one request
     def stream(self, prompt: list[int], max_new_tokens: int, params: SamplingParams,
@@ -161,16 +183,7 @@ class DeviceRounds:
 
     def _seed(self, seq, anchor, drafts, q, budget, params, stop_ids, accept_prob, seed) -> None:
         """Lane 0's state row for a request whose prompt has been prefilled and drafted."""
-        row = torch.zeros(sr.ROW_WORDS, dtype=torch.int32)
-        stops = sorted(stop_ids or ())
-        values = {"length": seq.length, "budget": budget, "anchor": anchor, "state": sr.RUNNING, "slot": seq.slot,
-                  "trash": self.be.state.trash_page, "seed_lo": seed & 0x7FFFFFFF, "seed_hi": (seed >> 31) & 0x7FFFFFFF,
-                  "top_k": params.top_k, "temperature": _f32_bits(params.temperature), "top_p": _f32_bits(params.top_p),
-                  "n_stop": len(stops), "accept_prob": _f32_bits(accept_prob if accept_prob is not None else 0.0)}
-        for name, v in values.items():
-            row[_F[name]] = v
-        row[sr.DRAFTS_AT:sr.DRAFTS_AT + self.k] = torch.tensor(drafts, dtype=torch.int32)
-        row[sr.STOPS_AT:sr.STOPS_AT + len(stops)] = torch.tensor(stops, dtype=torch.int32)
+        row = round_row(seq, anchor, drafts, budget, params, stop_ids, accept_prob, seed, self.be.state.trash_page)
         self.rows[0].copy_(row)
         self.host.copy_(row)
         if q is not None:                                     # the prompt's drafts' distributions (sampled)

@@ -27,7 +27,7 @@ from ninfer_gen.executor.device_rounds import ROUND_MODES, DeviceRounds
 from ninfer_gen.executor.draft_head import IDS as DRAFT_IDS, add_draft_head
 from ninfer_gen.executor.device_state import DeviceState
 from ninfer_gen.executor.executable import Executable
-from ninfer_gen.executor.memory_plan import GiB, MemoryPlan, plan_memory
+from ninfer_gen.executor.memory_plan import GiB, MemoryPlan, kv_pool_pages, plan_memory
 from ninfer_gen.allocators.sequences import Sequence, SequencePool
 
 
@@ -44,7 +44,7 @@ class GpuBackend(SequencePool):
                  memory: MemoryPlan | None = None, progress: bool = False,
                  options: CompileOptions = CompileOptions(), all_logits: bool = False,
                  prefill_chunk: int | None = None, draft: int | None = None, round_mode: str = "fused",
-                 accept_coin: bool = False, draft_vocab: list[int] | None = None):
+                 accept_coin: bool = False, draft_vocab: list[int] | None = None, kv_pool_tokens: int | None = None):
         """`cohorts` lanes (the profile's step buckets: the spec's cohort sizes up to it); `all_logits`:
         prefill buckets keep every row's logits (evaluation: `Model.forward_logits`), else the last;
         `prefill_chunk`: the largest prefill bucket (default: the spec's, within the context); `draft`: the MTP
@@ -52,16 +52,17 @@ class GpuBackend(SequencePool):
         `round_mode`: `fused` or `eager` one-graph rounds (executor.device_rounds), `host` the host-driven
         round of engine.speculative, `snapshot` fused rounds built in the snapshot design (K+1 state copies
         per lane instead of ReplaySSM records, for comparison); `accept_coin` (bench only) also builds the `--accept-prob` rounds;
-        `draft_vocab`: token ids the MTP drafts from (a reduced head of those LM-head rows; None: all)."""
+        `draft_vocab`: token ids the MTP drafts from (a reduced head of those LM-head rows; None: all);
+        `kv_pool_tokens`: one KV pool of that many tokens shared by the lanes (default: cohorts × context)."""
         self.spec, self.device, self.use_graphs = spec, torch.device(device), use_graphs
         rt = spec.runtime
         kv_dtype = kv_dtype or rt.kv_dtype
         ctx = max_context or rt.max_context
         snapshots = round_mode == "snapshot"
         self.memory = memory or plan_memory(spec, cohorts, ctx, vram_budget, draft=draft, kv_dtype=kv_dtype,
-                                            snapshots=snapshots)
+                                            snapshots=snapshots, kv_pool_tokens=kv_pool_tokens)
         per_seq = math.ceil(ctx / rt.page_size)
-        pages = min(self.memory.kv_pages, cohorts * per_seq)
+        pages = min(self.memory.kv_pages, kv_pool_pages(cohorts, ctx, rt.page_size, kv_pool_tokens))
         primary_context(self.device.index)
         self.target = device_target(self.device)
         if draft_vocab is not None and len(draft_vocab) < spec.model.vocab_size:
@@ -102,6 +103,13 @@ class GpuBackend(SequencePool):
         if self._device_rounds is None:
             self._device_rounds = DeviceRounds(self, "fused" if self.round_mode == "snapshot" else self.round_mode)
         return self._device_rounds
+
+    def capture_profile(self) -> None:
+        """Every bucket of the profile bound and captured now (start-up), so that no request waits for a
+        capture (the kernels are built by `prepare`)."""
+        if self.use_graphs:
+            for shape in self.profile.shapes():
+                self.bucket(*shape)
 
     def _reset_slot(self, slot: int) -> None:
         self.state.reset_slot(slot)

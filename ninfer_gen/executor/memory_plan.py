@@ -83,8 +83,10 @@ def round_bytes(spec: ModelSpec, cohort: int, draft: int) -> int:
 
 
 def plan_memory(spec: ModelSpec, cohort: int, max_context: int, budget: int, draft: int | None = None,
-                kv_dtype: str | None = None, snapshots: bool = False) -> MemoryPlan:
-    """`snapshots`: verify keeps K+1 state copies per lane (snapshot mode) instead of ReplaySSM records."""
+                kv_dtype: str | None = None, snapshots: bool = False, kv_pool_tokens: int | None = None) -> MemoryPlan:
+    """`snapshots`: verify keeps K+1 state copies per lane (snapshot mode) instead of ReplaySSM records;
+    `kv_pool_tokens`: the KV pool every lane shares must hold that many tokens (default: each lane its
+    whole context, cohort × max_context); a lane's own limit stays `max_context`."""
     if cohort <= 0 or max_context <= 0 or budget <= 0:
         raise MemoryPlanError("cohort, max context and budget must be positive")
     draft = spec.runtime.draft_tokens if draft is None else draft
@@ -101,16 +103,28 @@ def plan_memory(spec: ModelSpec, cohort: int, max_context: int, budget: int, dra
     left = budget - sum(fixed.values())
     plan = MemoryPlan(budget, cohort, draft, max_context, kv_dtype, kv_pool=max(0, left),
                       kv_bytes_per_token=per_token, page_size=spec.runtime.page_size, **fixed)
-    need_pages = cohort * -(-max_context // plan.page_size)
+    need_pages = kv_pool_pages(cohort, max_context, plan.page_size, kv_pool_tokens)
     if left <= 0 or plan.kv_pages < need_pages:
         parts = ", ".join(f"{name} {size / GiB:.2f} GiB" for name, size in plan.rows()[:-1])
         need = need_pages * plan.page_size * per_token
+        what = (f"a shared pool of {kv_pool_tokens} tokens" if kv_pool_tokens else
+                f"{cohort} lane(s) × {max_context} tokens")
         raise MemoryPlanError(
             f"does not fit in {budget / GiB:.2f} GiB: {parts} leave {max(left, 0) / GiB:.2f} GiB for the KV "
-            f"cache, but {cohort} lane(s) × {max_context} tokens need {need / GiB:.2f} GiB "
+            f"cache, but {what} need {need / GiB:.2f} GiB "
             f"({kv_dtype} KV, {per_token / 1024:.1f} KiB per token). Lower --max-context or --cohorts, "
             f"or raise --vram-budget.")
     return plan
+
+
+def kv_pool_pages(cohort: int, max_context: int, page_size: int, kv_pool_tokens: int | None = None) -> int:
+    """Pages of the KV pool: a shared pool of `kv_pool_tokens`, else every lane's whole context."""
+    if kv_pool_tokens is not None:
+        if kv_pool_tokens < max_context:
+            raise MemoryPlanError(f"a KV pool of {kv_pool_tokens} tokens cannot hold one lane's context of "
+                                  f"{max_context} tokens")
+        return -(-kv_pool_tokens // page_size)
+    return cohort * -(-max_context // page_size)
 
 
 def parse_bytes(text: str) -> int:

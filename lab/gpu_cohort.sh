@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Device calls for the cohort engine (issue 21). TESTS=1: the cohort GPU tests (tests/gpu/test_cohort_gpu.py).
+# FIGURES=1: lab/cohort_gpu.py on the 27B (random weights): TTFT of first vs repeated requests after start-up,
+# peak memory of C8 with a shared 16K KV pool and with 16K per lane, the C8 x 32K refusal.
+# BENCH=1: `ninfer-gen bench --concurrency 1,2,4,8` on the 27B with --accept-prob (CONC, TOKENS, P).
+# Logs and JSON to $OUT. Run from the repository root on the GPU machine:  TESTS=1 bash lab/gpu_cohort.sh
+set -uo pipefail
+: "${OUT:?set OUT}"
+export PYTHONUNBUFFERED=1 PYTHONPATH=. NINFER_BUILD_DIR=${NINFER_BUILD_DIR:-/tmp/ninfer-build}
+shown() { tr '\r' '\n' < "$1" | grep -v "it/s\]" | grep -v "kernel/s" | grep -v "^\s*$" | tail -"$2"; }
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+if [ "${TESTS:-0}" = 1 ]; then
+  timeout ${TESTS_S:-300} python3 -m pytest -m gpu tests/gpu/test_cohort_gpu.py -q -s -rf -p no:cacheprovider -x \
+    > $OUT/cohort_tests.log 2>&1
+  echo "cohort tests: rc $?"; shown $OUT/cohort_tests.log ${TESTS_TAIL:-40}
+fi
+if [ "${FIGURES:-0}" = 1 ]; then
+  timeout ${FIGURES_S:-400} python3 -m lab.cohort_gpu --json $OUT/cohort_gpu.json > $OUT/cohort_gpu.log 2>&1
+  echo "cohort figures: rc $?"; shown $OUT/cohort_gpu.log ${FIGURES_TAIL:-30}
+fi
+if [ "${BENCH:-0}" = 1 ]; then
+  timeout ${BENCH_S:-400} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --concurrency ${CONC:-1,2,4,8} \
+    --draft 3 --accept-prob ${P:-0.8} --output-tokens ${TOKENS:-256} --json $OUT/bench_cohort.json \
+    > $OUT/bench_cohort.log 2>&1
+  echo "cohort bench: rc $?"; shown $OUT/bench_cohort.log ${BENCH_TAIL:-30}
+fi

@@ -1,0 +1,324 @@
+"""gpu_lanes: the cohort engine's LaneBackend on the GPU (engine.lanes states the contract) — up to C lanes
+of one GpuBackend decoding together.
+
+Per engine round: every speculative lane runs in ONE round graph (compiler.round) of the smallest compiled
+cohort bucket that holds them — its other rows IDLE, i.e. padded everywhere (slot −1, no keys, trash-page
+KV writes), so they touch no state — and the plain (K = 0) lanes in one padded step bucket. A lane keeps
+its row from round to round while the bucket stays the same; when the bucket changes (lanes joined or
+left across a cohort size), the last round's pending fold (fused mode: the accepted records are folded at
+the start of the next round) runs eagerly first and the rows are compacted, so a fold always reads the
+ReplaySSM records of the rows that logged them.
+
+The host keeps each speculative lane's round-state row (spec_round.ROUND_FIELDS: length, anchor, drafts,
+budget, stop tokens, sampling parameters, RNG counter) as a mirror: before a round the rows of the bucket
+are written from the mirrors (the budget the engine gives this round, RUNNING), after it they are read
+back — one host→device and one device→host copy of a few hundred bytes per lane, and the round's tokens.
+Numbers: a lane's greedy tokens do not depend on the other rows (the kernels are batch-invariant: their
+reduction order never follows the rows), so a request's greedy output is the same alone or in any cohort.
+
+Prefill runs per lane on the B = 1 prefill buckets, one engine chunk at a time; with drafts, the MTP runs
+over each chunk as it goes and the last chunk's first drafts come from engine.speculative.Drafter. A lane
+whose context has no room for one more round (verify K+1 positions and chain K−1 drafts) continues with
+plain steps. Every bucket and round graph is captured when the adapter is made, not at request time.
+The adapter uses the round-state rows of the backend's DeviceRounds: do not stream through both at once.
+"""
+from __future__ import annotations
+
+import torch
+
+from compiler.kernels import spec_round as sr
+from ninfer_gen.engine.lanes import LaneState
+from ninfer_gen.engine.sampling import Sampler
+from ninfer_gen.engine.speculative import Drafter
+from ninfer_gen.executor.device_rounds import _F, idle_rows, round_row
+
+ACCEPTANCE_OF = {True: "greedy", False: "sampled"}
+
+
+class _Lane:
+    """The adapter's data of one lane (LaneState.private)."""
+
+    def __init__(self, lane: LaneState):
+        self.sampler = Sampler(lane.sampling)            # the first token and plain steps (host RNG)
+        self.seed = lane.sampling.seed if lane.sampling.seed is not None else 0      # the device rounds' RNG
+        self.row: torch.Tensor | None = None             # the round-state mirror; None: plain steps
+        self.q: torch.Tensor | None = None               # sampled: the first drafts' distributions [K, V]
+        self.pages = -1                                  # block-table pages written to the lane's row
+
+
+class GpuLanes:
+    """LaneBackend over a GpuBackend (executor.gpu_backend) built for `capacity` ≥ the engine's lanes.
+    `accept_prob` (bench only, a backend built with accept_coin): every draft is kept by a coin of that
+    probability instead of by the target (random weights accept nothing)."""
+
+    def __init__(self, backend, *, accept_prob: float | None = None, capture: bool = True):
+        be = self.be = backend
+        self.capacity = be.slots.num_slots
+        self.max_context = be.max_context
+        self.prefill_chunk = be.profile.prefill_chunk
+        self.vocab_size = be.spec.model.vocab_size
+        self.k = be.profile.draft if be.profile.speculative else 0
+        self.T = self.k + 1
+        if accept_prob is not None and not (self.k and be.profile.accept_coin):
+            raise ValueError("--accept-prob needs a speculative backend built with accept_coin")
+        self.accept_prob = accept_prob
+        self.round_sizes = sorted({b for b, _ in be.profile.rounds()})
+        self.step_sizes = sorted({b for e, b, t in be.profile.shapes() if e == "step" and t == 1})
+        self.layout: list[LaneState | None] = []         # the lanes in the rows of the last round's bucket
+        self.fold_pending = False                        # fused: that round's accepted records are not folded
+        if self.k:
+            self.rows = be.exe.round_buffers["round"].view(-1, sr.ROW_WORDS)
+            self.tables = be.exe.round_buffers["tables"].view(self.rows.shape[0], -1)
+            self.readback = torch.zeros(self.rows.shape, dtype=torch.int32, pin_memory=True)
+            self.rows[:, _F["state"]] = sr.IDLE
+        if capture:
+            self.capture()
+
+    @classmethod
+    def for_model(cls, model, lanes: int, **kw) -> "GpuLanes":
+        """Lanes over a loaded GPU Model; its backend must hold `lanes` sequences (load(..., cohorts=lanes))."""
+        from ninfer_gen.executor.gpu_backend import GpuBackend
+
+        b = model.backend
+        if not isinstance(b, GpuBackend):
+            raise ValueError(f"GpuLanes runs on the GPU backend, not the {type(b).__name__}")
+        if b.slots.num_slots < lanes:
+            raise ValueError(f"the GPU backend was built for {b.slots.num_slots} lane(s), not {lanes}: load it with "
+                             f"cohorts={lanes} (--cohorts {lanes})")
+        return cls(b, **kw)
+
+    def capture(self) -> None:
+        """Every bucket of the profile and every round graph the adapter may run, captured now (start-up)."""
+        be = self.be
+        be.capture_profile()
+        kinds = ("coin",) if self.accept_prob is not None else ("greedy", "sampled")
+        for b in self.round_sizes:
+            for acceptance in kinds:
+                self._round(b, acceptance)
+            be.bucket("commit", b, self.T).inputs.set([], [], [], [])      # nothing to fold
+        torch.cuda.synchronize(be.device)
+
+    def _round(self, batch: int, acceptance: str):
+        rnd = self.be.exe.round(batch, acceptance, fold=True)
+        if self.be.use_graphs and rnd.graph is None:
+            self.be.exe.capture_round(rnd, lambda: idle_rows(self.be, self.rows, batch))
+        return rnd
+
+    # ------------------------------------------------------------ the contract
+    def validate(self, request) -> None:
+        bad = [t for t in request.prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary of {self.vocab_size}")
+        if request.draft and not self.k:
+            raise ValueError(f"this GPU backend has no speculative rounds ({self.be.profile.describe()}): use draft 0")
+        if request.draft not in (0, self.k):
+            raise ValueError(f"this GPU backend was built for {self.k} drafts per round: ask for draft {self.k} or 0 "
+                             f"(not {request.draft})")
+        if request.draft and len(request.stop) > sr.MAX_STOPS:
+            raise ValueError(f"at most {sr.MAX_STOPS} stop tokens with drafts on the GPU, got {len(request.stop)}")
+        if getattr(request, "constraint", None) is not None:
+            raise ValueError("structured output (a grammar) is not available on the GPU backend yet: use the "
+                             "reference backend")
+
+    def open(self, lane: LaneState) -> None:
+        lane.seq = self.be.new_sequence()
+        lane.private = _Lane(lane)
+
+    def prefill(self, lane: LaneState, ids: list[int], last: bool) -> int | None:
+        be, priv, seq, start = self.be, lane.private, lane.seq, lane.length
+        logits, hidden = be.prefill(seq, list(ids), all_hidden=bool(lane.k))
+        if not last:
+            if lane.k:           # every next token of a middle chunk is known: the MTP runs over it now
+                be.mtp(seq, hidden, lane.prompt[start + 1:start + len(ids) + 1], start)
+            return None
+        token = priv.sampler(logits[-1])
+        lane.anchor = token
+        if lane.k and self._room_for_round(seq.length):
+            drafts, priv.q = Drafter(be, lane.sampling, self.k, priv.sampler.gen).propose(
+                seq, hidden, lane.prompt[start + 1:] + [token], start)
+            lane.drafts = drafts
+            priv.row = round_row(seq, token, drafts, 0, lane.sampling, lane.stop, self.accept_prob, priv.seed,
+                                 be.state.trash_page)
+        return token
+
+    def round(self, lanes: list[LaneState]) -> dict[int, list[int] | BaseException]:
+        out: dict[int, list[int] | BaseException] = {}
+        for lane in lanes:
+            if lane.private.row is not None and not self._room_for_round(lane.length):
+                self._leave_rounds(lane)                 # no room for K+1 more positions: plain steps from here
+        speculative = [lane for lane in lanes if lane.private.row is not None]
+        plain = [lane for lane in lanes if lane.private.row is None]
+        for group, run in ((speculative, self._speculative), (plain, self._steps)):
+            if group:
+                try:
+                    out.update(run(group))
+                except Exception as err:                 # the call failed: every lane of it fails
+                    out.update({lane.lane: err for lane in group if lane.lane not in out})
+        return out
+
+    def release(self, lane: LaneState) -> None:
+        if lane in self.layout:
+            self._vacate(self.layout.index(lane))
+        if lane.seq is not None:
+            self.be.release(lane.seq)
+            lane.seq = None
+
+    def usage(self) -> dict[str, int]:
+        slots, blocks = self.be.slots, self.be.blocks
+        return {"slots": slots.num_slots, "slots_in_use": slots.num_slots - slots.free_slots,
+                "pages": blocks.num_pages, "pages_in_use": blocks.num_pages - blocks.free_pages}
+
+    # ------------------------------------------------------------ speculative rounds
+    def _room_for_round(self, length: int) -> bool:
+        """A round verifies L..L+K and chains drafts up to L' + K − 2 (L' ≤ L + K + 1): all in the context."""
+        return length + 2 * self.T - 2 <= self.max_context
+
+    def _speculative(self, lanes: list[LaneState]) -> dict[int, list[int] | BaseException]:
+        be, T = self.be, self.T
+        out: dict[int, list[int] | BaseException] = {}
+        ready = []
+        for lane in lanes:                               # this round's pages first: a lane that cannot grow fails alone
+            try:
+                be._reserve(lane.seq, min(lane.length + 2 * T, self.max_context))
+                ready.append(lane)
+            except Exception as err:
+                out[lane.lane] = err
+        if not ready:
+            return out
+        batch = next(b for b in self.round_sizes if b >= len(ready))
+        self._place(ready, batch)
+        coin = self.accept_prob is not None
+        acceptance = "coin" if coin else ACCEPTANCE_OF[all(lane.sampling.greedy for lane in ready)]
+        host = torch.zeros((batch, sr.ROW_WORDS), dtype=torch.int32)
+        host[:, _F["state"]] = sr.IDLE
+        host[:, _F["trash"]] = be.state.trash_page
+        for r, lane in enumerate(self.layout):
+            if lane is None:
+                continue
+            row = host[r]
+            row.copy_(lane.private.row)
+            row[_F["budget"]] = lane.budget
+            row[_F["state"]] = sr.RUNNING
+            self._table(r, lane)
+        self.rows[:batch].copy_(host)
+        if not self.fold_pending:                        # nothing of another driver's rounds may be folded
+            be.bucket("commit", batch, T).inputs.set([], [], [], [])
+        self._round(batch, acceptance).run(be.use_graphs)
+        self.fold_pending = True
+        back = self.readback[:batch]
+        back.copy_(self.rows[:batch])                    # synchronous: the round's tokens
+        for r, lane in enumerate(self.layout):
+            if lane is None:
+                continue
+            h = back[r].clone()
+            n = int(h[_F["emitted"]])
+            tokens = h[sr.OUT_AT:sr.OUT_AT + n].tolist()
+            lane.private.row = h
+            lane.seq.table.length = int(h[_F["length"]])
+            lane.anchor = tokens[-1] if tokens else lane.anchor
+            lane.drafts = h[sr.DRAFTS_AT:sr.DRAFTS_AT + self.k].tolist()
+            lane.stats.drafted += self.k
+            lane.stats.accepted += int(h[_F["accepted"]])
+            out[lane.lane] = tokens if tokens else RuntimeError(f"the round emitted nothing for lane {lane.lane}")
+        return out
+
+    def _place(self, lanes: list[LaneState], batch: int) -> None:
+        """Rows of `batch` for `lanes`: the same rows as the last round when the bucket is the same and every
+        lane placed there is in this round (new lanes take free rows); else the pending fold first, then the
+        lanes compacted into rows 0.. (with their draft distributions, for sampled rounds)."""
+        keep = len(self.layout) == batch and all(lane is None or lane in lanes for lane in self.layout)
+        if not keep:
+            self._flush()
+            old = {lane: r for r, lane in enumerate(self.layout) if lane is not None}
+            self.layout = [None] * batch
+            moves = []
+            for r, lane in enumerate(lanes):
+                self.layout[r] = lane
+                lane.private.pages = -1
+                if lane in old:
+                    moves.append((old[lane], r))
+            self._move_draft_dists(moves)
+        for lane in lanes:
+            if lane not in self.layout:
+                r = self.layout.index(None)
+                self.layout[r] = lane
+                lane.private.pages = -1
+                if lane.private.q is not None:           # the prompt's drafts' distributions (sampled)
+                    self._draft_dists()[r].copy_(lane.private.q)
+                lane.private.q = None
+
+    def _draft_dists(self) -> torch.Tensor | None:
+        q = self.be.exe.round_buffers.get("q_dist")
+        return None if q is None else q.view(self.rows.shape[0], self.k, -1)
+
+    def _move_draft_dists(self, moves: list[tuple[int, int]]) -> None:
+        q = self._draft_dists()
+        moves = [(a, b) for a, b in moves if a != b]
+        if q is None or not moves:
+            return
+        src = torch.tensor([a for a, _ in moves], device=q.device)
+        dst = torch.tensor([b for _, b in moves], device=q.device)
+        q[dst] = q[src].clone()
+
+    def _table(self, r: int, lane: LaneState) -> None:
+        """The lane's block table into its row of the round's tables (when its pages changed)."""
+        pages = lane.seq.table.pages
+        if len(pages) == lane.private.pages:
+            return
+        row = torch.full((self.tables.shape[1],), self.be.state.trash_page, dtype=torch.int32)
+        row[:len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        self.tables[r].copy_(row)
+        lane.private.pages = len(pages)
+
+    def _fold_inputs(self):
+        return self.be.bucket("commit", len(self.layout), self.T).inputs
+
+    def _flush(self) -> None:
+        """Fold the last round's accepted records now (its commit bucket, eagerly) and clear its inputs."""
+        if self.fold_pending:
+            fold = self.be.bucket("commit", len(self.layout), self.T)
+            fold.run(self.be.use_graphs)
+            fold.inputs.set([], [], [], [])
+            self.fold_pending = False
+
+    def _vacate(self, r: int) -> None:
+        """Row r's lane leaves (released): nothing of its pending fold may reach its slot, which a new
+        sequence may take before the next round."""
+        if self.fold_pending:
+            views = self._fold_inputs().views
+            views["slots"][r] = -1
+            views["commit"][r] = 0
+        self.layout[r] = None
+
+    def _leave_rounds(self, lane: LaneState) -> None:
+        """The lane continues with plain steps: its pending fold is folded first."""
+        if lane in self.layout:
+            self._flush()
+            self.layout[self.layout.index(lane)] = None
+        lane.private.row = None
+        lane.private.q = None
+        lane.drafts = []
+
+    # ------------------------------------------------------------ plain steps
+    def _steps(self, lanes: list[LaneState]) -> dict[int, list[int] | BaseException]:
+        """One token for every K = 0 lane, in one padded step bucket."""
+        be = self.be
+        batch = next((b for b in self.step_sizes if b >= len(lanes)), None)
+        if batch is None:                                # more plain lanes than the largest step bucket
+            half = self.step_sizes[-1]
+            return {**self._steps(lanes[:half]), **self._steps(lanes[half:])}
+        for lane in lanes:
+            be._reserve(lane.seq, lane.length + 1)
+        bucket = be.bucket("step", batch, 1)
+        bucket.inputs.set([[lane.anchor] for lane in lanes], [lane.length for lane in lanes],
+                          [lane.seq.table.pages for lane in lanes], [lane.slot for lane in lanes])
+        bucket.run(be.use_graphs)
+        logits = bucket.logits.view(batch, -1)[:len(lanes)]
+        greedy = [lane.sampling.greedy for lane in lanes]
+        best = logits.argmax(-1).tolist() if any(greedy) else None
+        out = {}
+        for r, lane in enumerate(lanes):
+            lane.seq.table.length += 1
+            lane.anchor = best[r] if greedy[r] else lane.private.sampler(logits[r])
+            out[lane.lane] = [lane.anchor]
+        return out

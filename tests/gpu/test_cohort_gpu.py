@@ -1,0 +1,102 @@
+"""GPU tier for the cohort engine (engine.engine over executor.gpu_lanes) on the shipped small model:
+16 requests of different lengths (greedy, K = 0 and K = 3 mixed, one seeded sampled request) give the same
+tokens alone and in cohorts of 2, 4 and 8 with requests joining and leaving mid-stream; a lone request
+equals Model.generate; nothing is captured or compiled at request time (every bucket and round graph
+exists after start-up); every slot and page is free afterwards; a lane near its context end finishes with
+plain steps. Run: pytest -m gpu tests/gpu/test_cohort_gpu.py -q -s"""
+import random
+from pathlib import Path
+
+import pytest
+
+from ninfer_gen.cli.env import build_root
+
+pytestmark = pytest.mark.gpu
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ROOT / "models/qwen3.8-small-py"
+CONTEXT = 1024
+
+
+@pytest.fixture(scope="module")
+def model():
+    from ninfer_gen.engine.api import load
+
+    return load(SMALL, backend="gpu", cohorts=8, draft=3, max_context=CONTEXT, build_root=build_root())
+
+
+@pytest.fixture(scope="module")
+def lanes(model):
+    from ninfer_gen.executor.gpu_lanes import GpuLanes
+
+    return GpuLanes.for_model(model, 8)
+
+
+def _requests():
+    from ninfer_gen.engine import Request
+    from ninfer_gen.engine.sampling import SamplingParams
+
+    rng = random.Random(3)
+    reqs = []
+    for i in range(16):
+        n = rng.choice([3, 17, 40, 90, 200, 333])
+        prompt = [rng.randrange(1, 4000) for _ in range(n)]
+        sampling = SamplingParams(temperature=0.8, top_k=40, seed=11) if i == 5 else SamplingParams()
+        reqs.append(Request(prompt, rng.randint(8, 60), sampling, draft=3 if i % 2 else 0))
+    return reqs
+
+
+def _run(lanes, reqs, n_lanes: int, prefill_budget: int = 64):
+    from ninfer_gen.engine import Engine
+
+    engine = Engine(lanes, lanes=n_lanes, prefill_budget=prefill_budget, max_queue=len(reqs))
+    handles = [engine.submit(r) for r in reqs[:n_lanes + 2]]
+    for r in reqs[n_lanes + 2:]:                 # the rest join one per step while others run and leave
+        engine.step()
+        handles.append(engine.submit(r))
+    engine.run_until_idle()
+    finals = [h.result() for h in handles]
+    assert all(f.finish == "length" for f in finals), [f.error for f in finals if f.finish != "length"]
+    return [h.tokens for h in handles], engine
+
+
+def _captured(be) -> tuple:
+    return (len(be.exe.buckets), sum(b.graph is not None for b in be.exe.buckets.values()),
+            len(be.exe.rounds), sum(r.graph is not None for r in be.exe.rounds.values()))
+
+
+def test_cohorts_of_2_4_8_equal_each_request_alone(model, lanes):
+    be = model.backend
+    captured = _captured(be)
+    assert captured[0] == captured[1] and captured[2] == captured[3] > 0
+    reqs = _requests()
+    alone = [_run(lanes, [r], 1)[0][0] for r in reqs]
+    for n_lanes in (2, 4, 8):
+        got, engine = _run(lanes, reqs, n_lanes)
+        diff = [i for i, (a, b) in enumerate(zip(alone, got)) if a != b]
+        assert not diff, f"{n_lanes} lanes: requests {diff} differ from their run alone"
+        s = engine.stats()
+        assert s["lanes_busy"] == 0 and s["slots_in_use"] == 0 and s["pages_in_use"] == 0
+        print(f"{n_lanes} lanes: {s['rounds']} rounds, {s['lane_rounds'] / s['rounds']:.2f} lanes per round, "
+              f"acceptance {s['acceptance']:.3f}")
+    assert _captured(be) == captured, "a bucket or round was bound or captured at request time"
+
+
+def test_a_lone_request_equals_model_generate(model, lanes):
+    """Prompts within one prefill chunk: the engine's calls are the single-sequence path's."""
+    for r in _requests()[:6]:
+        if not r.sampling.greedy:
+            continue
+        got = _run(lanes, [r], 1, prefill_budget=lanes.prefill_chunk)[0][0]
+        assert got == model.generate(list(r.prompt), r.max_tokens, draft=r.draft), f"prompt of {len(r.prompt)}"
+
+
+def test_the_context_end_finishes_with_plain_steps(model, lanes):
+    """A speculative lane whose context has no room for another round continues with plain steps and stops
+    at its limit; its tokens equal plain decoding's."""
+    from ninfer_gen.engine import Request
+
+    n = CONTEXT - 30
+    prompt = [random.Random(9).randrange(1, 4000) for _ in range(n)]
+    spec_tokens, _ = _run(lanes, [Request(prompt, 100, draft=3)], 1)
+    plain_tokens, _ = _run(lanes, [Request(prompt, 100, draft=0)], 1)
+    assert spec_tokens[0] == plain_tokens[0] and len(spec_tokens[0]) == CONTEXT - n + 1
