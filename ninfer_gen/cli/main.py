@@ -350,7 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _bench_arguments(p) -> None:
     p.add_argument("spec", nargs="?", default="model_specs/qwen3.8-27b.yaml",
-                   help="model spec YAML; its weights are drawn on the GPU in the spec's formats (default: 27B)")
+                   help="model spec YAML; its weights are drawn on the GPU in the spec's formats (default: 27B); the "
+                   "cohort bench also takes a checkpoint or converted folder here")
     p.add_argument("--weights", default=None, help="an HF checkpoint directory instead of random weights")
     p.add_argument("--prompt-tokens", type=int, default=30, help="short prompt length (default 30)")
     p.add_argument("--output-tokens", type=int, default=1024, help="greedy tokens per request (default 1024)")
@@ -359,8 +360,8 @@ def _bench_arguments(p) -> None:
     p.add_argument("--vram-budget", default="24GiB", help="memory budget, enforced on the allocator (default 24GiB)")
     p.add_argument("--hf-json", default=None, help="lab/hf_baseline.py output for same-day ratios")
     p.add_argument("--json", default=None, help="write the full results here")
-    p.add_argument("--draft", type=int, default=0, help="also time C1 speculative rounds with K MTP drafts beside "
-                   "plain decode (default 0: plain decode only)")
+    p.add_argument("--draft", type=int, default=None, help="also time C1 speculative rounds with K MTP drafts beside "
+                   "plain decode (default 0: plain decode only; the cohort bench's K, default 3)")
     p.add_argument("--accept-prob", type=float, default=None, help="bench only: keep each draft with this "
                    "probability (a coin per position until the first failure) instead of comparing it with the "
                    "target: random weights draft at random")
@@ -370,10 +371,16 @@ def _bench_arguments(p) -> None:
                    "snapshot design (K+1 GDN state copies per lane; fused rounds), for comparison")
     p.add_argument("--draft-vocab", default=None, help="with --draft: a draft_vocab.json, or a number N — bench only: "
                    "the first N token ids (random weights have no frequent tokens) — for a reduced MTP head")
+    from ninfer_gen.cli.bench_cohort import add_arguments as add_cohort_arguments
+    add_cohort_arguments(p)
 
 
 def cmd_bench(args) -> int:
+    if args.concurrency or args.long_prompt is not None:
+        from ninfer_gen.cli.bench_cohort import cmd_bench_cohort
+        return cmd_bench_cohort(args)
     from ninfer_gen.cli.bench import cmd_bench as run_bench_command
+    args.draft = args.draft or 0
     return run_bench_command(args)
 
 

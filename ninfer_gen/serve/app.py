@@ -1,13 +1,15 @@
-"""app: the FastAPI application — `create_app(engine, model, ...)` mounts the OpenAI (openai_api) and
-Anthropic (anthropic_api) endpoints over one cohort engine, adds `GET /health` and `GET /v1/models`, the
+"""app: the FastAPI application — `create_app(engine, model, ...)` mounts the OpenAI (openai_api: chat
+completions, completions; responses_api: Responses) and Anthropic (anthropic_api) endpoints over one cohort
+engine, adds `GET /health` and `GET /v1/models`, the
 API key check (`Authorization: Bearer KEY` or `x-api-key: KEY` on every /v1 path), and renders every error
 in the shape of the API it belongs to (paths under /v1/messages: Anthropic's, the rest: OpenAI's): 400 for
-a malformed request (naming the field), 401 for a wrong key, 404 for an unknown model or path, 429 with
+a malformed request (naming the field), 401 for a wrong key, 404 for an unknown model, path or stored
+response, 429 with
 Retry-After when the engine's queue is full, 500 with the message for an unexpected internal error —
 which fails that request only. The engine's background loop runs while the app lives (started at startup
 unless already running, stopped at shutdown when the app started it).
 
-Not here (yet): /v1/responses, /metrics, structured output, prefix reuse."""
+Not here (yet): /metrics, structured output, prefix reuse."""
 from __future__ import annotations
 
 import hmac
@@ -19,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ninfer_gen.serve import anthropic_api, openai_api
+from ninfer_gen.serve import anthropic_api, openai_api, responses_api
 from ninfer_gen.serve.core import APIError, ServeState
 
 
@@ -114,4 +116,5 @@ def create_app(engine, model, *, served_model_name: str, api_key: str | None = N
 
     app.include_router(openai_api.router(state))
     app.include_router(anthropic_api.router(state))
+    app.include_router(responses_api.router(state))
     return app

@@ -7,7 +7,7 @@ decided) with its finish reason and usage. Waiting is asyncio-friendly (the engi
 thread; a handle's events are polled), and a generation that ends early — a stop string, a client that
 went away, an exception — cancels its engine request, which frees its lane, slot and pages.
 
-The HTTP endpoints and wire formats live in openai_api and anthropic_api; the app in app."""
+The HTTP endpoints and wire formats live in openai_api, anthropic_api and responses_api; the app in app."""
 from __future__ import annotations
 
 import asyncio
@@ -81,23 +81,29 @@ class ServeState:
             raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.served_model_name}'",
                            param=param, kind="not_found", code="model_not_found")
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None, enable_thinking: bool | None) -> str:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None, enable_thinking: bool | None,
+                    param: str = "messages") -> str:
+        """The prompt text of a conversation; a 400 naming `param` (the request's conversation field) when the
+        model has no chat template or its template refuses the conversation."""
         from ninfer_gen.serve.chat import ChatTemplateError
 
         if self.chat is None:
             raise bad_request(f"the model '{self.served_model_name}' has no chat template (its folder has none); "
-                              "use /v1/completions", "messages")
+                              "use /v1/completions", param)
         try:
             return self.chat.render(messages, tools, add_generation_prompt=True, enable_thinking=enable_thinking)
         except ChatTemplateError as err:
-            raise bad_request(str(err), "messages") from None
+            raise bad_request(str(err), param) from None
 
-    def prompt_budget(self, prompt: list[int], max_tokens: int | None, param: str) -> int:
-        """The request's max tokens: as asked (≥ 1, prompt + it within the context) or, unset, the room left."""
+    def prompt_budget(self, prompt: list[int], max_tokens: int | None, param: str, prompt_param: str | None = None
+                      ) -> int:
+        """The request's max tokens: as asked (≥ 1, prompt + it within the context) or, unset, the room left.
+        `param` names the max-tokens field, `prompt_param` the prompt's (default: messages, or prompt)."""
         room = self.max_context - len(prompt)
         if room < 1:
             raise bad_request(f"the prompt is {len(prompt)} tokens; the context limit is {self.max_context} tokens "
-                              "and leaves no room for output", "messages" if param != "prompt" else "prompt")
+                              "and leaves no room for output",
+                              prompt_param or ("messages" if param != "prompt" else "prompt"))
         if max_tokens is None:
             return room
         if max_tokens > room:

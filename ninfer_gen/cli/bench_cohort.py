@@ -1,0 +1,406 @@
+"""bench_cohort: `ninfer-gen bench --concurrency 1,2,4,8` and `--long-prompt N` — the reference workload run
+as a cohort through engine.Engine over the lanes engine.cohort.cohort_lanes picks (the GPU adapter, or
+ReferenceLanes on the CPU). Owns the workload, its timings and the report (table, JSON, PNG plot); the
+numbers come from the engine and its backend, and torch is imported only when a bench runs.
+
+Per concurrency C, with K drafts and then without (draft 0): C requests of `--prompt-tokens` tokens each
+(distinct windows of a fixed text where the model has a tokenizer, else seeded random ids), submitted at
+once, each asking for `--output-tokens` greedy tokens, after an untimed warm-up at the same C. The engine is
+stepped by hand and every token arrival stamped after its step. End to end tok/s: every output token / the
+wall time from the submits to the last token; decode tok/s: the tokens of the steps after every request
+has its first one / that stretch; TTFT: the engine's submit → first token per request (mean, p50, max);
+acceptance and tokens per round from the engine's per-request counts; peak memory of the timed run: on the
+GPU torch's allocator peak and the device's used bytes (every process and context, sampled), on the CPU
+the resident set's high-water mark.
+
+`--long-prompt N`, what a long prompt arriving costs the decoding lanes, is bench_interference's.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+WINDOW = 32                   # --long-prompt: engine steps measured before and after the long prefill
+LONG_DEFAULT = {"gpu": 32768, "reference": 2048}
+MIN_CHUNK = 64                # --long-prompt: the smallest prefill budget the running lanes' context is sized for
+GiB, MiB = 2 ** 30, 2 ** 20
+# distinct prompts for models with a real tokenizer: windows of this text (not in the small model's corpus)
+TEXT = '''
+def merge_intervals(intervals):
+    """Merge overlapping [start, end] pairs and return them sorted."""
+    ordered = sorted(intervals, key=lambda pair: pair[0])
+    merged = []
+    for start, end in ordered:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+class LRUCache:
+    def __init__(self, capacity):
+        self.capacity = capacity
+        self.items = {}
+
+    def get(self, key, default=None):
+        if key not in self.items:
+            return default
+        value = self.items.pop(key)
+        self.items[key] = value
+        return value
+
+    def put(self, key, value):
+        self.items.pop(key, None)
+        self.items[key] = value
+        while len(self.items) > self.capacity:
+            self.items.pop(next(iter(self.items)))
+
+'''
+
+
+def add_arguments(p) -> None:
+    """The cohort bench's options on the bench command's parser (the shared ones are the bench's)."""
+    p.add_argument("--concurrency", default=None, metavar="C,C,...", help="cohort bench: run the reference "
+                   "workload with C requests at once through the cohort engine for each C of this list (e.g. "
+                   "1,2,4,8), with --draft K (default 3) and then without drafts; prints a table, writes --json and "
+                   "a PNG plot beside it. "
+                   "Runs on the CPU too (--backend reference). Of the options above it takes --weights, "
+                   "--prompt-tokens, --output-tokens, --draft, --accept-prob, --draft-vocab, --vram-budget, --json")
+    p.add_argument("--no-plain", action="store_true", help="cohort bench: skip the runs without drafts")
+    p.add_argument("--long-prompt", type=int, nargs="?", const=0, default=None, metavar="N",
+                   help="cohort bench: --running-lanes requests decode, then one N-token prompt arrives: its TTFT "
+                   "and the running lanes' gaps between tokens before, during and after its prefill (N default: "
+                   f"{LONG_DEFAULT['gpu']:,} on the GPU, {LONG_DEFAULT['reference']:,} on the reference backend)")
+    p.add_argument("--running-lanes", type=int, default=7, help="--long-prompt: lanes decoding when it arrives "
+                   "(default 7)")
+    p.add_argument("--prefill-budget", type=int, default=None, help="cohort bench: prompt tokens the engine "
+                   "prefills per step between decode rounds (default: the backend's prefill chunk)")
+    p.add_argument("--backend", choices=("auto", "gpu", "reference"), default="auto", help="cohort bench: gpu "
+                   "(the compiled kernels, executor.gpu_lanes), reference (the interpreter on the CPU, "
+                   "ReferenceLanes) or auto (default: gpu when a CUDA device is visible)")
+    p.add_argument("--batch-steps", action="store_true", help="cohort bench, reference backend: the plain lanes' "
+                   "steps as one B-row call (faster on the CPU; rows equal to fp32 rounding)")
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--concurrency: expected a comma-separated list of integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"--concurrency: expected positive integers, got {text!r}")
+    return values
+
+
+def _check(args, k: int) -> None:
+    if k < 0:
+        raise ValueError(f"--draft must be ≥ 0, got {k}")
+    if args.accept_prob is not None and not (k > 0 and 0 <= args.accept_prob <= 1):
+        raise ValueError("--accept-prob needs --draft K > 0 and a probability in [0, 1]")
+    for name in ("prompt_tokens", "output_tokens", "running_lanes"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(args, name)}")
+    if args.prefill_budget is not None and args.prefill_budget < 1:
+        raise ValueError(f"--prefill-budget must be ≥ 1, got {args.prefill_budget}")
+    if args.long_prompt is not None and args.long_prompt < 0:
+        raise ValueError(f"--long-prompt must be ≥ 1 tokens, got {args.long_prompt}")
+
+
+def _load(args, backend: str, k: int, lanes: int, context: int, pool: int):
+    import ninfer_gen
+
+    source = args.weights or args.spec
+    if backend == "reference":
+        _fits_host(source)
+        return ninfer_gen.load(source, backend="reference", device="cpu", max_context=context, draft=k)
+    from ninfer_gen.cli.bench import _draft_vocab
+    from ninfer_gen.cli.env import build_root, compile_options
+    from ninfer_gen.executor.memory_plan import parse_bytes
+
+    return ninfer_gen.load(source, backend="gpu", max_context=context, vram_budget=parse_bytes(args.vram_budget),
+                           random_weights="device", progress=True, options=compile_options(), build_root=build_root(),
+                           draft=k, accept_coin=args.accept_prob is not None, draft_vocab=_draft_vocab(args),
+                           cohorts=lanes, kv_pool_tokens=pool)
+
+
+def _fits_host(source) -> None:
+    """A spec's random fp32 weights must fit in half the host's memory (the 27B default does not)."""
+    if not str(source).endswith((".yaml", ".yml")):
+        return
+    from compiler.sizes import summary
+    from compiler.spec import load_spec
+
+    params = summary(load_spec(source))["parameters"]
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if 4 * params > total // 2:
+        raise ValueError(f"{source}: {params / 1e9:.1f} B parameters in fp32 ({4 * params / GiB:.0f} GiB) do not fit "
+                         f"the reference backend on this machine ({total / GiB:.0f} GiB): give the small model "
+                         "(models/qwen3.8-small-py) or a smaller spec")
+
+
+def _prompts(model, count: int, tokens: int) -> list[list[int]]:
+    """`count` distinct prompts of `tokens` ids: windows of TEXT where the model has a tokenizer (real
+    acceptance on a trained model), else seeded random ids (random weights)."""
+    if model.tokenizer.name != "bytes":
+        ids = model.tokenizer.encode(TEXT)
+        stride = max(1, (len(ids) - tokens) // max(1, count - 1))
+        windows = [ids[i * stride:i * stride + tokens] for i in range(count)]
+        if len(ids) >= tokens and len({tuple(w) for w in windows}) == count and all(len(w) == tokens for w in windows):
+            return windows
+    from ninfer_gen.cli.bench import _ids
+    return [_ids(tokens, model.spec.model.vocab_size, 1000 + i) for i in range(count)]
+
+
+class _Memory:
+    """Peak memory of one timed run: on the GPU torch's allocator peak and the device's used bytes (every
+    process and context; sampled every 16 steps and at the end); on the CPU the resident set's high-water
+    mark (VmHWM, reset through /proc/self/clear_refs where allowed, else VmRSS sampled the same way)."""
+
+    def __init__(self, gpu: bool):
+        self.gpu, self.peak, self.hwm = gpu, 0, False
+
+    def reset(self) -> None:
+        import torch
+
+        self.peak = 0
+        if self.gpu:
+            torch.cuda.reset_peak_memory_stats()
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.hwm = True
+        except OSError:
+            self.hwm = False
+
+    def sample(self) -> None:
+        import torch
+
+        if self.gpu:
+            free, total = torch.cuda.mem_get_info()
+            self.peak = max(self.peak, total - free)
+        else:
+            self.peak = max(self.peak, _status("VmHWM" if self.hwm else "VmRSS"))
+
+    def figures(self) -> dict:
+        import torch
+
+        self.sample()
+        if self.gpu:
+            return {"allocator_peak_bytes": torch.cuda.max_memory_allocated(), "device_used_peak_bytes": self.peak}
+        return {"host_peak_rss_bytes": self.peak, "method": "VmHWM" if self.hwm else "VmRSS sampled"}
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+class _Driver:
+    """Steps an engine by hand and stamps every token arrival: per handle, (time, step, tokens) after the
+    step that sent them."""
+
+    def __init__(self, engine, memory: _Memory):
+        self.engine, self.memory, self.steps, self.arrivals = engine, memory, 0, {}
+
+    def submit(self, request):
+        handle = self.engine.submit(request)
+        self.arrivals[handle] = []
+        return handle
+
+    def step(self) -> bool:
+        worked = self.engine.step()
+        now, self.steps = time.perf_counter(), self.steps + 1
+        for handle, stamps in self.arrivals.items():
+            n = sum(len(e.tokens) for e in handle.poll())
+            if n:
+                stamps.append((now, self.steps, n))
+        if self.steps % 16 == 0:
+            self.memory.sample()
+        return worked
+
+    def finals(self, handles) -> list:
+        out = [h.result() for h in handles]
+        bad = [f for f in out if f.finish == "error"]
+        if bad:
+            raise RuntimeError(f"a request of the bench failed: {bad[0].error}")
+        return out
+
+
+def _pct(values: list[float], q: float) -> float:
+    """The q-quantile by nearest rank."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
+
+
+def cohort_run(lanes, prompts: list[list[int]], c: int, k: int, args, memory: _Memory) -> dict:
+    """C requests at once (after an untimed warm-up at C): one row of the table."""
+    from ninfer_gen.engine import Engine, Request
+
+    engine = Engine(lanes, lanes=c, max_queue=c, prefill_budget=args.prefill_budget)
+    warm = [engine.submit(Request(p, min(args.output_tokens, 2 * k + 4), draft=k)) for p in prompts[c:2 * c]]
+    engine.run_until_idle()
+    _Driver(engine, memory).finals(warm)
+    memory.reset()
+    rounds_before = engine.stats()["rounds"]
+    d = _Driver(engine, memory)
+    t0 = time.perf_counter()
+    handles = [d.submit(Request(p, args.output_tokens, draft=k)) for p in prompts[:c]]
+    while d.step():
+        pass
+    finals = d.finals(handles)
+    stamps = [d.arrivals[h] for h in handles]
+    end = max(s[-1][0] for s in stamps)
+    all_first = max(stamps, key=lambda s: s[0][1])[0]           # the step that gave the last first token
+    decode_tokens = sum(n for s in stamps for _, step, n in s if step > all_first[1])
+    stats = [f.stats for f in finals]
+    ttft = [s.ttft_s * 1e3 for s in stats]
+    tokens = sum(s.tokens for s in stats)
+    drafted, rounds = sum(s.drafted for s in stats), sum(s.rounds for s in stats)
+    return {"concurrency": c, "draft": k, "output_tokens": tokens, "wall_s": end - t0, "e2e_tok_s": tokens / (end - t0),
+            "decode_tok_s": decode_tokens / (end - all_first[0]) if end > all_first[0] else None,
+            "ttft_ms": {"mean": statistics.fmean(ttft), "p50": statistics.median(ttft), "max": max(ttft)},
+            "acceptance": sum(s.accepted for s in stats) / drafted if drafted else None,
+            "tokens_per_round": sum(s.tokens - 1 for s in stats) / rounds if rounds else None,
+            "engine_rounds": engine.stats()["rounds"] - rounds_before, "memory": memory.figures()}
+
+
+def _lane_tokens(tokens: int) -> int:
+    """A lane's share of a shared KV pool: its tokens rounded up to whole pages of any size dividing 256."""
+    return -(-tokens // 256) * 256
+
+
+def _sizes(args, sweep: list[int], n: int, k: int) -> tuple[int, int, int]:
+    """(lanes, context per lane, shared KV pool tokens) for the sweep and the long prompt; the running lanes
+    of --long-prompt decode for WINDOW steps each side of its prefill of ≤ n / MIN_CHUNK steps."""
+    run_ctx = args.prompt_tokens + args.output_tokens + 2 * k + 16 if sweep else 0
+    steps = 2 * WINDOW + -(-n // (args.prefill_budget or MIN_CHUNK)) + 8
+    long_run_ctx = args.prompt_tokens + steps * (k + 1) if n else 0
+    long_ctx = n + (WINDOW + 2) * (k + 1) + 16 if n else 0
+    lanes = max(sweep + ([args.running_lanes + 1] if n else []))
+    pool = max(max(sweep or [0]) * _lane_tokens(run_ctx),
+               _lane_tokens(long_ctx) + args.running_lanes * _lane_tokens(long_run_ctx))
+    return lanes, max(run_ctx, long_run_ctx, long_ctx), pool
+
+
+def run(args) -> dict:
+    import torch
+
+    backend = args.backend if args.backend != "auto" else "gpu" if torch.cuda.is_available() else "reference"
+    if backend == "gpu" and not torch.cuda.is_available():
+        raise RuntimeError("--backend gpu needs a CUDA GPU; none is visible (--backend reference runs on the CPU)")
+    k = 3 if args.draft is None else args.draft
+    sweep = _int_list(args.concurrency) if args.concurrency else []
+    _check(args, k)
+    n = (args.long_prompt or LONG_DEFAULT[backend]) if args.long_prompt is not None else 0
+    lanes, context, pool = _sizes(args, sweep, n, k)
+    t0 = time.perf_counter()
+    model = _load(args, backend, k, lanes, context, pool)
+    adapter_options = {"batch_steps": True} if args.batch_steps and backend == "reference" else {}
+    from ninfer_gen.engine.cohort import cohort_lanes
+
+    adapter = cohort_lanes(model, lanes, accept_prob=args.accept_prob, **adapter_options)
+    memory = _Memory(backend == "gpu")
+    result = {"model": model.source, "backend": backend, "device": _device_name(backend), "draft": k,
+              "accept_prob": args.accept_prob, "batch_steps": bool(adapter_options),
+              "prompt_tokens": args.prompt_tokens,
+              "output_tokens": args.output_tokens, "prefill_budget": args.prefill_budget or adapter.prefill_chunk,
+              "max_context": adapter.max_context, "load_s": time.perf_counter() - t0, "runs": {}}
+    prompts = _prompts(model, 2 * max(lanes, 1), args.prompt_tokens)
+    kinds = ([("mtp", k)] if k else []) + ([] if k and args.no_plain else [("plain", 0)])
+    for name, draft in kinds if sweep else []:
+        result["runs"][name] = [cohort_run(adapter, prompts, c, draft, args, memory) for c in sweep]
+    if n:
+        from ninfer_gen.cli.bench_interference import interference
+        result["interference"] = interference(adapter, prompts, n, k, args, memory, model.spec.model.vocab_size)
+    return result
+
+
+def _device_name(backend: str) -> str:
+    import torch
+
+    if backend == "gpu":
+        return torch.cuda.get_device_name()
+    return f"CPU, {torch.get_num_threads()} torch threads"
+
+
+def _memory_text(m: dict) -> str:
+    if "allocator_peak_bytes" in m:
+        return f"{m['allocator_peak_bytes'] / GiB:.2f} / {m['device_used_peak_bytes'] / GiB:.2f}"
+    return f"{m['host_peak_rss_bytes'] / MiB:,.0f}"
+
+
+def table(r: dict) -> str:
+    gpu = r["backend"] == "gpu"
+    coin = f", --accept-prob {r['accept_prob']} (a coin per draft, bench only)" if r["accept_prob"] is not None else ""
+    workload = (f"{r['prompt_tokens']}-token prompts, {r['output_tokens']} greedy tokens per request; "
+                if r["runs"] else "")
+    lines = [f"cohort bench: {r['model']}; {r['backend']} backend on {r['device']}; {workload}"
+             f"prefill budget {r['prefill_budget']} tokens per step"]
+    head = (f"{'C':>3} {'e2e tok/s':>10} {'decode tok/s':>13} {'TTFT mean / p50 / max ms':>26} {'accept':>7} "
+            f"{'tok/round':>9} {'peak alloc / device GiB' if gpu else 'peak RSS MiB':>23}")
+    titles = {"mtp": f"with MTP, K = {r['draft']}{coin}:", "plain": "plain decode (draft 0):"}
+    for name, rows in r["runs"].items():
+        lines += [titles[name], head]
+        for x in rows:
+            t = x["ttft_ms"]
+            decode = f"{x['decode_tok_s']:13.1f}" if x["decode_tok_s"] is not None else f"{'-':>13}"
+            accept = f"{x['acceptance']:7.1%}" if x["acceptance"] is not None else f"{'-':>7}"
+            per_round = f"{x['tokens_per_round']:9.2f}" if x["tokens_per_round"] is not None else f"{'-':>9}"
+            ttft = f"{t['mean']:,.0f} / {t['p50']:,.0f} / {t['max']:,.0f}"
+            lines.append(f"{x['concurrency']:>3} {x['e2e_tok_s']:10.1f} {decode} {ttft:>26} {accept} {per_round} "
+                         f"{_memory_text(x['memory']):>23}")
+    if len(r["runs"]) == 2:
+        lines.append("MTP / plain, end to end: " + ", ".join(
+            f"C={a['concurrency']} {a['e2e_tok_s'] / b['e2e_tok_s']:.2f}×"
+            for a, b in zip(r["runs"]["mtp"], r["runs"]["plain"])))
+    if "interference" in r:
+        from ninfer_gen.cli.bench_interference import table_lines
+        lines += table_lines(r["interference"])
+    return "\n".join(lines)
+
+
+def plot(r: dict, path: Path) -> None:
+    """tok/s against concurrency, end to end and decode, with and without MTP."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    labels = {"mtp": f"MTP K={r['draft']}", "plain": "no MTP"}
+    for name, rows in r["runs"].items():
+        cs = [x["concurrency"] for x in rows]
+        line, = ax.plot(cs, [x["e2e_tok_s"] for x in rows], "o-", label=f"{labels[name]}, end to end")
+        decode = [(c, x["decode_tok_s"]) for c, x in zip(cs, rows) if x["decode_tok_s"] is not None]
+        if decode:                   # none where every request is one token long
+            ax.plot(*zip(*decode), "s--", color=line.get_color(), label=f"{labels[name]}, decode")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(cs, [str(c) for c in cs])
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("tokens/s (all requests)")
+    ax.set_title(f"{Path(str(r['model']).split(' ')[0]).name} on {r['device']}\n{r['prompt_tokens']}-token prompts, "
+                 f"{r['output_tokens']} tokens each", fontsize=9)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def cmd_bench_cohort(args) -> int:
+    result = run(args)
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if result["runs"]:
+            result["plot"] = str(path.with_suffix(".png"))
+            plot(result, Path(result["plot"]))
+        path.write_text(json.dumps(result, indent=2))
+    print(table(result))
+    return 0

@@ -1,0 +1,427 @@
+"""responses_api: the OpenAI Responses API — `POST /v1/responses` (one `response` object, or streamed as the
+Responses SSE sequence: response.created, response.in_progress, then per output item output_item.added,
+content_part.added, the item's deltas and .done events, output_item.done, and last response.completed —
+or response.incomplete when max_output_tokens cut it, as OpenAI does), `GET` and `DELETE
+/v1/responses/{id}` over a bounded local store (LRU) that also backs `previous_response_id`.
+
+Owns the request's validation (a 400 naming the field), `input` (a string, or items: messages of role
+user / system / developer / assistant with input_text / output_text parts, function_call and
+function_call_output items as the chat template's assistant tool calls and tool messages, reasoning items
+as the next assistant turn's reasoning) with `instructions` into the chat template's messages, and the
+output items: `reasoning` (reasoning_text content), `message` (output_text), `function_call` (arguments
+streamed); usage and ids. `ResponseBuilder` turns parser events (serve.parsing) into items and stream
+events; it is pure. Not here: text.format json_schema / json_object and tool_choice "required" or named
+(structured output: 400), built-in tools (web search, files, …: 400), background mode, conversations,
+item_reference, images and files.
+
+A streamed function call is announced as it starts; if its markup then turns out malformed, its item is
+closed `incomplete` and left out of the final output (the markup follows as text), as in openai_api."""
+from __future__ import annotations
+
+import json
+import time
+from collections import OrderedDict
+
+from fastapi import APIRouter, Request as HTTPRequest
+from fastapi.responses import StreamingResponse
+
+from ninfer_gen.serve.core import (APIError, Generation, ServeState, bad_request, get, json_body, new_id,
+                                   sampling_params, sse)
+from ninfer_gen.serve.parsing import (ContentDelta, OutputParser, ReasoningDelta, ToolCallArgumentsDelta,
+                                      ToolCallEnd, ToolCallInvalid, ToolCallStart)
+
+STORE_SIZE = 256                       # responses kept for previous_response_id and GET (least recently used out)
+ROLES = ("user", "system", "developer", "assistant")
+TEXT_PARTS = ("input_text", "output_text")
+# fields the API defines that this server does not implement: a 400 naming the field unless default
+_UNSUPPORTED = {"background": False, "conversation": None, "prompt": None, "top_logprobs": 0,
+                "truncation": "disabled"}
+
+
+class ResponseStore:
+    """The last `size` stored responses: id → (the response object, the conversation it ends — the chat
+    template's messages, instructions apart, as previous_response_id continues it)."""
+
+    def __init__(self, size: int = STORE_SIZE):
+        self.size, self._items = size, OrderedDict()
+
+    def put(self, response: dict, conversation: list[dict]) -> None:
+        self._items[response["id"]] = (response, conversation)
+        self._items.move_to_end(response["id"])
+        while len(self._items) > self.size:
+            self._items.popitem(last=False)
+
+    def get(self, response_id, param: str | None = None) -> tuple[dict, list[dict]]:
+        if not isinstance(response_id, str) or response_id not in self._items:
+            raise APIError(404, f"no stored response with id {response_id!r} (this server keeps the last {self.size} "
+                           "responses made with store=true)", param=param, kind="not_found",
+                           code="previous_response_not_found" if param else "response_not_found")
+        self._items.move_to_end(response_id)
+        return self._items[response_id]
+
+    def delete(self, response_id: str) -> None:
+        self.get(response_id)
+        del self._items[response_id]
+
+
+# ---------------------------------------------------------------------------------------- request → prompt
+
+
+def _text(content, where: str, parts=TEXT_PARTS) -> str:
+    """A string, or text parts joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request("expected a string or a list of content parts", where)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind not in parts:
+            raise bad_request(f"a content part of type {kind!r}: this model takes text parts only "
+                              f"({', '.join(parts)})", f"{where}[{j}]")
+        if not isinstance(part.get("text"), str):
+            raise bad_request("expected a string", f"{where}[{j}].text")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _string(item: dict, key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str) or not value:
+        raise bad_request("a non-empty string is required", f"{where}.{key}")
+    return value
+
+
+def _arguments(text, where: str) -> dict:
+    if not isinstance(text, str):
+        raise bad_request("expected a string of JSON", where)
+    try:
+        args = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as err:
+        raise bad_request(f"not valid JSON: {err}", where) from None
+    if not isinstance(args, dict):
+        raise bad_request("must be a JSON object", where)
+    return args
+
+
+def input_messages(items, where: str = "input") -> list[dict]:
+    """Input items → the chat template's messages (function calls join the assistant turn before them;
+    a reasoning item is the reasoning of the assistant turn that follows it)."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise bad_request("expected a string or a non-empty list of input items", where)
+    out: list[dict] = []
+    reasoning: list[str] = []
+
+    def assistant(new: bool) -> dict:
+        if new or not out or out[-1]["role"] != "assistant":
+            out.append({"role": "assistant", "content": ""})
+        if reasoning:
+            out[-1].setdefault("reasoning_content", "".join(reasoning))
+            reasoning.clear()
+        return out[-1]
+
+    for i, item in enumerate(items):
+        w = f"{where}[{i}]"
+        if not isinstance(item, dict):
+            raise bad_request("expected an input item (object)", w)
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ROLES:
+                raise bad_request(f"role must be one of {', '.join(ROLES)}, got {role!r}", w + ".role")
+            text = _text(item.get("content"), w + ".content")
+            if role == "assistant":
+                assistant(True)["content"] = text
+            else:
+                out.append({"role": "system" if role == "developer" else role, "content": text})
+        elif kind == "function_call":
+            call = {"id": _string(item, "call_id", w), "type": "function",
+                    "function": {"name": _string(item, "name", w), "arguments": _arguments(item.get("arguments"),
+                                                                                         w + ".arguments")}}
+            assistant(False).setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            output = item.get("output")
+            out.append({"role": "tool", "tool_call_id": _string(item, "call_id", w),
+                        "content": _text(output, w + ".output", ("input_text",)) if output is not None else ""})
+        elif kind == "reasoning":
+            content = item.get("content") or item.get("summary") or []
+            reasoning.append(_text(content, w + (".content" if item.get("content") else ".summary"),
+                                   ("reasoning_text", "summary_text")))
+        else:
+            raise bad_request(f"input items of type {kind!r} are not supported here (message, function_call, "
+                              "function_call_output and reasoning are)", w + ".type")
+    return out
+
+
+def request_tools(body: dict) -> list[dict] | None:
+    """Function tools in the chat template's shape (None: none, or tool_choice "none")."""
+    tools = get(body, "tools", "array", default=[])
+    choice = body.get("tool_choice")
+    if choice is not None and choice not in ("auto", "none"):
+        if choice == "required" or isinstance(choice, dict):
+            raise bad_request("tool_choice \"required\" or a named tool needs structured output (a grammar), which "
+                              "this server does not have yet; use \"auto\"", "tool_choice")
+        raise bad_request(f"expected \"auto\", \"none\", \"required\" or a named tool, got {choice!r}", "tool_choice")
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict):
+            raise bad_request("expected a tool (object)", f"tools[{i}]")
+        if t.get("type") != "function":
+            raise bad_request(f"tools of type {t.get('type')!r} are not supported here; only \"function\"",
+                              f"tools[{i}].type")
+        fn = {"name": _string(t, "name", f"tools[{i}]"),
+              "parameters": get(t, "parameters", "object", where=f"tools[{i}].", default={"type": "object"})}
+        if get(t, "description", "string", where=f"tools[{i}].") is not None:
+            fn["description"] = t["description"]
+        out.append({"type": "function", "function": fn})
+    return out if out and choice != "none" else None
+
+
+def _echo_tools(tools: list[dict] | None, given) -> list[dict]:
+    strict = {t.get("name"): t.get("strict") for t in given or [] if isinstance(t, dict)}
+    return [{"type": "function", "name": t["function"]["name"], "description": t["function"].get("description"),
+             "parameters": t["function"]["parameters"], "strict": strict.get(t["function"]["name"])}
+            for t in tools or []]
+
+
+def _check_supported(body: dict) -> None:
+    for name, default in _UNSUPPORTED.items():
+        value = body.get(name)
+        if value is not None and value != default:
+            raise bad_request(f"{name}={json.dumps(value)} is not supported by this server", name)
+    fmt = get(get(body, "text", "object", default={}), "format", "object", where="text.")
+    if fmt is not None and fmt.get("type") != "text":
+        raise bad_request("structured output (json_schema / json_object) is not supported by this server yet; only "
+                          "{\"type\": \"text\"}", "text.format")
+
+
+def _reasoning(body: dict) -> tuple[str | None, bool | None]:
+    """reasoning.effort, and the template's enable_thinking from it ("none": off; unset: the template's default)."""
+    effort = get(get(body, "reasoning", "object", default={}), "effort", "string", where="reasoning.")
+    return effort, None if effort is None else effort != "none"
+
+
+# ---------------------------------------------------------------------------------------- builder
+
+
+class ResponseBuilder:
+    """Parser events → output items. `events(parser_events)` gives the stream's events (dicts with their
+    `type`, without sequence numbers), opening and closing items as the kind of output changes; `close(status)`
+    ends the open item; `output()` is the response's items, `message()` the chat template's assistant turn."""
+
+    def __init__(self):
+        self.items: list[dict] = []             # every item opened, in stream order (output_index)
+        self.open: dict | None = None           # the open item: {"index", "kind", "call"}
+        self.calls: dict[int, dict] = {}        # parser call index → its item
+        self.arguments: dict[int, dict] = {}    # parser call index → parsed arguments (closed calls)
+        self.dropped: set[int] = set()          # output indices of calls whose markup broke
+
+    def _item_event(self, kind: str, index: int, item: dict) -> dict:
+        return {"type": f"response.output_item.{kind}", "output_index": index, "item": json.loads(json.dumps(item))}
+
+    def _start(self, item: dict, kind: str, call: int | None = None) -> list[dict]:
+        out = self.close()
+        index = len(self.items)
+        self.items.append(item)
+        self.open = {"index": index, "kind": kind, "call": call}
+        out.append(self._item_event("added", index, item))
+        if kind != "function_call":
+            part = {"type": "reasoning_text", "text": ""} if kind == "reasoning" else \
+                {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            item["content"].append(part)
+            out.append({"type": "response.content_part.added", "item_id": item["id"], "output_index": index,
+                        "content_index": 0, "part": dict(part)})
+        return out
+
+    def close(self, status: str = "completed") -> list[dict]:
+        if self.open is None:
+            return []
+        index, kind, self.open = self.open["index"], self.open["kind"], None
+        item = self.items[index]
+        item["status"] = status
+        where = {"item_id": item["id"], "output_index": index}
+        if kind == "function_call":
+            out = [{"type": "response.function_call_arguments.done", **where, "name": item["name"],
+                    "arguments": item["arguments"]}]
+        else:
+            part = item["content"][0]
+            done = "response.reasoning_text.done" if kind == "reasoning" else "response.output_text.done"
+            out = [{"type": done, **where, "content_index": 0, "text": part["text"],
+                    **({"logprobs": []} if kind == "message" else {})},
+                   {"type": "response.content_part.done", **where, "content_index": 0, "part": dict(part)}]
+        return out + [self._item_event("done", index, item)]
+
+    def _text(self, kind: str, text: str) -> list[dict]:
+        out = []
+        if self.open is None or self.open["kind"] != kind:
+            item = {"id": new_id("rs_"), "type": "reasoning", "summary": [], "content": [], "status": "in_progress"} \
+                if kind == "reasoning" else \
+                {"id": new_id("msg_"), "type": "message", "role": "assistant", "status": "in_progress", "content": []}
+            out = self._start(item, kind)
+        item = self.items[self.open["index"]]
+        item["content"][0]["text"] += text
+        delta = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        return out + [{"type": delta, "item_id": item["id"], "output_index": self.open["index"], "content_index": 0,
+                       "delta": text, **({"logprobs": []} if kind == "message" else {})}]
+
+    def events(self, events) -> list[dict]:
+        out = []
+        for e in events:
+            if isinstance(e, ReasoningDelta):
+                out += self._text("reasoning", e.text)
+            elif isinstance(e, ContentDelta):
+                out += self._text("message", e.text)
+            elif isinstance(e, ToolCallStart):
+                item = self.calls[e.index] = {"id": new_id("fc_"), "type": "function_call", "call_id": new_id("call_"),
+                                              "name": e.name, "arguments": "", "status": "in_progress"}
+                out += self._start(item, "function_call", e.index)
+            elif isinstance(e, ToolCallArgumentsDelta) and self.open and self.open["call"] == e.index:
+                self.calls[e.index]["arguments"] += e.text
+                out.append({"type": "response.function_call_arguments.delta", "item_id": self.calls[e.index]["id"],
+                            "output_index": self.open["index"], "delta": e.text})
+            elif isinstance(e, ToolCallEnd) and self.open and self.open["call"] == e.index:
+                self.calls[e.index]["arguments"] = e.call.arguments_json
+                self.arguments[e.index] = e.call.arguments
+                out += self.close()
+            elif isinstance(e, ToolCallInvalid) and e.index is not None and self.open and self.open["call"] == e.index:
+                self.dropped.add(self.open["index"])
+                out += self.close("incomplete")
+        return out
+
+    def output(self) -> list[dict]:
+        return [item for i, item in enumerate(self.items) if i not in self.dropped]
+
+    def message(self) -> dict:
+        """The output as the chat template's assistant turn (what a later turn's conversation holds)."""
+        items = self.output()
+        msg = {"role": "assistant", "content": "".join(i["content"][0]["text"] for i in items if i["type"] == "message")}
+        reasoning = "".join(i["content"][0]["text"] for i in items if i["type"] == "reasoning")
+        if reasoning:
+            msg["reasoning_content"] = reasoning
+        calls = [(index, item) for index, item in self.calls.items() if index in self.arguments]
+        if calls:
+            msg["tool_calls"] = [{"id": item["call_id"], "type": "function",
+                                  "function": {"name": item["name"], "arguments": self.arguments[index]}}
+                                 for index, item in calls]
+        return msg
+
+
+# ---------------------------------------------------------------------------------------- one response
+
+
+class _Turn:
+    """One POST /v1/responses: the checked request, its generation (submitted at construction, after every
+    check), and its response object as it goes (`snapshot`) and at the end (`finish`, which stores it)."""
+
+    def __init__(self, state: ServeState, store: ResponseStore, body: dict):
+        state.check_model(body.get("model"))
+        _check_supported(body)
+        self.state, self.store = state, store
+        self.stream = get(body, "stream", "boolean", default=False)
+        previous = get(body, "previous_response_id", "string")
+        history = store.get(previous, "previous_response_id")[1] if previous is not None else []
+        if body.get("input") is None:
+            raise bad_request("this field is required (a string or a list of input items)", "input")
+        self.conversation = [*history, *input_messages(body["input"])]
+        instructions = get(body, "instructions", "string")
+        tools, (effort, thinking) = request_tools(body), _reasoning(body)
+        max_out = get(body, "max_output_tokens", "integer", minimum=1)
+        temperature, top_p = get(body, "temperature", "number"), get(body, "top_p", "number")
+        sampling = sampling_params(temperature, top_p, get(body, "top_k", "integer"), get(body, "seed", "integer"))
+        messages = [{"role": "system", "content": instructions}] * bool(instructions) + self.conversation
+        prompt_text = state.render_chat(messages, tools, thinking, param="input")
+        prompt = state.encode(prompt_text)
+        budget = state.prompt_budget(prompt, max_out, "max_output_tokens", prompt_param="input")
+        self.base = {
+            "id": new_id("resp_"), "object": "response", "created_at": int(time.time()), "background": False,
+            "instructions": instructions, "max_output_tokens": max_out, "max_tool_calls": None,
+            "model": state.served_model_name, "previous_response_id": previous,
+            "parallel_tool_calls": get(body, "parallel_tool_calls", "boolean", default=True),
+            "reasoning": {"effort": effort, "summary": None}, "store": get(body, "store", "boolean", default=True),
+            "temperature": 1.0 if temperature is None else temperature, "text": {"format": {"type": "text"}},
+            "tool_choice": body.get("tool_choice") or "auto", "tools": _echo_tools(tools, body.get("tools")),
+            "top_p": 1.0 if top_p is None else top_p, "truncation": "disabled", "user": get(body, "user", "string"),
+            "metadata": get(body, "metadata", "object", default={})}
+        self.parser = OutputParser.for_prompt(prompt_text, thinking=thinking is not False,
+                                              parse_tool_calls=bool(tools), tools=tools)
+        self.builder = ResponseBuilder()
+        self.gen = Generation(state, prompt, budget, sampling, [], self.base["id"])
+
+    def snapshot(self, status: str, usage: dict | None = None, error: dict | None = None) -> dict:
+        return {**self.base, "status": status, "error": error, "output": self.builder.output() if usage else [],
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "completed_at": int(time.time()) if status == "completed" else None, "usage": usage}
+
+    def finish(self, reason: str) -> tuple[list[dict], dict]:
+        """The closing events of the open item and the final response (stored when `store`)."""
+        status = "incomplete" if reason == "length" else "completed"
+        events = self.builder.close(status)
+        gen, turn = self.gen, self.builder.message()
+        reasoning = len(self.state.encode(turn["reasoning_content"])) if "reasoning_content" in turn else 0
+        response = self.snapshot(status, {
+            "input_tokens": gen.prompt_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "output_tokens": gen.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": min(reasoning, gen.completion_tokens)},
+            "total_tokens": gen.prompt_tokens + gen.completion_tokens})
+        if response["store"]:
+            self.store.put(response, [*self.conversation, turn])
+        return events, response
+
+    async def whole(self, is_disconnected) -> dict:
+        out = await self.gen.text(is_disconnected)
+        self.builder.events(self.parser.feed(out.text) + self.parser.finish())
+        return self.finish(out.finish)[1]
+
+    async def events(self):
+        seq = 0
+
+        def event(obj: dict) -> str:
+            nonlocal seq
+            obj["sequence_number"], seq = seq, seq + 1
+            return sse(json.dumps(obj, ensure_ascii=False), obj["type"])
+
+        try:
+            yield event({"type": "response.created", "response": self.snapshot("in_progress")})
+            yield event({"type": "response.in_progress", "response": self.snapshot("in_progress")})
+            finish = "stop"
+            async for d in self.gen.deltas():
+                for obj in self.builder.events(self.parser.feed(d.text) + (self.parser.finish() if d.finish else [])):
+                    yield event(obj)
+                finish = d.finish or finish
+            closing, response = self.finish(finish)
+            for obj in closing:
+                yield event(obj)
+            yield event({"type": f"response.{response['status']}", "response": response})
+        except Exception as err:                  # the stream has begun: the error goes in it, then the end
+            message = err.message if isinstance(err, APIError) else f"{type(err).__name__}: {err}"
+            code = (err.code if isinstance(err, APIError) else None) or "server_error"
+            yield event({"type": "error", "code": code, "message": message, "param": None})
+            yield event({"type": "response.failed",
+                         "response": self.snapshot("failed", error={"code": code, "message": message})})
+        finally:
+            self.gen.cancel()                     # a client that went away: free the lane now
+
+
+def router(state: ServeState, store: ResponseStore | None = None) -> APIRouter:
+    api = APIRouter()
+    store = store if store is not None else ResponseStore()
+
+    @api.post("/v1/responses")
+    async def create(request: HTTPRequest):
+        turn = _Turn(state, store, await json_body(request))
+        if not turn.stream:
+            return await turn.whole(request.is_disconnected)
+        return StreamingResponse(turn.events(), media_type="text/event-stream")
+
+    @api.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str):
+        return store.get(response_id)[0]
+
+    @api.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str):
+        store.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    return api
