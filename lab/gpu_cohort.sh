@@ -12,7 +12,8 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if [ "${TESTS:-0}" = 1 ]; then
   timeout ${TESTS_S:-300} python3 -m pytest -m gpu tests/gpu/test_cohort_gpu.py -q -s -rf -p no:cacheprovider -x \
     > $OUT/cohort_tests.log 2>&1
-  echo "cohort tests: rc $?"; shown $OUT/cohort_tests.log ${TESTS_TAIL:-40}
+  rc=$?; echo "cohort tests: rc $rc"; shown $OUT/cohort_tests.log ${TESTS_TAIL:-40}
+  [ $rc = 0 ] || exit $rc              # the figures need working lanes
 fi
 if [ "${FIGURES:-0}" = 1 ]; then
   timeout ${FIGURES_S:-400} python3 -m lab.cohort_gpu --json $OUT/cohort_gpu.json > $OUT/cohort_gpu.log 2>&1
