@@ -19,6 +19,7 @@ import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
+from typing import Any
 
 from ninfer_gen.engine.lanes import LaneBackend, LaneState
 from ninfer_gen.engine.sampling import SamplingParams
@@ -39,6 +40,7 @@ class Request:
     draft: int = 0                      # MTP drafts per round (0: plain steps)
     id: str | None = None
     max_context: int | None = None      # this request's context limit (≤ the backend's)
+    constraint: Any = None              # structured output: an engine.grammar.Grammar (None: free text)
 
     def __post_init__(self):
         object.__setattr__(self, "prompt", tuple(int(t) for t in self.prompt))
@@ -47,6 +49,9 @@ class Request:
             raise ValueError("the prompt is empty")
         if not isinstance(self.sampling, SamplingParams):
             raise ValueError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
+        if self.constraint is not None and not callable(getattr(self.constraint, "matcher", None)):
+            raise ValueError(f"constraint must be a compiled grammar (engine.grammar.Grammar), "
+                             f"got {type(self.constraint).__name__}")
         for name in ("max_tokens", "draft", "max_context"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < (0 if name == "draft" else 1)):
@@ -300,7 +305,8 @@ class Engine:
                     live, admitted = self._waiting.popleft(), True
                     req = live.request
                     limit = min(req.max_context or self.backend.max_context, self.backend.max_context)
-                    live.lane = LaneState(i, list(req.prompt), req.sampling, req.stop, req.draft, limit)
+                    live.lane = LaneState(i, list(req.prompt), req.sampling, req.stop, req.draft, limit,
+                                          constraint=req.constraint)
                     live.t_admit = self.clock()
                     if len(req.prompt) > limit:
                         self._finish(live, "error", f"the prompt of {len(req.prompt)} tokens exceeds the context "

@@ -26,6 +26,9 @@ LaneBackend — what an adapter provides (the GPU adapter implements the same):
                         K > 0: verify [a, d1..dk] at L..L+k, k = min(K, max_context − L − 1), in record mode;
                                accept (greedy: speculative.accept_greedy, else accept_sampled with the
                                lane's RNG); commit the emitted tokens; drafts for the next round from the MTP.
+                      With a constraint (`lane.constraint`, an engine.grammar.Grammar), every token is chosen
+                      from logits masked by the grammar (disallowed: −inf): in a verify, row i by the grammar's
+                      state after d1..di, so a draft the grammar refuses is rejected like any other.
                       The tokens are `speculative.truncate(out, lane.stop, lane.budget)`: 1 ≤ n ≤ lane.budget,
                       a stop token only last. Afterwards: lane.length = L + n, lane.anchor = the last token,
                       lane.stats.drafted += k, lane.stats.accepted += drafts kept (before truncation).
@@ -36,8 +39,8 @@ LaneBackend — what an adapter provides (the GPU adapter implements the same):
   usage() -> dict     {"slots": n, "slots_in_use": n, "pages": n, "pages_in_use": n}
 
 Per round a device adapter reads from each LaneState: `slot`, `length` (committed), `anchor`, `drafts`,
-`k`, `budget`, `stop`, `sampling` (with its seed), `max_context`; it keeps its own per-lane data (RNG
-state, draft distributions, pending MTP input) in `lane.private`.
+`k`, `budget`, `stop`, `sampling` (with its seed), `max_context`, `constraint`; it keeps its own per-lane
+data (RNG state, draft distributions, pending MTP input, grammar matcher) in `lane.private`.
 """
 from __future__ import annotations
 
@@ -67,6 +70,7 @@ class LaneState:
     tokens: list[int] = field(default_factory=list)    # output so far (the engine appends)
     stats: Stats = field(default_factory=Stats)        # drafted/accepted: adapter; rounds/emitted: engine
     private: Any = None                # the adapter's per-lane data
+    constraint: Any = None             # the request's grammar (engine.grammar.Grammar), None: free text
 
     @property
     def slot(self) -> int:
@@ -101,6 +105,7 @@ class _Private:
     sampler: Sampler                   # seeded from the request's seed; its generator also draws drafts
     pending: tuple | None = None       # (hidden rows, next ids, start): the MTP input of the next drafts
     draft_probs: torch.Tensor | None = None
+    matcher: Any = None                # the grammar's state after the lane's output (engine.grammar.Matcher)
 
 
 class ReferenceLanes:
@@ -140,10 +145,19 @@ class ReferenceLanes:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary of {self.vocab_size}")
         if request.draft and not self.has_mtp:
             raise ValueError(f"model {self.backend.spec.name} has no MTP layer to draft with: use draft 0")
+        grammar = getattr(request, "constraint", None)
+        if grammar is not None and grammar.vocab_size != self.vocab_size:
+            raise ValueError(f"the constraint was compiled for a vocabulary of {grammar.vocab_size}, the model's "
+                             f"is {self.vocab_size}")
+        if grammar is not None and not grammar.eos_ids <= request.stop:
+            raise ValueError(f"the constraint ends with tokens {sorted(grammar.eos_ids)} that are not among the "
+                             "request's stop tokens: its output could not end")
 
     def open(self, lane: LaneState) -> None:
         lane.seq = self.backend.new_sequence()
         lane.private = _Private(Sampler(lane.sampling))
+        if lane.constraint is not None:
+            lane.private.matcher = lane.constraint.matcher()
 
     def prefill(self, lane: LaneState, ids: list[int], last: bool) -> int | None:
         b, priv, start = self.backend, lane.private, lane.length
@@ -152,7 +166,7 @@ class ReferenceLanes:
             if lane.k:           # every next token of a middle chunk is known: the MTP runs over it now
                 b.mtp(lane.seq, hidden, lane.prompt[start + 1:start + len(ids) + 1], start)
             return None
-        token = priv.sampler(logits[-1])
+        token = self._choose(lane, logits[-1])
         if lane.k:               # the last slot needs the first token: drafting waits for the first round
             priv.pending = (hidden, lane.prompt[start + 1:] + [token], start)
         lane.anchor = token
@@ -183,9 +197,19 @@ class ReferenceLanes:
                 "pages": blocks.num_pages, "pages_in_use": blocks.num_pages - blocks.free_pages}
 
     # ------------------------------------------------------------ one lane's round
+    @staticmethod
+    def _choose(lane: LaneState, logits: torch.Tensor) -> int:
+        """The next token from one row of logits: the lane's sampler, on the grammar's mask if it has one."""
+        matcher = lane.private.matcher
+        if matcher is None:
+            return lane.private.sampler(logits)
+        token = lane.private.sampler(matcher.mask(logits))
+        matcher.consume(token)
+        return token
+
     def _step(self, lane: LaneState) -> list[int]:
         logits, _ = self.backend.run("step", [lane.seq], [[lane.anchor]])
-        lane.anchor = lane.private.sampler(logits[-1])
+        lane.anchor = self._choose(lane, logits[-1])
         return [lane.anchor]
 
     def _batched_steps(self, lanes: list[LaneState]) -> dict[int, list[int] | BaseException]:
@@ -194,9 +218,14 @@ class ReferenceLanes:
         except Exception as err:
             return {lane.lane: err for lane in lanes}
         rows = logits.reshape(len(lanes), -1, logits.shape[-1])[:, -1]
+        out: dict[int, list[int] | BaseException] = {}
         for lane, row in zip(lanes, rows):
-            lane.anchor = lane.private.sampler(row)
-        return {lane.lane: [lane.anchor] for lane in lanes}
+            try:
+                lane.anchor = self._choose(lane, row)
+                out[lane.lane] = [lane.anchor]
+            except Exception as err:        # a grammar that failed: that lane's alone
+                out[lane.lane] = err
+        return out
 
     def _speculative(self, lane: LaneState) -> list[int]:
         """speculative.speculative_stream's round for one lane, drafting at the start of the round (no
@@ -211,6 +240,8 @@ class ReferenceLanes:
         drafts = lane.drafts[:k]
         start = seq.length
         v_logits, v_hidden = b.verify(seq, [lane.anchor] + drafts)
+        if priv.matcher is not None:
+            v_logits = masked_verify(priv.matcher, drafts, v_logits)
         if params.greedy:
             out = accept_greedy(drafts, v_logits)
         else:
@@ -219,7 +250,28 @@ class ReferenceLanes:
         lane.stats.drafted += len(drafts)
         lane.stats.accepted += len(out) - 1
         out = truncate(out, lane.stop, lane.budget)
+        if priv.matcher is not None:
+            priv.matcher.consume_all(out)
         b.commit(seq, len(out))
         priv.pending = (v_hidden[:len(out)], out, start)
         lane.anchor = out[-1]
         return out
+
+
+def masked_verify(matcher, drafts: list[int], v_logits: torch.Tensor) -> torch.Tensor:
+    """Verify logits [K+1, V] with row i masked by the grammar's state after d1..di (the matcher is left as
+    it was). Rows past the first draft the grammar refuses stay unmasked: that draft's own row refuses it
+    (greedy: it is not the masked argmax; sampled: its target probability is 0), so acceptance stops there
+    and the later rows are never read."""
+    rows = v_logits.reshape(len(drafts) + 1, -1).clone()
+    taken = 0
+    try:
+        for i in range(len(drafts) + 1):
+            rows[i] = matcher.mask(rows[i])
+            if i == len(drafts) or not matcher.allows(drafts[i]):
+                break
+            matcher.consume(drafts[i])
+            taken += 1
+    finally:
+        matcher.rollback(taken)
+    return rows
