@@ -8,8 +8,9 @@ thinking, text, tool_use (its input streamed as input_json_delta) — with stop_
 max_tokens / stop_sequence / tool_use and usage.
 
 `MessageBuilder` turns parser events (serve.parsing) into blocks and stream events; it is pure and tested
-on canned model output. Not here: images and documents (400), tool_choice "any" or a named tool
-(structured output; 400). Thinking blocks carry an empty signature (there is nothing to sign)."""
+on canned model output. tool_choice "any" or a named tool is a grammar on the engine request
+(serve.structured). Not here: images and documents (400). Thinking blocks carry an empty signature (there
+is nothing to sign)."""
 from __future__ import annotations
 
 import json
@@ -21,6 +22,7 @@ from ninfer_gen.serve.core import (APIError, Generation, ServeState, bad_request
                                    sampling_params, sse, stop_strings)
 from ninfer_gen.serve.parsing import (ContentDelta, OutputParser, ReasoningDelta, ToolCallArgumentsDelta,
                                       ToolCallEnd, ToolCallInvalid, ToolCallStart)
+from ninfer_gen.serve.structured import anthropic_tool_choice, constrained, thinking_for
 
 
 def _text_blocks(content, where: str) -> str:
@@ -101,10 +103,7 @@ def chat_tools(body: dict) -> list[dict] | None:
     choice = get(body, "tool_choice", "object")
     if choice is not None:
         kind = choice.get("type")
-        if kind in ("any", "tool"):
-            raise bad_request(f"tool_choice {kind!r} needs structured output (a grammar), which this server does "
-                              "not have yet; use 'auto'", "tool_choice")
-        if kind not in ("auto", "none"):
+        if kind not in ("auto", "any", "tool", "none"):
             raise bad_request(f"expected type auto, any, tool or none, got {kind!r}", "tool_choice.type")
     if not tools or (choice or {}).get("type") == "none":
         return None
@@ -135,9 +134,10 @@ def _thinking(body: dict) -> bool | None:
 def _prompt(state: ServeState, body: dict):
     messages = chat_messages(body)
     tools = chat_tools(body)
-    thinking = _thinking(body)
+    structured = anthropic_tool_choice(body.get("tool_choice"), tools)
+    thinking = thinking_for(structured, _thinking(body))
     text = state.render_chat(messages, tools, thinking)
-    return text, state.encode(text), tools, thinking
+    return text, state.encode(text), tools, thinking, structured
 
 
 # ---------------------------------------------------------------------------------------- builder
@@ -219,7 +219,7 @@ def router(state: ServeState) -> APIRouter:
     async def count_tokens(request: HTTPRequest):
         body = await json_body(request)
         state.check_model(body.get("model"))
-        _, prompt, _, _ = _prompt(state, body)
+        _, prompt, _, _, _ = _prompt(state, body)
         return {"input_tokens": len(prompt)}
 
     @api.post("/v1/messages")
@@ -231,12 +231,12 @@ def router(state: ServeState) -> APIRouter:
         sampling = sampling_params(get(body, "temperature", "number", maximum=1), get(body, "top_p", "number"),
                                    get(body, "top_k", "integer"), None)
         stop = stop_strings(body.get("stop_sequences"), "stop_sequences", most=64)
-        text, prompt, tools, thinking = _prompt(state, body)
+        text, prompt, tools, thinking, structured = _prompt(state, body)
         budget = state.prompt_budget(prompt, max_tokens, "max_tokens")
         mid = new_id("msg_")
         parser = OutputParser.for_prompt(text, thinking=thinking is not False, parse_tool_calls=bool(tools),
                                          tools=tools)
-        gen = Generation(state, prompt, budget, sampling, stop, mid)
+        gen = Generation(await constrained(state, structured, text, thinking), prompt, budget, sampling, stop, mid)
         builder = MessageBuilder()
         base = {"id": mid, "type": "message", "role": "assistant", "model": state.served_model_name}
 

@@ -7,8 +7,9 @@ as `tool_calls` (arguments streamed as the model writes them), usage, ids, finis
 stop / length / tool_calls.
 
 `ChatBuilder` turns parser events (serve.parsing) into the message or the stream's deltas; it is pure and
-tested on canned model output. Not here: the Responses API, structured output (response_format
-json_schema/json_object, tool_choice "required" or a named function: answered 400), n > 1, logprobs.
+tested on canned model output. Structured output (response_format json_schema / json_object, tool_choice
+"required" or a named function) is a grammar on the engine request (serve.structured). Not here: the
+Responses API, n > 1, logprobs.
 
 A streamed tool call is sent as soon as it starts; if its markup then turns out malformed, the parser
 returns the markup as content and the call's deltas already sent cannot be taken back (OpenAI's stream
@@ -25,6 +26,8 @@ from ninfer_gen.serve.core import (APIError, Generation, ServeState, bad_request
                                    sampling_params, sse, stop_strings)
 from ninfer_gen.serve.parsing import (ContentDelta, OutputParser, ReasoningDelta, ToolCallArgumentsDelta,
                                       ToolCallEnd, ToolCallInvalid, ToolCallStart)
+from ninfer_gen.serve.structured import (Structured, constrained, openai_tool_choice, response_format, thinking_for,
+                                         with_answer)
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # fields OpenAI defines that this server does not implement: answered 400 naming the field when they ask
@@ -38,10 +41,6 @@ def _refuse_unsupported(body: dict, names) -> None:
         value = body.get(name)
         if value is not None and value != _UNSUPPORTED[name] and value != {}:
             raise bad_request(f"{name}={json.dumps(value)} is not supported by this server", name)
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise bad_request("structured output (json_object / json_schema) is not supported by this server yet; "
-                          "only {\"type\": \"text\"}", "response_format")
 
 
 def _text_content(content, where: str, allow_none: bool = False):
@@ -119,15 +118,9 @@ def _tool_call_in(call, where: str) -> dict:
 
 
 def chat_tools(body: dict) -> list[dict] | None:
-    """The request's tools (None: none, or tool_choice "none"); tool_choice other than auto/none is refused."""
+    """The request's tools (None: none, or tool_choice "none"; serve.structured reads the other choices)."""
     tools = get(body, "tools", "array")
     choice = body.get("tool_choice")
-    if choice is not None and choice not in ("auto", "none"):
-        if choice == "required" or isinstance(choice, dict):
-            raise bad_request("tool_choice \"required\" or a named function needs structured output (a grammar), "
-                              "which this server does not have yet; use \"auto\"", "tool_choice")
-        raise bad_request(f"expected \"auto\", \"none\", \"required\" or a named function, got {choice!r}",
-                          "tool_choice")
     if not tools:
         return None
     for i, t in enumerate(tools):
@@ -243,7 +236,9 @@ def router(state: ServeState) -> APIRouter:
         _refuse_unsupported(body, ("n", "logprobs", "top_logprobs", "audio", "prediction", "logit_bias"))
         messages = chat_messages(body)
         tools = chat_tools(body)
-        thinking = _enable_thinking(body)
+        structured = with_answer(openai_tool_choice(body.get("tool_choice"), tools, body.get("parallel_tool_calls")),
+                                 response_format(body.get("response_format")))
+        thinking = thinking_for(structured, _enable_thinking(body))
         stream = get(body, "stream", "boolean", default=False)
         include_usage = _stream_usage(body) if stream else False
         max_tokens = get(body, "max_completion_tokens", "integer", minimum=1)
@@ -259,7 +254,8 @@ def router(state: ServeState) -> APIRouter:
         rid, created = new_id("chatcmpl-"), int(time.time())
         parser = OutputParser.for_prompt(prompt_text, thinking=thinking is not False, parse_tool_calls=bool(tools),
                                          tools=tools)
-        gen = Generation(state, prompt, budget, sampling, stop, rid)
+        gen = Generation(await constrained(state, structured, prompt_text, thinking), prompt, budget, sampling,
+                         stop, rid)
         builder = ChatBuilder()
 
         if not stream:
@@ -311,7 +307,8 @@ def router(state: ServeState) -> APIRouter:
         stop = stop_strings(body.get("stop"), "stop")
         budget = state.prompt_budget(prompt, max_tokens, "max_tokens")
         rid, created = new_id("cmpl-"), int(time.time())
-        gen = Generation(state, prompt, budget, sampling, stop, rid)
+        structured = with_answer(Structured(), response_format(body.get("response_format")))
+        gen = Generation(await constrained(state, structured, "", None), prompt, budget, sampling, stop, rid)
 
         def obj(text: str, finish: str | None, usage: dict | None = None, choices=True) -> dict:
             out = {"id": rid, "object": "text_completion", "created": created, "model": state.served_model_name,
