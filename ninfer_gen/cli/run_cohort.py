@@ -41,15 +41,11 @@ def _run_cohort(model, args, prompts: list[str], params, draft: int) -> int:
         if not x:
             raise ValueError(f"prompt {i} is empty")
     outs = [_Labelled(i, p, tok, eos, args.json, draft) for i, p in enumerate(prompts, 1)]
-    from ninfer_gen.engine import Engine, ReferenceLanes, Request
+    from ninfer_gen.engine import Engine, Request
+    from ninfer_gen.engine.cohort import cohort_lanes
 
     lanes = cohort_size(args, prompts)
-    if args.backend == "gpu":
-        from ninfer_gen.executor.gpu_lanes import GpuLanes
-        backend = GpuLanes.for_model(model, lanes)
-    else:
-        backend = ReferenceLanes.for_model(model, lanes)
-    engine = Engine(backend, lanes=lanes, max_queue=len(prompts))
+    engine = Engine(cohort_lanes(model, lanes), lanes=lanes, max_queue=len(prompts))
     handles = [engine.submit(Request(x, args.max_tokens, params, eos, draft)) for x in ids]
     while engine.step():
         for handle, out in zip(handles, outs):

@@ -17,11 +17,5 @@ def cohort_lanes(model, lanes: int, *, accept_prob: float | None = None, **optio
                              "compare every draft with the target")
         from ninfer_gen.engine.lanes import ReferenceLanes
         return ReferenceLanes.for_model(model, lanes, **options)
-    try:
-        from ninfer_gen.executor.gpu_lanes import GpuLanes
-    except ImportError as err:
-        raise RuntimeError(f"a cohort on the {type(model.backend).__name__} needs the GPU lane adapter "
-                           f"ninfer_gen.executor.gpu_lanes.GpuLanes, which cannot be imported ({err})") from err
-    if accept_prob is not None:
-        options["accept_prob"] = accept_prob
-    return GpuLanes.for_model(model, lanes, **options)
+    from ninfer_gen.executor.gpu_lanes import GpuLanes
+    return GpuLanes.for_model(model, lanes, accept_prob=accept_prob, **options)
