@@ -130,8 +130,8 @@ def test_function_call_items_render_as_chat_tool_messages(server, oai):
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}]}, "input[0].arguments"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
-    ({"input": "hi", "tool_choice": "required", "tools": FN_TOOLS}, "tool_choice"),
-    ({"input": "hi", "text": {"format": {"type": "json_object"}}}, "text.format"),
+    ({"input": "hi", "tool_choice": "required"}, "tool_choice"),                  # no tools to call
+    ({"input": "hi", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "hi", "background": True}, "background"),
 ])

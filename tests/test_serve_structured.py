@@ -2,8 +2,8 @@
 small model on the reference backend, driven with the official `openai` and `anthropic` SDKs. Under a
 grammar it returns well-formed tool calls whose arguments validate against the tool's schema
 (tool_choice "required" and a named function; Anthropic "any" and "tool") and JSON that validates against
-a json_schema response format (chat and completions); streamed equals non-streamed under greedy; what
-cannot be compiled or names an unknown tool is a 400 naming the field."""
+a json_schema response format (chat, completions, the Responses API's text.format); streamed equals
+non-streamed under greedy; what cannot be compiled or names an unknown tool is a 400 naming the field."""
 from __future__ import annotations
 
 import json
@@ -133,6 +133,25 @@ def test_anthropic_tool_choice_any_and_tool(server, claude):
     _idle(server.engine)
 
 
+def test_responses_text_format_and_tool_choice(server, oai):
+    fmt = {"type": "json_schema", "name": "forecast", "schema": FORECAST, "strict": True}
+    full = oai.responses.create(model=NAME, input="What is the weather in Paris?", text={"format": fmt},
+                                max_output_tokens=60, temperature=0)
+    assert full.status == "completed" and full.text.format.type == "json_schema"
+    _valid(_answer(full.output_text), FORECAST)
+    with oai.responses.stream(model=NAME, input="What is the weather in Paris?", text={"format": fmt},
+                              max_output_tokens=60, temperature=0) as stream:
+        assert stream.get_final_response().output_text == full.output_text
+
+    tools = [{"type": "function", "name": "get_weather", "parameters": ARGS}]
+    named = oai.responses.create(model=NAME, input="What is the weather in Paris?", tools=tools, max_output_tokens=60,
+                                 temperature=0, tool_choice={"type": "function", "name": "get_weather"})
+    calls = [item for item in named.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather"
+    _valid(json.loads(calls[0].arguments), ARGS)
+    _idle(server.engine)
+
+
 def test_structured_output_errors_name_the_field(server):
     post = dict(headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
     base = {"model": NAME, "messages": ASK, "max_tokens": 4}
@@ -153,6 +172,10 @@ def test_structured_output_errors_name_the_field(server):
     assert error({"tools": bad_tool, "tool_choice": "required"})["param"] == "tools"
     assert error({"prompt": "x", "messages": None, "response_format": {"type": "json_schema", "json_schema": {
         "schema": [1]}}}, "/v1/completions")["param"] == "response_format.json_schema.schema"
+
+    r = httpx.post(server.url + "/v1/responses", json={"model": NAME, "input": "hi", "tools": [
+        {"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}}, **post)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice.name"
 
     r = httpx.post(server.url + "/v1/messages", headers={"x-api-key": KEY}, timeout=60,
                    json={"model": NAME, "max_tokens": 4, "messages": ASK, "tool_choice": {"type": "tool", "name": "x"},

@@ -10,9 +10,9 @@ function_call_output items as the chat template's assistant tool calls and tool 
 as the next assistant turn's reasoning) with `instructions` into the chat template's messages, and the
 output items: `reasoning` (reasoning_text content), `message` (output_text), `function_call` (arguments
 streamed); usage and ids. `ResponseBuilder` turns parser events (serve.parsing) into items and stream
-events; it is pure. Not here: text.format json_schema / json_object and tool_choice "required" or named
-(structured output: 400), built-in tools (web search, files, …: 400), background mode, conversations,
-item_reference, images and files.
+events; it is pure. text.format json_schema / json_object and tool_choice "required" or named are a grammar
+on the engine request (serve.structured). Not here: built-in tools (web search, files, …: 400), background
+mode, conversations, item_reference, images and files.
 
 A streamed function call is announced as it starts; if its markup then turns out malformed, its item is
 closed `incomplete` and left out of the final output (the markup follows as text), as in openai_api."""
@@ -29,6 +29,7 @@ from ninfer_gen.serve.core import (APIError, Generation, ServeState, bad_request
                                    sampling_params, sse)
 from ninfer_gen.serve.parsing import (ContentDelta, OutputParser, ReasoningDelta, ToolCallArgumentsDelta,
                                       ToolCallEnd, ToolCallInvalid, ToolCallStart)
+from ninfer_gen.serve.structured import constrained_now, openai_tool_choice, response_format, thinking_for, with_answer
 
 STORE_SIZE = 256                       # responses kept for previous_response_id and GET (least recently used out)
 ROLES = ("user", "system", "developer", "assistant")
@@ -159,11 +160,6 @@ def request_tools(body: dict) -> list[dict] | None:
     """Function tools in the chat template's shape (None: none, or tool_choice "none")."""
     tools = get(body, "tools", "array", default=[])
     choice = body.get("tool_choice")
-    if choice is not None and choice not in ("auto", "none"):
-        if choice == "required" or isinstance(choice, dict):
-            raise bad_request("tool_choice \"required\" or a named tool needs structured output (a grammar), which "
-                              "this server does not have yet; use \"auto\"", "tool_choice")
-        raise bad_request(f"expected \"auto\", \"none\", \"required\" or a named tool, got {choice!r}", "tool_choice")
     out = []
     for i, t in enumerate(tools):
         if not isinstance(t, dict):
@@ -191,10 +187,6 @@ def _check_supported(body: dict) -> None:
         value = body.get(name)
         if value is not None and value != default:
             raise bad_request(f"{name}={json.dumps(value)} is not supported by this server", name)
-    fmt = get(get(body, "text", "object", default={}), "format", "object", where="text.")
-    if fmt is not None and fmt.get("type") != "text":
-        raise bad_request("structured output (json_schema / json_object) is not supported by this server yet; only "
-                          "{\"type\": \"text\"}", "text.format")
 
 
 def _reasoning(body: dict) -> tuple[str | None, bool | None]:
@@ -327,6 +319,10 @@ class _Turn:
         self.conversation = [*history, *input_messages(body["input"])]
         instructions = get(body, "instructions", "string")
         tools, (effort, thinking) = request_tools(body), _reasoning(body)
+        fmt = get(get(body, "text", "object", default={}), "format", "object", where="text.")
+        structured = with_answer(openai_tool_choice(body.get("tool_choice"), tools, body.get("parallel_tool_calls")),
+                                 response_format(fmt, "text.format"), "text.format")
+        thinking = thinking_for(structured, thinking)
         max_out = get(body, "max_output_tokens", "integer", minimum=1)
         temperature, top_p = get(body, "temperature", "number"), get(body, "top_p", "number")
         sampling = sampling_params(temperature, top_p, get(body, "top_k", "integer"), get(body, "seed", "integer"))
@@ -340,14 +336,15 @@ class _Turn:
             "model": state.served_model_name, "previous_response_id": previous,
             "parallel_tool_calls": get(body, "parallel_tool_calls", "boolean", default=True),
             "reasoning": {"effort": effort, "summary": None}, "store": get(body, "store", "boolean", default=True),
-            "temperature": 1.0 if temperature is None else temperature, "text": {"format": {"type": "text"}},
+            "temperature": 1.0 if temperature is None else temperature, "text": {"format": fmt or {"type": "text"}},
             "tool_choice": body.get("tool_choice") or "auto", "tools": _echo_tools(tools, body.get("tools")),
             "top_p": 1.0 if top_p is None else top_p, "truncation": "disabled", "user": get(body, "user", "string"),
             "metadata": get(body, "metadata", "object", default={})}
         self.parser = OutputParser.for_prompt(prompt_text, thinking=thinking is not False,
                                               parse_tool_calls=bool(tools), tools=tools)
         self.builder = ResponseBuilder()
-        self.gen = Generation(state, prompt, budget, sampling, [], self.base["id"])
+        self.gen = Generation(constrained_now(state, structured, prompt_text, thinking), prompt, budget, sampling, [],
+                              self.base["id"])
 
     def snapshot(self, status: str, usage: dict | None = None, error: dict | None = None) -> dict:
         return {**self.base, "status": status, "error": error, "output": self.builder.output() if usage else [],
