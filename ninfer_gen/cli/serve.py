@@ -1,14 +1,16 @@
 """serve: the `ninfer-gen serve` subcommand — loads the model, builds the cohort engine over its lanes
-and runs the HTTP server (serve.app: OpenAI Chat Completions / Completions, Anthropic Messages) with
-uvicorn. `add_serve_parser(sub)` registers it on the CLI's subparsers."""
+and runs the HTTP server (serve.app: OpenAI Chat Completions / Completions / Responses, Anthropic Messages,
+/metrics) with uvicorn. `add_serve_parser(sub)` registers it on the CLI's subparsers."""
 from __future__ import annotations
 
 import sys
 
+DEFAULT_TIMEOUT_S = 600.0        # serve.core's default (not imported: the parser must not load torch)
+
 
 def add_serve_parser(sub) -> None:
-    s = sub.add_parser("serve", help="HTTP server: OpenAI chat/completions and Anthropic messages over the cohort "
-                       "engine")
+    s = sub.add_parser("serve", help="HTTP server: OpenAI chat/completions/responses and Anthropic messages over "
+                       "the cohort engine")
     s.add_argument("--weights", help="HF checkpoint dir, converted container or spec YAML (random weights); default: "
                    "the small model shipped in models/")
     s.add_argument("--backend", choices=("auto", "gpu", "reference"), default="auto",
@@ -21,6 +23,9 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--lanes", type=int, default=4, help="requests decoded at once (cohort lanes; default 4)")
     s.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a lane; beyond it: 429 "
                    "with Retry-After (default 64)")
+    s.add_argument("--request-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
+                   help="a generation running longer than S seconds (queue included) is cancelled, its lane freed, "
+                   f"and answered 504 (streamed: an error event) (default {DEFAULT_TIMEOUT_S:g}; 0: no limit)")
     s.add_argument("--draft", type=int, default=0, help="MTP speculative decoding with K drafts per round "
                    "(default 0: plain decode)")
     s.add_argument("--served-model-name", default=None, help="the model name clients use (default: the spec's name)")
@@ -43,6 +48,8 @@ def build_server(args):
                            "adapter (only ReferenceLanes); use --backend reference")
     if args.lanes < 1:
         raise ValueError(f"--lanes must be ≥ 1, got {args.lanes}")
+    if args.request_timeout < 0:
+        raise ValueError(f"--request-timeout must be ≥ 0 seconds (0: no limit), got {args.request_timeout:g}")
     if args.draft < 0:
         raise ValueError(f"--draft must be ≥ 0, got {args.draft}")
     model = ninfer_gen.load(args.weights, backend="reference", dtype=args.dtype, device=args.device,
@@ -51,7 +58,8 @@ def build_server(args):
     engine = Engine(ReferenceLanes.for_model(model, args.lanes), lanes=args.lanes, max_queue=args.max_queue)
     app = create_app(engine, model, served_model_name=args.served_model_name or model.spec.name,
                      api_key=args.api_key, model_folder=args.weights if args.weights and not
-                     str(args.weights).endswith((".yaml", ".yml")) else None, draft=args.draft)
+                     str(args.weights).endswith((".yaml", ".yml")) else None, draft=args.draft,
+                     request_timeout=args.request_timeout or None)
     return app, engine, model
 
 
@@ -61,6 +69,7 @@ def cmd_serve(args) -> int:
     app, engine, model = build_server(args)
     name = args.served_model_name or model.spec.name
     print(f"[serving {name} ({model.source}) on the reference backend, {args.lanes} lanes, max queue "
-          f"{args.max_queue}, draft {args.draft}; http://{args.host}:{args.port}]", file=sys.stderr, flush=True)
+          f"{args.max_queue}, draft {args.draft}, request timeout {args.request_timeout or 'none'}"
+          f"{' s' if args.request_timeout else ''}; http://{args.host}:{args.port}]", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -5,7 +5,8 @@ parameters from request fields, and `Generation`: one engine request turned into
 detokenisation that holds back incomplete UTF-8, stop strings matched across deltas and held back until
 decided) with its finish reason and usage. Waiting is asyncio-friendly (the engine runs in its own
 thread; a handle's events are polled), and a generation that ends early — a stop string, a client that
-went away, an exception — cancels its engine request, which frees its lane, slot and pages.
+went away, an exception, the server's request timeout — cancels its engine request, which frees its lane,
+slot and pages. A generation reports its tokens, latencies and end to the server's `metrics.Metrics`.
 
 The HTTP endpoints and wire formats live in openai_api, anthropic_api and responses_api; the app in app."""
 from __future__ import annotations
@@ -13,15 +14,20 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable
 
 from ninfer_gen.engine.engine import Engine, EngineFull, Request
 from ninfer_gen.engine.sampling import SamplingParams
+from ninfer_gen.serve.metrics import Metrics
 
 POLL_S = 0.005                      # how often a waiting handler looks at its request's events
 DISCONNECT_POLL_S = 0.25            # how often a non-streamed request checks that its client is still there
 RETRY_AFTER_S = 1                   # Retry-After of a 429 (the queue is full)
+DEFAULT_TIMEOUT_S = 600.0           # a generation running longer (queue included) is cancelled: 504
+# the endpoint (a metrics label) of the HTTP request being handled; the app sets it for each request
+ENDPOINT: ContextVar[str] = ContextVar("ninfer_endpoint", default="other")
 
 
 class APIError(Exception):
@@ -48,12 +54,15 @@ def new_id(prefix: str) -> str:
 class ServeState:
     """The served model: `engine` (running in its background thread while the app lives), `model` (a loaded
     ninfer_gen Model: tokenizer, spec, EOS ids), `chat` (a serve.chat.ChatFormat, or None: chat endpoints
-    then answer 400), `served_model_name`, `draft` (MTP drafts per round for every request)."""
+    then answer 400), `served_model_name`, `draft` (MTP drafts per round for every request),
+    `request_timeout` (seconds a generation may take from its submission; None: no limit), `metrics`."""
     engine: Engine
     model: object
     chat: object | None
     served_model_name: str
     draft: int = 0
+    request_timeout: float | None = DEFAULT_TIMEOUT_S
+    metrics: Metrics = field(default_factory=Metrics)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -112,11 +121,18 @@ class ServeState:
         return max_tokens
 
 
+def _float(value, param: str) -> float:
+    try:
+        return float(value)
+    except OverflowError:                   # an integer beyond any float
+        raise bad_request(f"{str(value)[:24]}… is out of range", param) from None
+
+
 def sampling_params(temperature, top_p, top_k, seed, prefix: str = "") -> SamplingParams:
     """SamplingParams from request fields (None: the API default, temperature 1 and top_p 1); a request
     without a seed gets a fresh random one, so unseeded sampled requests differ."""
-    temperature = 1.0 if temperature is None else float(temperature)
-    top_p = 1.0 if top_p is None else float(top_p)
+    temperature = 1.0 if temperature is None else _float(temperature, prefix + "temperature")
+    top_p = 1.0 if top_p is None else _float(top_p, prefix + "top_p")
     top_k = 0 if top_k is None or top_k < 0 else int(top_k)        # OpenAI-style extensions use -1 for "off"
     if not 0 <= temperature <= 2:
         raise bad_request(f"must be between 0 and 2, got {temperature}", prefix + "temperature")
@@ -152,13 +168,16 @@ class Delta:
 class Generation:
     """One engine request, submitted at construction (APIError 429 when the engine is full, 400 for what the
     backend refuses). Iterate `deltas(is_disconnected)` for its text; `prompt_tokens`, `completion_tokens`
-    are the usage. If the iteration stops early for any reason, the engine request is cancelled."""
+    are the usage. If the iteration stops early for any reason, the engine request is cancelled. Past the
+    server's request timeout the engine request is cancelled (a timer on the event loop, so a client that
+    stopped reading cannot hold its lane) and the iteration raises a 504 APIError."""
 
     def __init__(self, state: ServeState, prompt: list[int], max_tokens: int, sampling: SamplingParams,
                  stop: list[str], request_id: str):
         self.state, self.prompt, self.stop = state, prompt, stop
         self.prompt_tokens = len(prompt)
         self.completion_tokens = 0
+        self.endpoint = ENDPOINT.get()
         try:
             self.handle = state.engine.submit(Request(tuple(prompt), max_tokens=max_tokens, sampling=sampling,
                                                       stop=state.stop_ids, draft=state.draft, id=request_id))
@@ -167,20 +186,62 @@ class Generation:
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except ValueError as err:
             raise bad_request(str(err), "prompt") from None
+        self.t_submit = time.monotonic()
+        state.metrics.submitted(len(prompt))
         self._tokens: list[int] = []
         self._sent = ""            # text decided and returned
-        self._done = False
+        self._done = False         # the engine request has ended or was cancelled
+        self._outcome: str | None = None       # how it ended (the metrics' finish_reason), once recorded
+        self._t_last: float | None = None      # when its last tokens came
+        self.timed_out = False
+        self._timer = None
+        if state.request_timeout:
+            try:
+                self._timer = asyncio.get_running_loop().call_later(state.request_timeout, self._expire)
+            except RuntimeError:               # no event loop (a caller driving it by hand): no timer
+                pass
 
     def cancel(self) -> None:
         if not self._done:
             self._done = True
             self.state.engine.cancel(self.handle.id)
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _expire(self) -> None:
+        """The timeout: the engine request is cancelled (its final event, "cancelled", ends the iteration
+        with a 504), unless it has just ended."""
+        if not self._done:
+            self.timed_out = self.state.engine.cancel(self.handle.id)
+            if self.timed_out:
+                self._end("timeout")       # recorded here too: a stream whose client never read has no iteration
+
+    def _timeout_error(self) -> APIError:
+        return APIError(504, f"the request ran longer than the server's request timeout of "
+                        f"{self.state.request_timeout:g} s and was cancelled", kind="internal", code="timeout",
+                        headers={"x-should-retry": "false"})
+
+    def _end(self, outcome: str) -> None:
+        if self._outcome is None:
+            self._outcome = outcome
+            self.state.metrics.finished(self.endpoint, outcome, time.monotonic() - self.t_submit)
+
+    def _received(self, events) -> None:
+        n = sum(len(e.tokens) for e in events)
+        if n:
+            now = time.monotonic()
+            if self._t_last is None:
+                self.state.metrics.tokens(n, ttft=now - self.t_submit, gap=0.0)
+            else:
+                self.state.metrics.tokens(n, gap=now - self._t_last)
+            self._t_last = now
 
     async def _events(self, is_disconnected: Callable[[], Awaitable[bool]] | None):
         last_check = time.monotonic()
         while True:
             events = self.handle.poll()
             if events:
+                self._received(events)
                 for event in events:
                     yield event
                 if events[-1].finish is not None:
@@ -221,14 +282,20 @@ class Generation:
                     at, s = min(hits)
                     out, self._sent = text[len(self._sent):at], text[:at]
                     self.cancel()
+                    self._end("stop_sequence")
                     yield Delta(out, "stop_sequence", s)
                     return
                 if final:
                     self._done = True
                     if event.finish == "error":
+                        self._end("error")
                         raise RuntimeError(f"the engine failed the request: {event.error}")
                     if event.finish == "cancelled":
+                        self._end("timeout" if self.timed_out else "cancelled")
+                        if self.timed_out:
+                            raise self._timeout_error()
                         raise RuntimeError("the request was cancelled by the server (it is shutting down)")
+                    self._end(event.finish)
                     yield Delta(text[len(self._sent):], event.finish)
                     self._sent = text
                     return
@@ -237,8 +304,12 @@ class Generation:
                 if upto > len(self._sent):
                     out, self._sent = text[len(self._sent):upto], text[:upto]
                     yield Delta(out)
+        except Exception:
+            self._end("error")
+            raise
         finally:
             self.cancel()
+            self._end("cancelled")          # (when not ended above) the client went away or stopped reading
 
     async def text(self, is_disconnected=None) -> Delta:
         """The whole output at once (a non-streamed response): one Delta with all text and the finish."""
