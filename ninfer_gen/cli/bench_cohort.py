@@ -1,7 +1,8 @@
 """bench_cohort: `ninfer-gen bench --concurrency 1,2,4,8` and `--long-prompt N` — the reference workload run
 as a cohort through engine.Engine over the lanes engine.cohort.cohort_lanes picks (the GPU adapter, or
 ReferenceLanes on the CPU). Owns the workload, its timings and the report (table, JSON, PNG plot); the
-numbers come from the engine and its backend, and torch is imported only when a bench runs.
+stepping, memory and plotting are bench_common's, the numbers come from the engine and its backend, and
+torch is imported only when a bench runs.
 
 Per concurrency C, with K drafts and then without (draft 0): C requests of `--prompt-tokens` tokens each
 (distinct windows of a fixed text where the model has a tokenizer, else seeded random ids), submitted at
@@ -17,16 +18,16 @@ the resident set's high-water mark.
 """
 from __future__ import annotations
 
-import json
-import os
 import statistics
 import time
 from pathlib import Path
 
+from ninfer_gen.cli.bench_common import (Driver, Memory, device_name, int_list, lane_tokens, line_plot, load_model,
+                                         memory_text, pick_backend, write_report)
+
 WINDOW = 32                   # --long-prompt: engine steps measured before and after the long prefill
 LONG_DEFAULT = {"gpu": 32768, "reference": 2048}
 MIN_CHUNK = 64                # --long-prompt: the smallest prefill budget the running lanes' context is sized for
-GiB, MiB = 2 ** 30, 2 ** 20
 # distinct prompts for models with a real tokenizer: windows of this text (not in the small model's corpus)
 TEXT = '''
 def merge_intervals(intervals):
@@ -86,16 +87,6 @@ def add_arguments(p) -> None:
                    "steps as one B-row call (faster on the CPU; rows equal to fp32 rounding)")
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--concurrency: expected a comma-separated list of integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise ValueError(f"--concurrency: expected positive integers, got {text!r}")
-    return values
-
-
 def _check(args, k: int) -> None:
     if k < 0:
         raise ValueError(f"--draft must be ≥ 0, got {k}")
@@ -108,38 +99,6 @@ def _check(args, k: int) -> None:
         raise ValueError(f"--prefill-budget must be ≥ 1, got {args.prefill_budget}")
     if args.long_prompt is not None and args.long_prompt < 0:
         raise ValueError(f"--long-prompt must be ≥ 1 tokens, got {args.long_prompt}")
-
-
-def _load(args, backend: str, k: int, lanes: int, context: int, pool: int):
-    import ninfer_gen
-
-    source = args.weights or args.spec
-    if backend == "reference":
-        _fits_host(source)
-        return ninfer_gen.load(source, backend="reference", device="cpu", max_context=context, draft=k)
-    from ninfer_gen.cli.bench import _draft_vocab
-    from ninfer_gen.cli.env import build_root, compile_options
-    from ninfer_gen.executor.memory_plan import parse_bytes
-
-    return ninfer_gen.load(source, backend="gpu", max_context=context, vram_budget=parse_bytes(args.vram_budget),
-                           random_weights="device", progress=True, options=compile_options(), build_root=build_root(),
-                           draft=k, accept_coin=args.accept_prob is not None, draft_vocab=_draft_vocab(args),
-                           cohorts=lanes, kv_pool_tokens=pool)
-
-
-def _fits_host(source) -> None:
-    """A spec's random fp32 weights must fit in half the host's memory (the 27B default does not)."""
-    if not str(source).endswith((".yaml", ".yml")):
-        return
-    from compiler.sizes import summary
-    from compiler.spec import load_spec
-
-    params = summary(load_spec(source))["parameters"]
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if 4 * params > total // 2:
-        raise ValueError(f"{source}: {params / 1e9:.1f} B parameters in fp32 ({4 * params / GiB:.0f} GiB) do not fit "
-                         f"the reference backend on this machine ({total / GiB:.0f} GiB): give the small model "
-                         "(models/qwen3.8-small-py) or a smaller spec")
 
 
 def _prompts(model, count: int, tokens: int) -> list[list[int]]:
@@ -155,99 +114,17 @@ def _prompts(model, count: int, tokens: int) -> list[list[int]]:
     return [_ids(tokens, model.spec.model.vocab_size, 1000 + i) for i in range(count)]
 
 
-class _Memory:
-    """Peak memory of one timed run: on the GPU torch's allocator peak and the device's used bytes (every
-    process and context; sampled every 16 steps and at the end); on the CPU the resident set's high-water
-    mark (VmHWM, reset through /proc/self/clear_refs where allowed, else VmRSS sampled the same way)."""
-
-    def __init__(self, gpu: bool):
-        self.gpu, self.peak, self.hwm = gpu, 0, False
-
-    def reset(self) -> None:
-        import torch
-
-        self.peak = 0
-        if self.gpu:
-            torch.cuda.reset_peak_memory_stats()
-            return
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self.hwm = True
-        except OSError:
-            self.hwm = False
-
-    def sample(self) -> None:
-        import torch
-
-        if self.gpu:
-            free, total = torch.cuda.mem_get_info()
-            self.peak = max(self.peak, total - free)
-        else:
-            self.peak = max(self.peak, _status("VmHWM" if self.hwm else "VmRSS"))
-
-    def figures(self) -> dict:
-        import torch
-
-        self.sample()
-        if self.gpu:
-            return {"allocator_peak_bytes": torch.cuda.max_memory_allocated(), "device_used_peak_bytes": self.peak}
-        return {"host_peak_rss_bytes": self.peak, "method": "VmHWM" if self.hwm else "VmRSS sampled"}
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
-
-
-class _Driver:
-    """Steps an engine by hand and stamps every token arrival: per handle, (time, step, tokens) after the
-    step that sent them."""
-
-    def __init__(self, engine, memory: _Memory):
-        self.engine, self.memory, self.steps, self.arrivals = engine, memory, 0, {}
-
-    def submit(self, request):
-        handle = self.engine.submit(request)
-        self.arrivals[handle] = []
-        return handle
-
-    def step(self) -> bool:
-        worked = self.engine.step()
-        now, self.steps = time.perf_counter(), self.steps + 1
-        for handle, stamps in self.arrivals.items():
-            n = sum(len(e.tokens) for e in handle.poll())
-            if n:
-                stamps.append((now, self.steps, n))
-        if self.steps % 16 == 0:
-            self.memory.sample()
-        return worked
-
-    def finals(self, handles) -> list:
-        out = [h.result() for h in handles]
-        bad = [f for f in out if f.finish == "error"]
-        if bad:
-            raise RuntimeError(f"a request of the bench failed: {bad[0].error}")
-        return out
-
-
-def _pct(values: list[float], q: float) -> float:
-    """The q-quantile by nearest rank."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
-
-
-def cohort_run(lanes, prompts: list[list[int]], c: int, k: int, args, memory: _Memory) -> dict:
+def cohort_run(lanes, prompts: list[list[int]], c: int, k: int, args, memory: Memory) -> dict:
     """C requests at once (after an untimed warm-up at C): one row of the table."""
     from ninfer_gen.engine import Engine, Request
 
     engine = Engine(lanes, lanes=c, max_queue=c, prefill_budget=args.prefill_budget)
     warm = [engine.submit(Request(p, min(args.output_tokens, 2 * k + 4), draft=k)) for p in prompts[c:2 * c]]
     engine.run_until_idle()
-    _Driver(engine, memory).finals(warm)
+    Driver(engine, memory).finals(warm)
     memory.reset()
     rounds_before = engine.stats()["rounds"]
-    d = _Driver(engine, memory)
+    d = Driver(engine, memory)
     t0 = time.perf_counter()
     handles = [d.submit(Request(p, args.output_tokens, draft=k)) for p in prompts[:c]]
     while d.step():
@@ -269,11 +146,6 @@ def cohort_run(lanes, prompts: list[list[int]], c: int, k: int, args, memory: _M
             "engine_rounds": engine.stats()["rounds"] - rounds_before, "memory": memory.figures()}
 
 
-def _lane_tokens(tokens: int) -> int:
-    """A lane's share of a shared KV pool: its tokens rounded up to whole pages of any size dividing 256."""
-    return -(-tokens // 256) * 256
-
-
 def _sizes(args, sweep: list[int], n: int, k: int) -> tuple[int, int, int]:
     """(lanes, context per lane, shared KV pool tokens) for the sweep and the long prompt; the running lanes
     of --long-prompt decode for WINDOW steps each side of its prefill of ≤ n / MIN_CHUNK steps."""
@@ -282,30 +154,26 @@ def _sizes(args, sweep: list[int], n: int, k: int) -> tuple[int, int, int]:
     long_run_ctx = args.prompt_tokens + steps * (k + 1) if n else 0
     long_ctx = n + (WINDOW + 2) * (k + 1) + 16 if n else 0
     lanes = max(sweep + ([args.running_lanes + 1] if n else []))
-    pool = max(max(sweep or [0]) * _lane_tokens(run_ctx),
-               _lane_tokens(long_ctx) + args.running_lanes * _lane_tokens(long_run_ctx))
+    pool = max(max(sweep or [0]) * lane_tokens(run_ctx),
+               lane_tokens(long_ctx) + args.running_lanes * lane_tokens(long_run_ctx))
     return lanes, max(run_ctx, long_run_ctx, long_ctx), pool
 
 
 def run(args) -> dict:
-    import torch
-
-    backend = args.backend if args.backend != "auto" else "gpu" if torch.cuda.is_available() else "reference"
-    if backend == "gpu" and not torch.cuda.is_available():
-        raise RuntimeError("--backend gpu needs a CUDA GPU; none is visible (--backend reference runs on the CPU)")
+    backend = pick_backend(args)
     k = 3 if args.draft is None else args.draft
-    sweep = _int_list(args.concurrency) if args.concurrency else []
+    sweep = int_list(args.concurrency, "--concurrency") if args.concurrency else []
     _check(args, k)
     n = (args.long_prompt or LONG_DEFAULT[backend]) if args.long_prompt is not None else 0
     lanes, context, pool = _sizes(args, sweep, n, k)
     t0 = time.perf_counter()
-    model = _load(args, backend, k, lanes, context, pool)
+    model = load_model(args, backend, k, lanes, context, pool)
     adapter_options = {"batch_steps": True} if args.batch_steps and backend == "reference" else {}
     from ninfer_gen.engine.cohort import cohort_lanes
 
     adapter = cohort_lanes(model, lanes, accept_prob=args.accept_prob, **adapter_options)
-    memory = _Memory(backend == "gpu")
-    result = {"model": model.source, "backend": backend, "device": _device_name(backend), "draft": k,
+    memory = Memory(backend == "gpu")
+    result = {"model": model.source, "backend": backend, "device": device_name(backend), "draft": k,
               "accept_prob": args.accept_prob, "batch_steps": bool(adapter_options),
               "prompt_tokens": args.prompt_tokens,
               "output_tokens": args.output_tokens, "prefill_budget": args.prefill_budget or adapter.prefill_chunk,
@@ -318,20 +186,6 @@ def run(args) -> dict:
         from ninfer_gen.cli.bench_interference import interference
         result["interference"] = interference(adapter, prompts, n, k, args, memory, model.spec.model.vocab_size)
     return result
-
-
-def _device_name(backend: str) -> str:
-    import torch
-
-    if backend == "gpu":
-        return torch.cuda.get_device_name()
-    return f"CPU, {torch.get_num_threads()} torch threads"
-
-
-def _memory_text(m: dict) -> str:
-    if "allocator_peak_bytes" in m:
-        return f"{m['allocator_peak_bytes'] / GiB:.2f} / {m['device_used_peak_bytes'] / GiB:.2f}"
-    return f"{m['host_peak_rss_bytes'] / MiB:,.0f}"
 
 
 def table(r: dict) -> str:
@@ -353,7 +207,7 @@ def table(r: dict) -> str:
             per_round = f"{x['tokens_per_round']:9.2f}" if x["tokens_per_round"] is not None else f"{'-':>9}"
             ttft = f"{t['mean']:,.0f} / {t['p50']:,.0f} / {t['max']:,.0f}"
             lines.append(f"{x['concurrency']:>3} {x['e2e_tok_s']:10.1f} {decode} {ttft:>26} {accept} {per_round} "
-                         f"{_memory_text(x['memory']):>23}")
+                         f"{memory_text(x['memory']):>23}")
     if len(r["runs"]) == 2:
         lines.append("MTP / plain, end to end: " + ", ".join(
             f"C={a['concurrency']} {a['e2e_tok_s'] / b['e2e_tok_s']:.2f}×"
@@ -366,41 +220,21 @@ def table(r: dict) -> str:
 
 def plot(r: dict, path: Path) -> None:
     """tok/s against concurrency, end to end and decode, with and without MTP."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
     labels = {"mtp": f"MTP K={r['draft']}", "plain": "no MTP"}
+    lines = []
     for name, rows in r["runs"].items():
         cs = [x["concurrency"] for x in rows]
-        line, = ax.plot(cs, [x["e2e_tok_s"] for x in rows], "o-", label=f"{labels[name]}, end to end")
+        lines.append((f"{labels[name]}, end to end", cs, [x["e2e_tok_s"] for x in rows], "o-", name))
         decode = [(c, x["decode_tok_s"]) for c, x in zip(cs, rows) if x["decode_tok_s"] is not None]
         if decode:                   # none where every request is one token long
-            ax.plot(*zip(*decode), "s--", color=line.get_color(), label=f"{labels[name]}, decode")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(cs, [str(c) for c in cs])
-    ax.set_xlabel("concurrent requests")
-    ax.set_ylabel("tokens/s (all requests)")
-    ax.set_title(f"{Path(str(r['model']).split(' ')[0]).name} on {r['device']}\n{r['prompt_tokens']}-token prompts, "
-                 f"{r['output_tokens']} tokens each", fontsize=9)
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+            lines.append((f"{labels[name]}, decode", *zip(*decode), "s--", name))
+    line_plot(path, lines, xlabel="concurrent requests", ylabel="tokens/s (all requests)", xticks=cs, log2_x=True,
+              title=f"{Path(str(r['model']).split(' ')[0]).name} on {r['device']}\n{r['prompt_tokens']}-token "
+              f"prompts, {r['output_tokens']} tokens each")
 
 
 def cmd_bench_cohort(args) -> int:
     result = run(args)
-    if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if result["runs"]:
-            result["plot"] = str(path.with_suffix(".png"))
-            plot(result, Path(result["plot"]))
-        path.write_text(json.dumps(result, indent=2))
+    write_report(result, args.json, plot if result["runs"] else None)
     print(table(result))
     return 0

@@ -4,13 +4,14 @@ arrives and the engine prefills it `--prefill-budget` tokens per step, one chunk
 rounds. Reported: its TTFT (and alone, the engine otherwise idle: the second of two runs, the first warming
 the chunk shapes up), and the gaps between a running lane's token arrivals (one arrival per round) before,
 during and after that prefill — p50, p99 and max over WINDOW steps each side. The stepping, stamps and
-memory are bench_cohort's; this module owns the scenario and its table lines."""
+memory are bench_common's; this module owns the scenario and its table lines."""
 from __future__ import annotations
 
-from ninfer_gen.cli.bench_cohort import MIN_CHUNK, WINDOW, _Driver, _Memory, _pct
+from ninfer_gen.cli.bench_cohort import MIN_CHUNK, WINDOW
+from ninfer_gen.cli.bench_common import Driver, Memory, pct
 
 
-def interference(lanes, prompts: list[list[int]], n: int, k: int, args, memory: _Memory, vocab: int) -> dict:
+def interference(lanes, prompts: list[list[int]], n: int, k: int, args, memory: Memory, vocab: int) -> dict:
     """The long request's TTFT alone and while `args.running_lanes` decode, and their gaps by phase."""
     from ninfer_gen.cli.bench import _ids
     from ninfer_gen.engine import Engine, Request
@@ -21,8 +22,8 @@ def interference(lanes, prompts: list[list[int]], n: int, k: int, args, memory: 
     alone = []
     for _ in range(2):                                       # the first also warms the chunk shapes up
         h = engine.submit(Request(long_prompt, 1, draft=k))
-        alone.append(_Driver(engine, memory).finals([h])[0].stats.ttft_s)
-    d = _Driver(engine, memory)
+        alone.append(Driver(engine, memory).finals([h])[0].stats.ttft_s)
+    d = Driver(engine, memory)
     room = lanes.max_context - args.prompt_tokens - 1
     running = [d.submit(Request(p, room, draft=k)) for p in prompts[:r]]
     while not all(d.arrivals[h] for h in running):
@@ -61,7 +62,7 @@ def _gap_figures(gaps: list[tuple[float, int]]) -> dict | None:
     if not gaps:
         return None
     ms = [g for g, _ in gaps]
-    return {"p50": _pct(ms, 0.5), "p99": _pct(ms, 0.99), "max": max(ms), "n": len(ms),
+    return {"p50": pct(ms, 0.5), "p99": pct(ms, 0.99), "max": max(ms), "n": len(ms),
             "ms_per_token": sum(ms) / sum(n for _, n in gaps)}
 
 def table_lines(x: dict) -> list[str]:

@@ -1,0 +1,212 @@
+"""bench_common: what the engine benches (bench_cohort, bench_interference, bench_agent) share — the backend
+choice and the model load, an engine stepped by hand with every token arrival stamped, peak memory of a timed
+run, nearest-rank percentiles, option lists, the device name and the PNG line plot. Computes no workload
+and reports none; torch and matplotlib are imported only when a bench runs."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+GiB, MiB = 2 ** 30, 2 ** 20
+
+
+def int_list(text: str, option: str) -> list[int]:
+    """`--option 1,2,4`: positive integers."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{option}: expected a comma-separated list of integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{option}: expected positive integers, got {text!r}")
+    return values
+
+
+def pick_backend(args) -> str:
+    """--backend auto|gpu|reference → gpu or reference (auto: gpu when a CUDA device is visible)."""
+    import torch
+
+    backend = args.backend if args.backend != "auto" else "gpu" if torch.cuda.is_available() else "reference"
+    if backend == "gpu" and not torch.cuda.is_available():
+        raise RuntimeError("--backend gpu needs a CUDA GPU; none is visible (--backend reference runs on the CPU)")
+    return backend
+
+
+def load_model(args, backend: str, k: int, lanes: int, context: int, pool: int):
+    """The bench's model: `--weights` or the spec (random weights; on the GPU drawn on the device), built for
+    K drafts, `lanes` lanes of `context` tokens and (GPU) a shared KV pool of `pool` tokens."""
+    import ninfer_gen
+
+    source = args.weights or args.spec
+    if backend == "reference":
+        fits_host(source)
+        return ninfer_gen.load(source, backend="reference", device="cpu", max_context=context, draft=k)
+    from ninfer_gen.cli.bench import _draft_vocab
+    from ninfer_gen.cli.env import build_root, compile_options
+    from ninfer_gen.executor.memory_plan import parse_bytes
+
+    return ninfer_gen.load(source, backend="gpu", max_context=context, vram_budget=parse_bytes(args.vram_budget),
+                           random_weights="device", progress=True, options=compile_options(), build_root=build_root(),
+                           draft=k, accept_coin=args.accept_prob is not None, draft_vocab=_draft_vocab(args),
+                           cohorts=lanes, kv_pool_tokens=pool)
+
+
+def fits_host(source) -> None:
+    """A spec's random fp32 weights must fit in half the host's memory (the 27B default does not)."""
+    if not str(source).endswith((".yaml", ".yml")):
+        return
+    from compiler.sizes import summary
+    from compiler.spec import load_spec
+
+    params = summary(load_spec(source))["parameters"]
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if 4 * params > total // 2:
+        raise ValueError(f"{source}: {params / 1e9:.1f} B parameters in fp32 ({4 * params / GiB:.0f} GiB) do not fit "
+                         f"the reference backend on this machine ({total / GiB:.0f} GiB): give the small model "
+                         "(models/qwen3.8-small-py) or a smaller spec")
+
+
+def lane_tokens(tokens: int) -> int:
+    """A lane's share of a shared KV pool: its tokens rounded up to whole pages of any size dividing 256."""
+    return -(-tokens // 256) * 256
+
+
+def device_name(backend: str) -> str:
+    import torch
+
+    if backend == "gpu":
+        return torch.cuda.get_device_name()
+    return f"CPU, {torch.get_num_threads()} torch threads"
+
+
+class Memory:
+    """Peak memory of one timed run: on the GPU torch's allocator peak and the device's used bytes (every
+    process and context; sampled every 16 steps and at the end); on the CPU the resident set's high-water
+    mark (VmHWM, reset through /proc/self/clear_refs where allowed, else VmRSS sampled the same way)."""
+
+    def __init__(self, gpu: bool):
+        self.gpu, self.peak, self.hwm = gpu, 0, False
+
+    def reset(self) -> None:
+        import torch
+
+        self.peak = 0
+        if self.gpu:
+            torch.cuda.reset_peak_memory_stats()
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.hwm = True
+        except OSError:
+            self.hwm = False
+
+    def sample(self) -> None:
+        import torch
+
+        if self.gpu:
+            free, total = torch.cuda.mem_get_info()
+            self.peak = max(self.peak, total - free)
+        else:
+            self.peak = max(self.peak, _status("VmHWM" if self.hwm else "VmRSS"))
+
+    def figures(self) -> dict:
+        import torch
+
+        self.sample()
+        if self.gpu:
+            return {"allocator_peak_bytes": torch.cuda.max_memory_allocated(), "device_used_peak_bytes": self.peak}
+        return {"host_peak_rss_bytes": self.peak, "method": "VmHWM" if self.hwm else "VmRSS sampled"}
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def memory_text(m: dict) -> str:
+    """A Memory's figures for a table cell: GiB allocator / device on the GPU, MiB peak RSS on the CPU."""
+    if "allocator_peak_bytes" in m:
+        return f"{m['allocator_peak_bytes'] / GiB:.2f} / {m['device_used_peak_bytes'] / GiB:.2f}"
+    return f"{m['host_peak_rss_bytes'] / MiB:,.0f}"
+
+
+class Driver:
+    """Steps an engine by hand and stamps every token arrival: per handle, (time, step, tokens) after the
+    step that sent them."""
+
+    def __init__(self, engine, memory: Memory):
+        self.engine, self.memory, self.steps, self.arrivals = engine, memory, 0, {}
+
+    def submit(self, request):
+        handle = self.engine.submit(request)
+        self.arrivals[handle] = []
+        return handle
+
+    def step(self) -> bool:
+        worked = self.engine.step()
+        now, self.steps = time.perf_counter(), self.steps + 1
+        for handle, stamps in self.arrivals.items():
+            n = sum(len(e.tokens) for e in handle.poll())
+            if n:
+                stamps.append((now, self.steps, n))
+        if self.steps % 16 == 0:
+            self.memory.sample()
+        return worked
+
+    def finals(self, handles) -> list:
+        out = [h.result() for h in handles]
+        bad = [f for f in out if f.finish == "error"]
+        if bad:
+            raise RuntimeError(f"a request of the bench failed: {bad[0].error}")
+        return out
+
+
+def pct(values: list[float], q: float) -> float:
+    """The q-quantile by nearest rank."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
+
+
+def line_plot(path: Path, lines: list[tuple], *, xlabel: str, ylabel: str, title: str, xticks: list[int],
+              log2_x: bool = False, log_y: bool = False) -> None:
+    """A PNG of `lines`, each (label, xs, ys, style, group): the lines of one group share a colour."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colours: dict = {}
+    for label, xs, ys, style, group in lines:
+        line, = ax.plot(xs, ys, style, label=label, color=colours.get(group))
+        colours.setdefault(group, line.get_color())
+    if log2_x:
+        ax.set_xscale("log", base=2)
+    if log_y:
+        ax.set_yscale("log")
+    else:
+        ax.set_ylim(bottom=0)
+    ax.set_xticks(xticks, [str(x) for x in xticks])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(result: dict, json_path: str | None, plot) -> None:
+    """--json: the result as JSON, with `plot(result, png)` beside it (its path in the result's `plot`) when
+    `plot` is given."""
+    if not json_path:
+        return
+    path = Path(json_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if plot is not None:
+        result["plot"] = str(path.with_suffix(".png"))
+        plot(result, Path(result["plot"]))
+    path.write_text(json.dumps(result, indent=2))
