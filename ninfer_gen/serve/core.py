@@ -269,8 +269,9 @@ class Generation:
             async for event in self._events(is_disconnected):
                 tokens = list(event.tokens)
                 self.completion_tokens += len(tokens)
-                if event.finish == "stop" and tokens and tokens[-1] in stop_ids:
-                    tokens = tokens[:-1]            # the stop token ends the turn; it is not text
+                if tokens and tokens[-1] in stop_ids:
+                    tokens = tokens[:-1]            # the stop token ends the turn (the engine sends it last,
+                                                    # before the final event, which has no tokens): not text
                 self._tokens += tokens
                 text = self.state.decode(self._tokens)
                 final = event.finish is not None
