@@ -71,6 +71,8 @@ def add_arguments(p) -> None:
                    "a PNG plot beside it. "
                    "Runs on the CPU too (--backend reference). Of the options above it takes --weights, "
                    "--prompt-tokens, --output-tokens, --draft, --accept-prob, --draft-vocab, --vram-budget, --json")
+    from ninfer_gen.cli.bench_agent import add_arguments as add_agent_arguments
+    add_agent_arguments(p)                  # --workload agent and its options
     p.add_argument("--no-plain", action="store_true", help="cohort bench: skip the runs without drafts")
     p.add_argument("--long-prompt", type=int, nargs="?", const=0, default=None, metavar="N",
                    help="cohort bench: --running-lanes requests decode, then one N-token prompt arrives: its TTFT "

@@ -376,6 +376,9 @@ def _bench_arguments(p) -> None:
 
 
 def cmd_bench(args) -> int:
+    if args.workload == "agent":
+        from ninfer_gen.cli.bench_agent import cmd_bench_agent
+        return cmd_bench_agent(args)
     if args.concurrency or args.long_prompt is not None:
         from ninfer_gen.cli.bench_cohort import cmd_bench_cohort
         return cmd_bench_cohort(args)
