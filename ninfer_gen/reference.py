@@ -3,7 +3,8 @@ paged KV and GDN state slots (torch, CPU or GPU, fp32 or bf16).
 
 Owns sequences (a state slot + KV pages), chunked prefill, decode steps, the MTP entry and the
 speculative round's verify (record mode) and commit (fold) entries, with ReplaySSM records per verify
-shape. It is the numerical oracle of the GPU backend and the backend of machines with no GPU.
+shape, and the prefix cache's copies (allocators.prefix's protocol: save, restore and free a GDN state,
+copy a KV page). It is the numerical oracle of the GPU backend and the backend of machines with no GPU.
 """
 from __future__ import annotations
 
@@ -138,3 +139,24 @@ class ReferenceBackend(SequencePool):
             logits.append(lg)
             normed.append(hd)
         return torch.cat(logits), torch.cat(normed)
+
+    # ------------------------------------------------------------ prefix checkpoints (allocators.prefix)
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one slot's GDN state and conv history, every GDN layer: one saved state."""
+        return sum(t[0].numel() * t.element_size() for name, t in self.state.items() if name.startswith("gdn."))
+
+    def save_state(self, seq: Sequence) -> dict[str, torch.Tensor]:
+        return {name: t[seq.slot].clone() for name, t in self.state.items() if name.startswith("gdn.")}
+
+    def restore_state(self, handle: dict[str, torch.Tensor], seq: Sequence) -> None:
+        for name, saved in handle.items():
+            self.state[name][seq.slot].copy_(saved)
+
+    def free_state(self, handle: dict[str, torch.Tensor]) -> None:
+        handle.clear()                 # the copies are the handle's own: they go with it
+
+    def copy_page(self, src: int, dst: int) -> None:
+        for name, t in self.state.items():
+            if name.startswith("kv."):
+                t[dst].copy_(t[src])

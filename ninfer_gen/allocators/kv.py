@@ -1,5 +1,6 @@
-"""kv: the paged KV block manager — page allocation with reference counts, trimming after rejected
-drafts, and prefix hashing so requests that share a prompt prefix share its full pages.
+"""kv: the paged KV block manager — page allocation with reference counts (a page is shared by every
+table or checkpoint that holds it and freed when the last lets go), trimming after rejected drafts, and
+the chained page hashes that index token prefixes (`page_hashes`; allocators.prefix compares tokens too).
 
 Pure Python: imports no CUDA, so it is tested on CPU. Page contents live in the runtime's pool.
 """
@@ -11,6 +12,16 @@ from dataclasses import dataclass, field
 
 class OutOfPages(RuntimeError):
     pass
+
+
+def page_hashes(tokens, page_size: int) -> list[bytes]:
+    """Chained hash per full page: page i's hash covers tokens [0, (i+1)·page_size)."""
+    out, h = [], b""
+    for start in range(0, len(tokens) - page_size + 1, page_size):
+        chunk = ",".join(map(str, tokens[start:start + page_size])).encode()
+        h = hashlib.blake2b(h + chunk, digest_size=16).digest()
+        out.append(h)
+    return out
 
 
 @dataclass
@@ -85,15 +96,30 @@ class BlockManager:
         table.pages.clear()
         table.length = 0
 
+    # ------------------------------------------------------------ sharing held pages
+    def retain(self, pages: list[int]) -> None:
+        """One more reference to each of `pages`, which someone holds already (a table, a checkpoint)."""
+        for page in pages:
+            if self._refs[page] <= 0:
+                raise ValueError(f"page {page} is free: only a held page can be shared")
+        for page in pages:
+            self._refs[page] += 1
+
+    def release(self, pages: list[int]) -> None:
+        """Drop one reference to each of `pages`; a page goes back to the pool with its last holder."""
+        for page in pages:
+            if self._refs[page] <= 0:
+                raise ValueError(f"page {page} is free: it cannot be released again")
+            self._release(page)
+
+    def share(self, table: BlockTable, pages: list[int]) -> None:
+        """Append held `pages` to `table` (one more reference each): their contents are read, never written."""
+        self.retain(pages)
+        table.pages += pages
+
     # ------------------------------------------------------------ prefix sharing
     def _page_hashes(self, tokens: list[int]) -> list[bytes]:
-        """Chained hash per full page: page i's hash covers tokens [0, (i+1)·page_size)."""
-        out, h = [], b""
-        for start in range(0, len(tokens) - self.page_size + 1, self.page_size):
-            chunk = ",".join(map(str, tokens[start:start + self.page_size])).encode()
-            h = hashlib.blake2b(h + chunk, digest_size=16).digest()
-            out.append(h)
-        return out
+        return page_hashes(tokens, self.page_size)
 
     def register_prefix(self, table: BlockTable, tokens: list[int]) -> None:
         """Publish the table's full pages (holding `tokens`) for reuse by later requests."""

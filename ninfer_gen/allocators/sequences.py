@@ -1,6 +1,7 @@
 """sequences: what every backend does to a sequence's resources — a GDN state slot and a KV block
-table — allocating, growing within the context limit, and releasing. Pure Python (no CUDA); the
-backend says how a slot's state is cleared (`_reset_slot`)."""
+table — allocating, growing within the context limit (a short pool first takes back the pages of cached
+prefix checkpoints: `prefix`, an allocators.prefix.PrefixCache), and releasing. Pure Python (no CUDA);
+the backend says how a slot's state is cleared (`_reset_slot`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ class SequencePool:
         self.blocks = BlockManager(num_pages, page_size)
         self.max_context = max_context
         self._verified: dict[int, int] = {}          # slot → tokens its last verify logged (speculative rounds)
+        self.prefix = None                           # the pool's PrefixCache, if one was made (PrefixCache.on)
 
     def _reset_slot(self, slot: int) -> None:
         raise NotImplementedError
@@ -43,6 +45,9 @@ class SequencePool:
     def _reserve(self, seq: Sequence, length: int) -> None:
         if length > self.max_context:
             raise ValueError(f"sequence of {length} tokens exceeds the context limit {self.max_context}")
+        short = self.blocks.pages_for(length) - len(seq.table.pages) - self.blocks.free_pages
+        if short > 0 and self.prefix is not None:    # live sequences come first: cached prefixes give way
+            self.prefix.reclaim(short)
         self.blocks.reserve(seq.table, length)
 
     def _verified_tokens(self, seq: Sequence, tokens: int) -> None:
