@@ -3,7 +3,9 @@
 Sets up, in order: the memory plan under one VRAM budget (enforced on torch's allocator too), the
 weights on the device, the state pool (KV pages + GDN slots), and the `Executable`; then serves the
 same calls as the reference backend — sequences with block tables and state slots, chunked prefill
-and decode steps — each bucket replayed as a CUDA graph captured on first use.
+and decode steps — each bucket replayed as a CUDA graph captured on first use (or all of them at start-up:
+`capture_profile`), and the prefix cache's state copies (allocators.prefix: save/restore/free a slot's GDN
+state, copy a KV page).
 
 The backend runs one runtime profile (compiler.buckets.Profile: its cohort sizes, draft length, prefill
 chunk, context and options); every kernel of the profile is built when the backend starts, so no
@@ -255,3 +257,28 @@ class GpuBackend(SequencePool):
             hidden.append(hd if all_logits or all_hidden else hd[-1:])
         return (torch.cat(logits) if all_logits else logits[-1]), \
             (torch.cat(hidden) if all_logits or all_hidden else hidden[-1])
+
+    # ------------------------------------------------------------ prefix checkpoints (allocators.prefix)
+    def _gdn_tensors(self) -> list[torch.Tensor]:
+        return [*self.state.conv.values(), *self.state.ssm.values()]
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one slot's GDN state and conv history, every GDN layer: one saved state (device memory)."""
+        return sum(t[0].numel() * t.element_size() for t in self._gdn_tensors())
+
+    def save_state(self, seq: Sequence) -> list[torch.Tensor]:
+        return [t[seq.slot].clone() for t in self._gdn_tensors()]
+
+    def restore_state(self, handle: list[torch.Tensor], seq: Sequence) -> None:
+        for t, saved in zip(self._gdn_tensors(), handle):
+            t[seq.slot].copy_(saved)
+
+    def free_state(self, handle: list[torch.Tensor]) -> None:
+        handle.clear()                 # the copies are the handle's own: they go back to torch's allocator
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """KV page `src` to `dst` in every attention layer and the MTP layer: codes and scales."""
+        for layer in self.state.kv.values():
+            for t in layer.values():
+                t[dst].copy_(t[src])

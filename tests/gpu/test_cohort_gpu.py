@@ -3,7 +3,7 @@
 tokens alone and in cohorts of 2, 4 and 8 with requests joining and leaving mid-stream; a lone request
 equals Model.generate; nothing is captured or compiled at request time (every bucket and round graph
 exists after start-up); every slot and page is free afterwards; a lane near its context end finishes with
-plain steps. Run: pytest -m gpu tests/gpu/test_cohort_gpu.py -q -s"""
+plain steps; the prefix cache's state and page copies are exact. Run: pytest -m gpu tests/gpu/test_cohort_gpu.py -q -s"""
 import random
 from pathlib import Path
 
@@ -100,3 +100,30 @@ def test_the_context_end_finishes_with_plain_steps(model, lanes):
     spec_tokens, _ = _run(lanes, [Request(prompt, 100, draft=3)], 1)
     plain_tokens, _ = _run(lanes, [Request(prompt, 100, draft=0)], 1)
     assert spec_tokens[0] == plain_tokens[0] and len(spec_tokens[0]) == CONTEXT - n + 1
+
+
+def test_prefix_checkpoint_protocol_copies_bit_for_bit(model):
+    """allocators.prefix's backend protocol on the GPU: a saved state restored into another slot, and a KV
+    page copied, equal their sources bit for bit; a freed handle lets its memory go."""
+    import torch
+
+    be = model.backend
+    a, b = be.new_sequence(), be.new_sequence()
+    try:
+        be.prefill(a, [random.Random(4).randrange(1, 4000) for _ in range(150)])
+        handle = be.save_state(a)
+        assert sum(t.numel() * t.element_size() for t in handle) == be.state_bytes
+        be._reserve(b, 1)
+        be.restore_state(handle, b)
+        for t in be._gdn_tensors():
+            assert torch.equal(t[a.slot], t[b.slot])
+        src, dst = a.table.pages[0], b.table.pages[0]
+        be.copy_page(src, dst)
+        for layer in be.state.kv.values():
+            for t in layer.values():
+                assert torch.equal(t[src], t[dst])
+        be.free_state(handle)
+        assert not handle
+    finally:
+        be.release(a)
+        be.release(b)
