@@ -68,6 +68,7 @@ class RequestStats:
     rounds: int
     drafted: int
     accepted: int
+    cached_tokens: int = 0              # prompt tokens restored from a prefix checkpoint, not prefilled
 
     @property
     def decode_tok_s(self) -> float:
@@ -234,6 +235,7 @@ class Engine:
             return {"lanes": self.lanes, "lanes_busy": sum(live is not None for live in self._lanes),
                     "queue_depth": len(self._waiting), "max_queue": self.max_queue, "requests": c["requests"],
                     "finished": dict(self._finished), "tokens": c["tokens"], "prefill_tokens": c["prefill_tokens"],
+                    "prefix_hit_tokens": c["prefix_hit_tokens"],
                     "rounds": c["rounds"], "lane_rounds": c["lane_rounds"], "drafted": c["drafted"],
                     "accepted": c["accepted"], "acceptance": c["accepted"] / c["drafted"] if c["drafted"] else 0.0,
                     **self.backend.usage()}
@@ -318,6 +320,8 @@ class Engine:
                     except Exception as err:
                         self._fail(live, err)
                         holder = None
+                        continue
+                    self._count["prefix_hit_tokens"] += live.lane.cached
         return admitted
 
     def _prefill_one(self) -> bool:
@@ -397,6 +401,7 @@ class Engine:
         """Releases the request's lane and sequence and sends its final event (callers hold the step)."""
         lane = live.lane
         if lane is not None and lane.seq is not None:
+            lane.finish = reason
             try:
                 self.backend.release(lane)
             except Exception as err:
@@ -413,6 +418,6 @@ class Engine:
             ttft_s=None if t_first is None else t_first - live.t_submit,
             decode_s=0.0 if t_first is None else live.t_last - t_first,
             rounds=lane.stats.rounds if lane else 0, drafted=lane.stats.drafted if lane else 0,
-            accepted=lane.stats.accepted if lane else 0)
+            accepted=lane.stats.accepted if lane else 0, cached_tokens=lane.cached if lane else 0)
         live.handle.final = Event(live.handle.id, (), reason, stats, error)
         live.handle._events.put(live.handle.final)

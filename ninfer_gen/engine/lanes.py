@@ -13,7 +13,9 @@ LaneBackend — what an adapter provides (the GPU adapter implements the same):
   prefill_chunk: int  the engine's default prefill budget (prompt tokens per step)
   validate(request)   raise ValueError naming what this backend cannot run (a draft K, a token id out of
                       the vocabulary, ...); called at submit, before anything is held
-  open(lane)          take a sequence for the lane (a cleared state slot, no pages yet): sets `lane.seq`
+  open(lane)          take a sequence for the lane (a cleared state slot, no pages yet): sets `lane.seq`; with
+                      prefix reuse (engine.reuse) it may restore a cached prefix of the prompt into it and set
+                      `lane.prefilled` and `lane.cached` to its length: the engine prefills the rest
   prefill(lane, ids, last) -> int | None
                       run `ids`, the next chunk of `lane.prompt` (positions lane.length .. +len(ids)), into
                       the lane's KV and state. `last`: the chunk ends the prompt — return the first output
@@ -35,7 +37,8 @@ LaneBackend — what an adapter provides (the GPU adapter implements the same):
                       A lane whose round failed maps to its exception (the engine releases it; its state is
                       void); an exception raised by `round` itself fails every lane of the call.
                       Lanes are independent: a lane's tokens must not depend on which other lanes run.
-  release(lane)       give back the lane's sequence (state slot and KV pages) in any state, even mid-round
+  release(lane)       give back the lane's sequence (state slot and KV pages) in any state, even mid-round;
+                      `lane.finish` says why (engine.FINISH_REASONS): a normal end may leave a prefix checkpoint
   usage() -> dict     {"slots": n, "slots_in_use": n, "pages": n, "pages_in_use": n}
 
 Per round a device adapter reads from each LaneState: `slot`, `length` (committed), `anchor`, `drafts`,
@@ -49,6 +52,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ninfer_gen.engine.reuse import MtpTail, PrefixReuse
 from ninfer_gen.engine.sampling import Sampler, SamplingParams, distribution
 from ninfer_gen.engine.speculative import Drafter, Stats, accept_greedy, accept_sampled, truncate
 
@@ -64,6 +68,8 @@ class LaneState:
     max_context: int                   # tokens this lane's sequence may hold
     seq: Any = None                    # the backend's sequence (state slot + KV block table): `open`
     prefilled: int = 0                 # prompt tokens already run (the engine advances it)
+    cached: int = 0                    # of them, restored from a prefix checkpoint at `open` (the adapter)
+    finish: str | None = None          # why the lane ends, set by the engine before `release`
     anchor: int | None = None          # the last output token, not yet run through the model
     drafts: list[int] = field(default_factory=list)    # the drafts of the lane's current round (adapter)
     budget: int = 0                    # most tokens this round may emit (the engine sets it per round)
@@ -106,6 +112,7 @@ class _Private:
     pending: tuple | None = None       # (hidden rows, next ids, start): the MTP input of the next drafts
     draft_probs: torch.Tensor | None = None
     matcher: Any = None                # the grammar's state after the lane's output (engine.grammar.Matcher)
+    tail: MtpTail | None = None        # a restored prefix's MTP input, run with the first prefill chunk
 
 
 class ReferenceLanes:
@@ -115,8 +122,11 @@ class ReferenceLanes:
     one B-row step instead — faster on the CPU, but its rows agree with B = 1 only to fp32 rounding
     (CPU matmuls are not batch-invariant), so a greedy token may flip at a near-tie."""
 
-    def __init__(self, backend, *, batch_steps: bool = False):
+    def __init__(self, backend, *, batch_steps: bool = False, prefix_cache: int = 0, checkpoint_every: int = 4096):
+        """`prefix_cache`: checkpoints kept for prefix reuse (engine.reuse; 0: none), one every
+        `checkpoint_every` tokens of a long prompt."""
         self.backend, self.batch_steps = backend, batch_steps
+        self.reuse = PrefixReuse(backend, prefix_cache, checkpoint_every) if prefix_cache else None
         self.capacity = backend.slots.num_slots
         self.max_context = backend.max_context
         self.prefill_chunk = backend.spec.runtime.prefill_chunk
@@ -124,9 +134,10 @@ class ReferenceLanes:
         self.has_mtp = bool(backend.spec.model.mtp.num_layers)
 
     @classmethod
-    def for_model(cls, model, lanes: int, **kw) -> "ReferenceLanes":
-        """Lanes over a loaded reference Model; when its backend has fewer state slots than `lanes`, the
-        model gets a backend with enough (the same weights, device, dtypes and context)."""
+    def for_model(cls, model, lanes: int, prefix_cache: int = 16, **kw) -> "ReferenceLanes":
+        """Lanes over a loaded reference Model, with a prefix cache of `prefix_cache` checkpoints; when its
+        backend has fewer state slots than `lanes`, the model gets a backend with enough (the same weights,
+        device, dtypes and context)."""
         from ninfer_gen.reference import ReferenceBackend
 
         b = model.backend
@@ -137,7 +148,7 @@ class ReferenceLanes:
                                  kv_dtype=b.pools.kv_dtype, max_sequences=lanes, max_context=b.max_context,
                                  bf16_matmul_inputs=b.bf16_matmul_inputs)
             model.backend = b
-        return cls(b, **kw)
+        return cls(b, prefix_cache=prefix_cache, **kw)
 
     def validate(self, request) -> None:
         bad = [t for t in request.prompt if not 0 <= t < self.vocab_size]
@@ -158,18 +169,23 @@ class ReferenceLanes:
         lane.private = _Private(Sampler(lane.sampling))
         if lane.constraint is not None:
             lane.private.matcher = lane.constraint.matcher()
+        if self.reuse is not None:
+            lane.private.tail = self.reuse.restore(lane)
 
     def prefill(self, lane: LaneState, ids: list[int], last: bool) -> int | None:
         b, priv, start = self.backend, lane.private, lane.length
         logits, hidden = b.prefill(lane.seq, list(ids))
+        mtp_start, hidden = self._after_tail(lane, start, hidden)
         if not last:
             if lane.k:           # every next token of a middle chunk is known: the MTP runs over it now
-                b.mtp(lane.seq, hidden, lane.prompt[start + 1:start + len(ids) + 1], start)
+                b.mtp(lane.seq, hidden, lane.prompt[mtp_start + 1:start + len(ids) + 1], mtp_start)
+            self._checkpoint(lane, start, last, lambda: MtpTail.of(lane.length - 1, hidden[-1:]))
             return None
         token = self._choose(lane, logits[-1])
         if lane.k:               # the last slot needs the first token: drafting waits for the first round
-            priv.pending = (hidden, lane.prompt[start + 1:] + [token], start)
+            priv.pending = (hidden, lane.prompt[mtp_start + 1:] + [token], mtp_start)
         lane.anchor = token
+        self._checkpoint(lane, start, last, lambda: MtpTail.of(mtp_start, hidden))
         return token
 
     def round(self, lanes: list[LaneState]) -> dict[int, list[int] | BaseException]:
@@ -187,6 +203,9 @@ class ReferenceLanes:
         return out
 
     def release(self, lane: LaneState) -> None:
+        if lane.seq is not None and self.reuse is not None:
+            pending = lane.private.pending if lane.k else None
+            self.reuse.at_release(lane, lambda: MtpTail.of(pending[2], pending[0]) if pending else None)
         if lane.seq is not None:
             self.backend.release(lane.seq)
             lane.seq = None
@@ -194,7 +213,23 @@ class ReferenceLanes:
     def usage(self) -> dict[str, int]:
         slots, blocks = self.backend.slots, self.backend.blocks
         return {"slots": slots.num_slots, "slots_in_use": slots.num_slots - slots.free_slots,
-                "pages": blocks.num_pages, "pages_in_use": blocks.num_pages - blocks.free_pages}
+                "pages": blocks.num_pages, "pages_in_use": blocks.num_pages - blocks.free_pages,
+                **(self.backend.prefix.usage() if self.backend.prefix is not None else {})}
+
+    # ------------------------------------------------------------ prefix reuse (engine.reuse)
+    @staticmethod
+    def _after_tail(lane: LaneState, start: int, hidden: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """(first MTP slot, hidden rows from it): a restored prefix's pending MTP rows come first."""
+        tail, lane.private.tail = lane.private.tail, None
+        if tail is None or not lane.k:
+            return start, hidden
+        return tail.start, torch.cat([tail.hidden, hidden])
+
+    def _checkpoint(self, lane: LaneState, start: int, last: bool, tail) -> None:
+        """After a prefill chunk: a checkpoint at the prompt's end or a `checkpoint_every` boundary; `tail()`
+        makes the MTP's pending input (a lane with drafts)."""
+        if self.reuse is not None and self.reuse.wants(start, lane.length, last):
+            self.reuse.after_chunk(lane, tail() if lane.k else None)
 
     # ------------------------------------------------------------ one lane's round
     @staticmethod
