@@ -193,6 +193,15 @@ def test_fuzz_malformed_requests(server):
     _free(server.engine)
 
 
+def test_fields_that_only_look_like_defaults_and_prompt_naming(server):
+    """best_of=true is not the default 1 (True == 1 in Python); an over-long completions prompt names `prompt`."""
+    with httpx.Client(base_url=server.url, timeout=60, headers={"Authorization": f"Bearer {KEY}"}) as client:
+        r = client.post("/v1/completions", json={**BODIES["/v1/completions"], "best_of": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"
+        r = client.post("/v1/completions", json={**BODIES["/v1/completions"], "prompt": "x " * (server.engine.backend.max_context + 8)})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+
+
 # ----------------------------------------------------------------- load
 
 

@@ -38,8 +38,8 @@ _UNSUPPORTED = {"n": 1, "logprobs": False, "top_logprobs": None, "audio": None, 
 
 def _refuse_unsupported(body: dict, names) -> None:
     for name in names:
-        value = body.get(name)
-        if value is not None and value != _UNSUPPORTED[name] and value != {}:
+        value, default = body.get(name), _UNSUPPORTED[name]
+        if value is not None and value != {} and (type(value) is not type(default) or value != default):  # True ≠ 1
             raise bad_request(f"{name}={json.dumps(value)} is not supported by this server", name)
 
 
@@ -305,7 +305,7 @@ def router(state: ServeState) -> APIRouter:
         sampling = sampling_params(get(body, "temperature", "number"), get(body, "top_p", "number"),
                                    get(body, "top_k", "integer"), get(body, "seed", "integer"))
         stop = stop_strings(body.get("stop"), "stop")
-        budget = state.prompt_budget(prompt, max_tokens, "max_tokens")
+        budget = state.prompt_budget(prompt, max_tokens, "max_tokens", prompt_param="prompt")
         rid, created = new_id("cmpl-"), int(time.time())
         structured = with_answer(Structured(), response_format(body.get("response_format")))
         gen = Generation(await constrained(state, structured, "", None), prompt, budget, sampling, stop, rid)
