@@ -4,7 +4,8 @@ clear); the cohort engine on the tiny spec (a chunk-boundary checkpoint restores
 K = 3; lanes with drafts restore only checkpoints with an MTP tail; a cancelled answer leaves none; the
 pool under pressure; 60 requests through a full, evicting cache leak nothing); and the second turn of a
 conversation on the shipped small model, K = 0 and K = 3: only the new tokens are prefilled and the output
-equals the output without reuse, token for token. lab/prefix_reuse.py times the 8K-token conversation."""
+equals the output without reuse, token for token; `serve --prefix-cache N`. lab/prefix_reuse.py times the 8K-token
+conversation."""
 import random
 
 import pytest
@@ -305,3 +306,16 @@ def test_second_turn_prefills_only_the_new_tokens_and_equals_no_reuse(small):
 
 def test_second_turn_with_drafts_equals_no_reuse(small):
     _conversation(small, 1100, 200, 24, 3)
+
+
+def test_serve_prefix_cache_flag():
+    from ninfer_gen.cli.main import build_parser
+    from ninfer_gen.cli.serve import build_server
+
+    for flag, expected in (([], 16), (["--prefix-cache", "3"], 3), (["--prefix-cache", "0"], None)):
+        _, engine, _ = build_server(build_parser().parse_args(["serve", "--weights", str(TINY_SPEC), "--lanes", "1",
+                                                               *flag]))
+        reuse = engine.backend.reuse
+        assert (reuse.cache.capacity if reuse is not None else None) == expected
+    with pytest.raises(ValueError, match="--prefix-cache"):
+        build_server(build_parser().parse_args(["serve", "--weights", str(TINY_SPEC), "--prefix-cache", "-1"]))

@@ -28,6 +28,9 @@ def add_serve_parser(sub) -> None:
                    f"and answered 504 (streamed: an error event) (default {DEFAULT_TIMEOUT_S:g}; 0: no limit)")
     s.add_argument("--draft", type=int, default=0, help="MTP speculative decoding with K drafts per round "
                    "(default 0: plain decode)")
+    s.add_argument("--prefix-cache", type=int, default=16, metavar="N", help="prefix reuse: keep N checkpoints "
+                   "(KV pages + GDN state) of prompts and answers; a request restores the longest one its prompt "
+                   "starts with and prefills the rest (default 16; 0: off)")
     s.add_argument("--served-model-name", default=None, help="the model name clients use (default: the spec's name)")
     s.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="reference activations")
     s.add_argument("--device", default=None, help="reference: cpu or cuda (default: cuda when available)")
@@ -52,10 +55,13 @@ def build_server(args):
         raise ValueError(f"--request-timeout must be ≥ 0 seconds (0: no limit), got {args.request_timeout:g}")
     if args.draft < 0:
         raise ValueError(f"--draft must be ≥ 0, got {args.draft}")
+    if args.prefix_cache < 0:
+        raise ValueError(f"--prefix-cache must be ≥ 0 checkpoints (0: off), got {args.prefix_cache}")
     model = ninfer_gen.load(args.weights, backend="reference", dtype=args.dtype, device=args.device,
                             max_context=args.max_context, verify=not args.no_verify, draft=args.draft or None)
     model.speculative(args.draft)                 # a ValueError naming why K drafts cannot run here
-    engine = Engine(ReferenceLanes.for_model(model, args.lanes), lanes=args.lanes, max_queue=args.max_queue)
+    engine = Engine(ReferenceLanes.for_model(model, args.lanes, prefix_cache=args.prefix_cache), lanes=args.lanes,
+                    max_queue=args.max_queue)
     app = create_app(engine, model, served_model_name=args.served_model_name or model.spec.name,
                      api_key=args.api_key, model_folder=args.weights if args.weights and not
                      str(args.weights).endswith((".yaml", ".yml")) else None, draft=args.draft,
