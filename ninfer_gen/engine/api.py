@@ -179,7 +179,8 @@ def load(path_or_spec=None, backend: str = "reference", dtype: str = "float32", 
          random_weights: str = "host", vram_budget: int | None = None, use_graphs: bool = True,
          progress: bool = False, options: CompileOptions | None = None, build_root=None,
          all_logits: bool = False, draft: int | None = None, round_mode: str = "fused", verify: bool = True,
-         accept_coin: bool = False, draft_vocab=None, cohorts: int = 1, kv_pool_tokens: int | None = None) -> Model:
+         accept_coin: bool = False, draft_vocab=None, cohorts: int = 1, kv_pool_tokens: int | None = None,
+         prefix_states: int = 0) -> Model:
     """Load a model. `path_or_spec`: an HF checkpoint directory, a container `ninfer-gen convert` wrote
     (its sha256 hashes checked unless `verify=False`), a spec .yaml (seeded random weights), a ModelSpec,
     or None for the small model shipped in the repository. With `draft` > 0 a checkpoint must have its
@@ -197,7 +198,8 @@ def load(path_or_spec=None, backend: str = "reference", dtype: str = "float32", 
     `accept_coin` is the bench's (`--accept-prob`): it also builds rounds whose acceptance is a coin;
     `draft_vocab` (GPU): token ids, or a draft_vocab.json, the MTP drafts from (weights.draft_vocab);
     `cohorts` (GPU): the most sequences decoded together (the cohort engine's lanes, executor.gpu_lanes);
-    `kv_pool_tokens` (GPU): one KV pool of that many tokens shared by them (default: cohorts × context)."""
+    `kv_pool_tokens` (GPU): one KV pool of that many tokens shared by them (default: cohorts × context);
+    `prefix_states` (GPU): GDN states the prefix cache may keep in device memory (0: no prefix reuse)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is not available (available: {', '.join(BACKENDS)})")
     if random_weights not in ("host", "device"):
@@ -206,7 +208,7 @@ def load(path_or_spec=None, backend: str = "reference", dtype: str = "float32", 
         gpu = dict(options=options or CompileOptions(), build_root=build_root, all_logits=all_logits,
                    use_graphs=use_graphs, progress=progress, draft=draft, round_mode=round_mode,
                    accept_coin=accept_coin, draft_vocab=draft_vocab, cohorts=cohorts,
-                   kv_pool_tokens=kv_pool_tokens)
+                   kv_pool_tokens=kv_pool_tokens, prefix_states=prefix_states)
         return _load_gpu(path_or_spec, kv_dtype, max_context, random_weights, vram_budget, gpu, verify)
     spec, tensors, folder, source = _resolve(path_or_spec, verify, bool(draft))
     if quantize:

@@ -46,7 +46,8 @@ class GpuBackend(SequencePool):
                  memory: MemoryPlan | None = None, progress: bool = False,
                  options: CompileOptions = CompileOptions(), all_logits: bool = False,
                  prefill_chunk: int | None = None, draft: int | None = None, round_mode: str = "fused",
-                 accept_coin: bool = False, draft_vocab: list[int] | None = None, kv_pool_tokens: int | None = None):
+                 accept_coin: bool = False, draft_vocab: list[int] | None = None, kv_pool_tokens: int | None = None,
+                 prefix_states: int = 0):
         """`cohorts` lanes (the profile's step buckets: the spec's cohort sizes up to it); `all_logits`:
         prefill buckets keep every row's logits (evaluation: `Model.forward_logits`), else the last;
         `prefill_chunk`: the largest prefill bucket (default: the spec's, within the context); `draft`: the MTP
@@ -55,14 +56,17 @@ class GpuBackend(SequencePool):
         round of engine.speculative, `snapshot` fused rounds built in the snapshot design (K+1 state copies
         per lane instead of ReplaySSM records, for comparison); `accept_coin` (bench only) also builds the `--accept-prob` rounds;
         `draft_vocab`: token ids the MTP drafts from (a reduced head of those LM-head rows; None: all);
-        `kv_pool_tokens`: one KV pool of that many tokens shared by the lanes (default: cohorts × context)."""
+        `kv_pool_tokens`: one KV pool of that many tokens shared by the lanes (default: cohorts × context);
+        `prefix_states`: GDN states the prefix cache may keep (device memory, in the plan; 0: no prefix cache)."""
         self.spec, self.device, self.use_graphs = spec, torch.device(device), use_graphs
         rt = spec.runtime
         kv_dtype = kv_dtype or rt.kv_dtype
         ctx = max_context or rt.max_context
         snapshots = round_mode == "snapshot"
         self.memory = memory or plan_memory(spec, cohorts, ctx, vram_budget, draft=draft, kv_dtype=kv_dtype,
-                                            snapshots=snapshots, kv_pool_tokens=kv_pool_tokens)
+                                            snapshots=snapshots, kv_pool_tokens=kv_pool_tokens,
+                                            prefix_states=prefix_states)
+        self.prefix_states = prefix_states
         per_seq = math.ceil(ctx / rt.page_size)
         pages = min(self.memory.kv_pages, kv_pool_pages(cohorts, ctx, rt.page_size, kv_pool_tokens))
         primary_context(self.device.index)

@@ -21,6 +21,12 @@ over each chunk as it goes and the last chunk's first drafts come from engine.sp
 whose context has no room for one more round (verify K+1 positions and chain K−1 drafts) continues with
 plain steps. Every bucket and round graph is captured when the adapter is made, not at request time.
 The adapter uses the round-state rows of the backend's DeviceRounds: do not stream through both at once.
+
+Prefix reuse (engine.reuse, as ReferenceLanes): checkpoints at prompt ends, chunk boundaries and normal
+answer ends, restored at `open`; the saved GDN states live in device memory, bounded by the backend's
+memory plan (`prefix_states`). A device round runs the MTP over every slot it commits, so an answer's
+checkpoint has no pending MTP rows (an empty tail) unless the lane finished with plain steps (none); a
+lane's pending fold is folded before its answer is saved.
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ import torch
 
 from compiler.kernels import spec_round as sr
 from ninfer_gen.engine.lanes import LaneState
+from ninfer_gen.engine.reuse import MtpTail, PrefixReuse
 from ninfer_gen.engine.sampling import Sampler
 from ninfer_gen.engine.speculative import Drafter
 from ninfer_gen.executor.device_rounds import _F, idle_rows, round_row
@@ -44,6 +51,7 @@ class _Lane:
         self.row: torch.Tensor | None = None             # the round-state mirror; None: plain steps
         self.q: torch.Tensor | None = None               # sampled: the first drafts' distributions [K, V]
         self.pages = -1                                  # block-table pages written to the lane's row
+        self.tail: MtpTail | None = None                 # a restored prefix's MTP input, run with the first chunk
 
 
 class GpuLanes:
@@ -51,7 +59,9 @@ class GpuLanes:
     `accept_prob` (bench only, a backend built with accept_coin): every draft is kept by a coin of that
     probability instead of by the target (random weights accept nothing)."""
 
-    def __init__(self, backend, *, accept_prob: float | None = None, capture: bool = True):
+    def __init__(self, backend, *, accept_prob: float | None = None, capture: bool = True,
+                 prefix_cache: int | None = None, checkpoint_every: int = 4096):
+        """`prefix_cache`: checkpoints kept for prefix reuse (None: the backend's planned `prefix_states`; 0: off)."""
         be = self.be = backend
         self.capacity = be.slots.num_slots
         self.max_context = be.max_context
@@ -64,6 +74,11 @@ class GpuLanes:
         self.accept_prob = accept_prob
         self.round_sizes = sorted({b for b, _ in be.profile.rounds()})
         self.step_sizes = sorted({b for e, b, t in be.profile.shapes() if e == "step" and t == 1})
+        n = be.prefix_states if prefix_cache is None else prefix_cache
+        if n > be.prefix_states:
+            raise ValueError(f"a prefix cache of {n} checkpoints needs their GDN states in the memory plan: load the "
+                             f"model with prefix_states={n} (it has {be.prefix_states})")
+        self.reuse = PrefixReuse(be, n, checkpoint_every, max_bytes=n * be.state_bytes) if n else None
         self.layout: list[LaneState | None] = []         # the lanes in the rows of the last round's bucket
         self.fold_pending = False                        # fused: that round's accepted records are not folded
         if self.k:
@@ -123,19 +138,27 @@ class GpuLanes:
     def open(self, lane: LaneState) -> None:
         lane.seq = self.be.new_sequence()
         lane.private = _Lane(lane)
+        if self.reuse is not None:
+            lane.private.tail = self.reuse.restore(lane)
 
     def prefill(self, lane: LaneState, ids: list[int], last: bool) -> int | None:
         be, priv, seq, start = self.be, lane.private, lane.seq, lane.length
         logits, hidden = be.prefill(seq, list(ids), all_hidden=bool(lane.k))
+        tail, priv.tail = priv.tail, None
+        mtp_start = start
+        if tail is not None and lane.k:  # a restored prefix's pending MTP rows come first
+            mtp_start, hidden = tail.start, torch.cat([tail.hidden.to(hidden.device), hidden])
         if not last:
             if lane.k:           # every next token of a middle chunk is known: the MTP runs over it now
-                be.mtp(seq, hidden, lane.prompt[start + 1:start + len(ids) + 1], start)
+                be.mtp(seq, hidden, lane.prompt[mtp_start + 1:start + len(ids) + 1], mtp_start)
+            self._checkpoint(lane, start, False, lambda: MtpTail.of(lane.length, hidden[:0]))
             return None
         token = priv.sampler(logits[-1])
         lane.anchor = token
+        self._checkpoint(lane, start, True, lambda: MtpTail.of(mtp_start, hidden))
         if lane.k and self._room_for_round(seq.length):
             drafts, priv.q = Drafter(be, lane.sampling, self.k, priv.sampler.gen).propose(
-                seq, hidden, lane.prompt[start + 1:] + [token], start)
+                seq, hidden, lane.prompt[mtp_start + 1:] + [token], mtp_start)
             lane.drafts = drafts
             priv.row = round_row(seq, token, drafts, 0, lane.sampling, lane.stop, self.accept_prob, priv.seed,
                                  be.state.trash_page)
@@ -157,6 +180,12 @@ class GpuLanes:
         return out
 
     def release(self, lane: LaneState) -> None:
+        if lane.seq is not None and self.reuse is not None:
+            if lane in self.layout:
+                self._flush()                            # the last round's accepted tokens into the state first
+            # device rounds ran the MTP over every committed slot; plain steps at the context end ran none
+            complete = lane.k and lane.private.row is not None
+            self.reuse.at_release(lane, lambda: MtpTail.of(lane.length, self._no_rows()) if complete else None)
         if lane in self.layout:
             self._vacate(self.layout.index(lane))
         if lane.seq is not None:
@@ -166,7 +195,18 @@ class GpuLanes:
     def usage(self) -> dict[str, int]:
         slots, blocks = self.be.slots, self.be.blocks
         return {"slots": slots.num_slots, "slots_in_use": slots.num_slots - slots.free_slots,
-                "pages": blocks.num_pages, "pages_in_use": blocks.num_pages - blocks.free_pages}
+                "pages": blocks.num_pages, "pages_in_use": blocks.num_pages - blocks.free_pages,
+                **(self.be.prefix.usage() if self.be.prefix is not None else {})}
+
+    # ------------------------------------------------------------ prefix reuse (engine.reuse)
+    def _checkpoint(self, lane: LaneState, start: int, last: bool, tail) -> None:
+        """After a prefill chunk: a checkpoint at the prompt's end or a `checkpoint_every` boundary; `tail()`
+        makes the MTP's pending input (a lane with drafts)."""
+        if self.reuse is not None and self.reuse.wants(start, lane.length, last):
+            self.reuse.after_chunk(lane, tail() if lane.k else None)
+
+    def _no_rows(self) -> torch.Tensor:
+        return torch.zeros((0, self.be.spec.model.hidden_size), dtype=torch.bfloat16, device=self.be.device)
 
     # ------------------------------------------------------------ speculative rounds
     def _room_for_round(self, length: int) -> bool:

@@ -37,6 +37,8 @@ class MemoryPlan:
     kv_pool: int
     kv_bytes_per_token: int
     page_size: int
+    prefix_states: int = 0             # prefix-cache checkpoints' saved GDN states (engine.reuse)
+    prefix_bytes: int = 0
 
     @property
     def kv_pages(self) -> int:
@@ -49,13 +51,14 @@ class MemoryPlan:
     @property
     def total(self) -> int:
         return (self.weights + self.activations + self.graph_pools + self.state_slots + self.records
-                + self.rounds + self.headroom + self.kv_pool)
+                + self.rounds + self.prefix_bytes + self.headroom + self.kv_pool)
 
     def rows(self) -> list[tuple[str, int]]:
         return [("weights", self.weights), ("activation arena", self.activations), ("graph pools", self.graph_pools),
                 (f"GDN state slots ({self.cohort})", self.state_slots),
                 (f"ReplaySSM records ({self.cohort} × {self.draft_tokens + 1} tokens)", self.records),
                 ("round buffers (sampling distributions)", self.rounds),
+                (f"prefix checkpoints ({self.prefix_states} GDN states)", self.prefix_bytes),
                 ("context headroom", self.headroom),
                 (f"KV pool ({self.kv_pages} pages = {self.kv_tokens} tokens)", self.kv_pool)]
 
@@ -83,10 +86,12 @@ def round_bytes(spec: ModelSpec, cohort: int, draft: int) -> int:
 
 
 def plan_memory(spec: ModelSpec, cohort: int, max_context: int, budget: int, draft: int | None = None,
-                kv_dtype: str | None = None, snapshots: bool = False, kv_pool_tokens: int | None = None) -> MemoryPlan:
+                kv_dtype: str | None = None, snapshots: bool = False, kv_pool_tokens: int | None = None,
+                prefix_states: int = 0) -> MemoryPlan:
     """`snapshots`: verify keeps K+1 state copies per lane (snapshot mode) instead of ReplaySSM records;
     `kv_pool_tokens`: the KV pool every lane shares must hold that many tokens (default: each lane its
-    whole context, cohort × max_context); a lane's own limit stays `max_context`."""
+    whole context, cohort × max_context); a lane's own limit stays `max_context`; `prefix_states`: saved
+    GDN states of the prefix cache's checkpoints (their KV pages come out of the KV pool)."""
     if cohort <= 0 or max_context <= 0 or budget <= 0:
         raise MemoryPlanError("cohort, max context and budget must be positive")
     draft = spec.runtime.draft_tokens if draft is None else draft
@@ -99,10 +104,12 @@ def plan_memory(spec: ModelSpec, cohort: int, max_context: int, budget: int, dra
                  records=cohort * (draft + 1) * (snapshot_bytes_per_token(spec) if snapshots else
                                                 record_bytes_per_token(spec)) if draft else 0,
                 rounds=round_bytes(spec, cohort, draft),
+                 prefix_bytes=prefix_states * (s["gdn_state_bytes_per_sequence"] + s["conv_history_bytes_per_sequence"]),
                  headroom=CONTEXT_HEADROOM)
     left = budget - sum(fixed.values())
     plan = MemoryPlan(budget, cohort, draft, max_context, kv_dtype, kv_pool=max(0, left),
-                      kv_bytes_per_token=per_token, page_size=spec.runtime.page_size, **fixed)
+                      kv_bytes_per_token=per_token, page_size=spec.runtime.page_size, prefix_states=prefix_states,
+                      **fixed)
     need_pages = kv_pool_pages(cohort, max_context, plan.page_size, kv_pool_tokens)
     if left <= 0 or plan.kv_pages < need_pages:
         parts = ", ".join(f"{name} {size / GiB:.2f} GiB" for name, size in plan.rows()[:-1])

@@ -3,7 +3,8 @@
 tokens alone and in cohorts of 2, 4 and 8 with requests joining and leaving mid-stream; a lone request
 equals Model.generate; nothing is captured or compiled at request time (every bucket and round graph
 exists after start-up); every slot and page is free afterwards; a lane near its context end finishes with
-plain steps; the prefix cache's state and page copies are exact. Run: pytest -m gpu tests/gpu/test_cohort_gpu.py -q -s"""
+plain steps; the prefix cache's state and page copies are exact, and a second turn restores its
+prefix and equals the same request without reuse. Run: pytest -m gpu tests/gpu/test_cohort_gpu.py -q -s"""
 import random
 from pathlib import Path
 
@@ -21,14 +22,14 @@ CONTEXT = 1024
 def model():
     from ninfer_gen.engine.api import load
 
-    return load(SMALL, backend="gpu", cohorts=8, draft=3, max_context=CONTEXT, build_root=build_root())
+    return load(SMALL, backend="gpu", cohorts=8, draft=3, max_context=CONTEXT, build_root=build_root(), prefix_states=4)
 
 
 @pytest.fixture(scope="module")
 def lanes(model):
     from ninfer_gen.executor.gpu_lanes import GpuLanes
 
-    return GpuLanes.for_model(model, 8)
+    return GpuLanes.for_model(model, 8, prefix_cache=0)
 
 
 def _requests():
@@ -127,3 +128,25 @@ def test_prefix_checkpoint_protocol_copies_bit_for_bit(model):
     finally:
         be.release(a)
         be.release(b)
+
+
+@pytest.mark.parametrize("draft", [0, 3])
+def test_second_turn_restores_the_prefix_and_equals_no_reuse(model, lanes, draft):
+    """Prefix reuse on the GPU: turn 2 (turn 1's prompt + its answer + new tokens) restores the answer's
+    checkpoint, prefills only the rest, and gives the tokens the same request gives without reuse."""
+    from ninfer_gen.engine import Request
+    from ninfer_gen.executor.gpu_lanes import GpuLanes
+
+    reuse = GpuLanes(model.backend, prefix_cache=4)
+    rng = random.Random(20 + draft)
+    turn1 = [rng.randrange(1, 4000) for _ in range(700)]
+    (answer,), _ = _run(reuse, [Request(turn1, 24, draft=draft)], 1)
+    turn2 = turn1 + answer + [rng.randrange(1, 4000) for _ in range(50)]
+    (with_reuse,), engine = _run(reuse, [Request(turn2, 32, draft=draft)], 1)
+    cached = len(turn1) + len(answer) - 1
+    assert engine.stats()["prefix_hit_tokens"] == cached and engine.stats()["prefill_tokens"] == len(turn2) - cached
+    (without,), _ = _run(lanes, [Request(turn2, 32, draft=draft)], 1)
+    print(f"K={draft}: turn 2 of {len(turn2)} tokens restored {cached}, prefilled {len(turn2) - cached}")
+    assert with_reuse == without
+    reuse.reuse.cache.clear()
+    assert model.backend.blocks.free_pages == model.backend.blocks.num_pages
