@@ -52,6 +52,7 @@ class _Lane:
         self.q: torch.Tensor | None = None               # sampled: the first drafts' distributions [K, V]
         self.pages = -1                                  # block-table pages written to the lane's row
         self.tail: MtpTail | None = None                 # a restored prefix's MTP input, run with the first chunk
+        self.last_hidden: torch.Tensor | None = None     # prefix reuse: the last committed slot's hidden row [1, H]
 
 
 class GpuLanes:
@@ -78,7 +79,7 @@ class GpuLanes:
         if n > be.prefix_states:
             raise ValueError(f"a prefix cache of {n} checkpoints needs their GDN states in the memory plan: load the "
                              f"model with prefix_states={n} (it has {be.prefix_states})")
-        self.reuse = PrefixReuse(be, n, checkpoint_every, max_bytes=n * be.state_bytes) if n else None
+        self.reuse = PrefixReuse(be, n, checkpoint_every) if n else None      # n states: the plan's
         self.layout: list[LaneState | None] = []         # the lanes in the rows of the last round's bucket
         self.fold_pending = False                        # fused: that round's accepted records are not folded
         if self.k:
@@ -151,17 +152,22 @@ class GpuLanes:
         if not last:
             if lane.k:           # every next token of a middle chunk is known: the MTP runs over it now
                 be.mtp(seq, hidden, lane.prompt[mtp_start + 1:start + len(ids) + 1], mtp_start)
-            self._checkpoint(lane, start, False, lambda: MtpTail.of(lane.length, hidden[:0]))
+            # the MTP's last slot used the next prompt token, which a prompt restoring this one may not share
+            self._checkpoint(lane, start, False, lambda: MtpTail.of(lane.length - 1, hidden[-1:]))
             return None
         token = priv.sampler(logits[-1])
         lane.anchor = token
-        self._checkpoint(lane, start, True, lambda: MtpTail.of(mtp_start, hidden))
-        if lane.k and self._room_for_round(seq.length):
+        drafted = bool(lane.k) and self._room_for_round(seq.length)
+        if drafted:
             drafts, priv.q = Drafter(be, lane.sampling, self.k, priv.sampler.gen).propose(
                 seq, hidden, lane.prompt[mtp_start + 1:] + [token], mtp_start)
             lane.drafts = drafts
             priv.row = round_row(seq, token, drafts, 0, lane.sampling, lane.stop, self.accept_prob, priv.seed,
                                  be.state.trash_page)
+        # drafting ran the MTP over the chunk, its last slot with this request's first token: only that slot
+        # is left for a restoring lane; without drafting the whole chunk is
+        self._checkpoint(lane, start, True, lambda: MtpTail.of(lane.length - 1, hidden[-1:]) if drafted
+                         else MtpTail.of(mtp_start, hidden))
         return token
 
     def round(self, lanes: list[LaneState]) -> dict[int, list[int] | BaseException]:
@@ -183,9 +189,10 @@ class GpuLanes:
         if lane.seq is not None and self.reuse is not None:
             if lane in self.layout:
                 self._flush()                            # the last round's accepted tokens into the state first
-            # device rounds ran the MTP over every committed slot; plain steps at the context end ran none
-            complete = lane.k and lane.private.row is not None
-            self.reuse.at_release(lane, lambda: MtpTail.of(lane.length, self._no_rows()) if complete else None)
+            # device rounds ran the MTP over every committed slot, the last with the lane's last token (which a
+            # restoring prompt may not share): that slot is left; plain steps at the context end ran none
+            last = lane.private.last_hidden if lane.k and lane.private.row is not None else None
+            self.reuse.at_release(lane, lambda: MtpTail.of(lane.length - 1, last) if last is not None else None)
         if lane in self.layout:
             self._vacate(self.layout.index(lane))
         if lane.seq is not None:
@@ -204,9 +211,6 @@ class GpuLanes:
         makes the MTP's pending input (a lane with drafts)."""
         if self.reuse is not None and self.reuse.wants(start, lane.length, last):
             self.reuse.after_chunk(lane, tail() if lane.k else None)
-
-    def _no_rows(self) -> torch.Tensor:
-        return torch.zeros((0, self.be.spec.model.hidden_size), dtype=torch.bfloat16, device=self.be.device)
 
     # ------------------------------------------------------------ speculative rounds
     def _room_for_round(self, length: int) -> bool:
@@ -247,6 +251,8 @@ class GpuLanes:
         self.fold_pending = True
         back = self.readback[:batch]
         back.copy_(self.rows[:batch])                    # synchronous: the round's tokens
+        if self.reuse is not None:                       # the MTP pass's input rows, padded with the last committed
+            rows = be.bucket("mtp", batch, T).inputs.tensors["hidden"].view(batch, T, -1)[:, T - 1].clone()
         for r, lane in enumerate(self.layout):
             if lane is None:
                 continue
@@ -254,6 +260,8 @@ class GpuLanes:
             n = int(h[_F["emitted"]])
             tokens = h[sr.OUT_AT:sr.OUT_AT + n].tolist()
             lane.private.row = h
+            if self.reuse is not None:
+                lane.private.last_hidden = rows[r:r + 1]
             lane.seq.table.length = int(h[_F["length"]])
             lane.anchor = tokens[-1] if tokens else lane.anchor
             lane.drafts = h[sr.DRAFTS_AT:sr.DRAFTS_AT + self.k].tolist()
