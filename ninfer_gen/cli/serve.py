@@ -14,8 +14,8 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--weights", help="HF checkpoint dir, converted container or spec YAML (random weights); default: "
                    "the small model shipped in models/")
     s.add_argument("--backend", choices=("auto", "gpu", "reference"), default="auto",
-                   help="reference: the graph interpreter in torch (the only backend the server runs for now); "
-                   "gpu: refused until the engine has a GPU lane adapter; auto (default): reference")
+                   help="gpu: the compiled kernels (every bucket and round graph captured at start-up); reference: "
+                   "the graph interpreter in torch (CPU or GPU); auto (default): gpu when a CUDA device is visible")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help="require this key on /v1 paths (Authorization: Bearer KEY or "
@@ -28,9 +28,11 @@ def add_serve_parser(sub) -> None:
                    f"and answered 504 (streamed: an error event) (default {DEFAULT_TIMEOUT_S:g}; 0: no limit)")
     s.add_argument("--draft", type=int, default=0, help="MTP speculative decoding with K drafts per round "
                    "(default 0: plain decode)")
-    s.add_argument("--prefix-cache", type=int, default=16, metavar="N", help="prefix reuse: keep N checkpoints "
+    s.add_argument("--prefix-cache", type=int, default=None, metavar="N", help="prefix reuse: keep N checkpoints "
                    "(KV pages + GDN state) of prompts and answers; a request restores the longest one its prompt "
-                   "starts with and prefills the rest (default 16; 0: off)")
+                   "starts with and prefills the rest (default: 16 on the reference backend, one per lane on the GPU, "
+                   "where their states are part of the memory plan; 0: off)")
+    s.add_argument("--vram-budget", default="24GiB", help="gpu: device memory to plan for (default 24GiB = RTX 3090)")
     s.add_argument("--served-model-name", default=None, help="the model name clients use (default: the spec's name)")
     s.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="reference activations")
     s.add_argument("--device", default=None, help="reference: cpu or cuda (default: cuda when available)")
@@ -43,24 +45,36 @@ def add_serve_parser(sub) -> None:
 def build_server(args):
     """(app, engine) from parsed arguments; a ValueError / RuntimeError says what cannot be served."""
     import ninfer_gen
-    from ninfer_gen.engine import Engine, ReferenceLanes
+    from ninfer_gen.engine import Engine
+    from ninfer_gen.engine.cohort import cohort_lanes
     from ninfer_gen.serve.app import create_app
 
-    if args.backend == "gpu":
-        raise RuntimeError("--backend gpu is not supported by the server yet: the cohort engine has no GPU lane "
-                           "adapter (only ReferenceLanes); use --backend reference")
+    if args.backend == "auto":
+        import torch
+        args.backend = "gpu" if torch.cuda.is_available() and args.device in (None, "cuda") else "reference"
     if args.lanes < 1:
         raise ValueError(f"--lanes must be ≥ 1, got {args.lanes}")
     if args.request_timeout < 0:
         raise ValueError(f"--request-timeout must be ≥ 0 seconds (0: no limit), got {args.request_timeout:g}")
     if args.draft < 0:
         raise ValueError(f"--draft must be ≥ 0, got {args.draft}")
+    if args.prefix_cache is None:
+        args.prefix_cache = args.lanes if args.backend == "gpu" else 16
     if args.prefix_cache < 0:
         raise ValueError(f"--prefix-cache must be ≥ 0 checkpoints (0: off), got {args.prefix_cache}")
-    model = ninfer_gen.load(args.weights, backend="reference", dtype=args.dtype, device=args.device,
-                            max_context=args.max_context, verify=not args.no_verify, draft=args.draft or None)
+    if args.backend == "gpu":
+        from ninfer_gen.cli.env import build_root, compile_options
+        from ninfer_gen.executor.memory_plan import parse_bytes
+        model = ninfer_gen.load(args.weights, backend="gpu", max_context=args.max_context, verify=not args.no_verify,
+                                vram_budget=parse_bytes(args.vram_budget), progress=True, options=compile_options(),
+                                build_root=build_root(), draft=args.draft, cohorts=args.lanes,
+                                prefix_states=args.prefix_cache, random_weights="device" if str(
+                                    args.weights or "").endswith((".yaml", ".yml")) else "host")
+    else:
+        model = ninfer_gen.load(args.weights, backend="reference", dtype=args.dtype, device=args.device,
+                                max_context=args.max_context, verify=not args.no_verify, draft=args.draft or None)
     model.speculative(args.draft)                 # a ValueError naming why K drafts cannot run here
-    engine = Engine(ReferenceLanes.for_model(model, args.lanes, prefix_cache=args.prefix_cache), lanes=args.lanes,
+    engine = Engine(cohort_lanes(model, args.lanes, prefix_cache=args.prefix_cache), lanes=args.lanes,
                     max_queue=args.max_queue)
     app = create_app(engine, model, served_model_name=args.served_model_name or model.spec.name,
                      api_key=args.api_key, model_folder=args.weights if args.weights and not
@@ -74,7 +88,7 @@ def cmd_serve(args) -> int:
 
     app, engine, model = build_server(args)
     name = args.served_model_name or model.spec.name
-    print(f"[serving {name} ({model.source}) on the reference backend, {args.lanes} lanes, max queue "
+    print(f"[serving {name} ({model.source}) on the {args.backend} backend, {args.lanes} lanes, max queue "
           f"{args.max_queue}, draft {args.draft}, request timeout {args.request_timeout or 'none'}"
           f"{' s' if args.request_timeout else ''}; http://{args.host}:{args.port}]", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
