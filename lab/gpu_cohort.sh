@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device calls for the cohort engine (issue 21). TESTS=1: the cohort GPU tests (tests/gpu/test_cohort_gpu.py).
+# Device calls for the cohort engine (issue 21). TESTS=1: the cohort and server GPU tests (tests/gpu/test_cohort_gpu.py, test_serve_gpu.py).
 # FIGURES=1: lab/cohort_gpu.py on the 27B (random weights): TTFT of first vs repeated requests after start-up,
 # peak memory of C8 with a shared 16K KV pool and with 16K per lane, the C8 x 32K refusal.
 # BENCH=1: `ninfer-gen bench --concurrency 1,2,4,8` on the 27B with --accept-prob (CONC, TOKENS, P).
@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=. NINFER_BUILD_DIR=${NINFER_BUILD_DIR:-/tmp
 shown() { tr '\r' '\n' < "$1" | grep -v "it/s\]" | grep -v "kernel/s" | grep -v "^\s*$" | tail -"$2"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if [ "${TESTS:-0}" = 1 ]; then
-  timeout ${TESTS_S:-300} python3 -m pytest -m gpu tests/gpu/test_cohort_gpu.py -q -s -rf -p no:cacheprovider -x \
+  timeout ${TESTS_S:-300} python3 -m pytest -m gpu tests/gpu/test_cohort_gpu.py tests/gpu/test_serve_gpu.py -q -s -rf -p no:cacheprovider -x \
     > $OUT/cohort_tests.log 2>&1
   rc=$?; echo "cohort tests: rc $rc"; shown $OUT/cohort_tests.log ${TESTS_TAIL:-40}
   [ $rc = 0 ] || exit $rc              # the figures need working lanes
