@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=. NINFER_BUILD_DIR=${NINFER_BUILD_DIR:-/tmp
 shown() { tr '\r' '\n' < "$1" | grep -v "it/s\]" | grep -v "kernel/s" | grep -v "^\s*$" | tail -"$2"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if [ "${TESTS:-0}" = 1 ]; then
-  timeout ${TESTS_S:-300} python3 -m pytest -m gpu tests/gpu/test_cohort_gpu.py tests/gpu/test_serve_gpu.py -q -s -rf -p no:cacheprovider -x \
+  timeout ${TESTS_S:-300} python3 -m pytest -m gpu tests/gpu/test_cohort_gpu.py tests/gpu/test_serve_gpu.py -q -s -rf -p no:cacheprovider \
     > $OUT/cohort_tests.log 2>&1
   rc=$?; echo "cohort tests: rc $rc"; shown $OUT/cohort_tests.log ${TESTS_TAIL:-40}
   [ $rc = 0 ] || exit $rc              # the figures need working lanes
