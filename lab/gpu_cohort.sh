@@ -9,6 +9,10 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=. NINFER_BUILD_DIR=${NINFER_BUILD_DIR:-/tmp/ninfer-build}
 shown() { tr '\r' '\n' < "$1" | grep -v "it/s\]" | grep -v "kernel/s" | grep -v "^\s*$" | tail -"$2"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+# the server's and the grammar's packages, when the machine lacks them: wheels carried in build/wheels (no network)
+for m in llguidance fastapi uvicorn openai anthropic httpx; do
+  python3 -c "import $m" 2>/dev/null || python3 -m pip install -q --no-index --find-links build/wheels $m 2>&1 | tail -1
+done
 if [ "${TESTS:-0}" = 1 ]; then
   timeout ${TESTS_S:-300} python3 -m pytest -m gpu tests/gpu/test_cohort_gpu.py tests/gpu/test_serve_gpu.py -q -s -rf -p no:cacheprovider \
     > $OUT/cohort_tests.log 2>&1

@@ -151,18 +151,9 @@ class ReferenceLanes:
         return cls(b, prefix_cache=prefix_cache, **kw)
 
     def validate(self, request) -> None:
-        bad = [t for t in request.prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary of {self.vocab_size}")
+        check_request(request, self.vocab_size)
         if request.draft and not self.has_mtp:
             raise ValueError(f"model {self.backend.spec.name} has no MTP layer to draft with: use draft 0")
-        grammar = getattr(request, "constraint", None)
-        if grammar is not None and grammar.vocab_size != self.vocab_size:
-            raise ValueError(f"the constraint was compiled for a vocabulary of {grammar.vocab_size}, the model's "
-                             f"is {self.vocab_size}")
-        if grammar is not None and not grammar.eos_ids <= request.stop:
-            raise ValueError(f"the constraint ends with tokens {sorted(grammar.eos_ids)} that are not among the "
-                             "request's stop tokens: its output could not end")
 
     def open(self, lane: LaneState) -> None:
         lane.seq = self.backend.new_sequence()
@@ -181,7 +172,7 @@ class ReferenceLanes:
                 b.mtp(lane.seq, hidden, lane.prompt[mtp_start + 1:start + len(ids) + 1], mtp_start)
             self._checkpoint(lane, start, last, lambda: MtpTail.of(lane.length - 1, hidden[-1:]))
             return None
-        token = self._choose(lane, logits[-1])
+        token = choose(lane, logits[-1])
         if lane.k:               # the last slot needs the first token: drafting waits for the first round
             priv.pending = (hidden, lane.prompt[mtp_start + 1:] + [token], mtp_start)
         lane.anchor = token
@@ -232,19 +223,9 @@ class ReferenceLanes:
             self.reuse.after_chunk(lane, tail() if lane.k else None)
 
     # ------------------------------------------------------------ one lane's round
-    @staticmethod
-    def _choose(lane: LaneState, logits: torch.Tensor) -> int:
-        """The next token from one row of logits: the lane's sampler, on the grammar's mask if it has one."""
-        matcher = lane.private.matcher
-        if matcher is None:
-            return lane.private.sampler(logits)
-        token = lane.private.sampler(matcher.mask(logits))
-        matcher.consume(token)
-        return token
-
     def _step(self, lane: LaneState) -> list[int]:
         logits, _ = self.backend.run("step", [lane.seq], [[lane.anchor]])
-        lane.anchor = self._choose(lane, logits[-1])
+        lane.anchor = choose(lane, logits[-1])
         return [lane.anchor]
 
     def _batched_steps(self, lanes: list[LaneState]) -> dict[int, list[int] | BaseException]:
@@ -256,7 +237,7 @@ class ReferenceLanes:
         out: dict[int, list[int] | BaseException] = {}
         for lane, row in zip(lanes, rows):
             try:
-                lane.anchor = self._choose(lane, row)
+                lane.anchor = choose(lane, row)
                 out[lane.lane] = [lane.anchor]
             except Exception as err:        # a grammar that failed: that lane's alone
                 out[lane.lane] = err
@@ -291,6 +272,32 @@ class ReferenceLanes:
         priv.pending = (v_hidden[:len(out)], out, start)
         lane.anchor = out[-1]
         return out
+
+
+def check_request(request, vocab_size: int) -> None:
+    """What every adapter refuses at submit: prompt ids outside the vocabulary, a grammar compiled for
+    another vocabulary or one whose end is not among the request's stop tokens."""
+    bad = [t for t in request.prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside the vocabulary of {vocab_size}")
+    grammar = getattr(request, "constraint", None)
+    if grammar is not None and grammar.vocab_size != vocab_size:
+        raise ValueError(f"the constraint was compiled for a vocabulary of {grammar.vocab_size}, the model's "
+                         f"is {vocab_size}")
+    if grammar is not None and not grammar.eos_ids <= request.stop:
+        raise ValueError(f"the constraint ends with tokens {sorted(grammar.eos_ids)} that are not among the "
+                         "request's stop tokens: its output could not end")
+
+
+def choose(lane: LaneState, logits: torch.Tensor) -> int:
+    """The next token from one row of logits: the lane's sampler (`lane.private.sampler`), on the mask of its
+    grammar (`lane.private.matcher`, which then consumes the token) if it has one."""
+    matcher = lane.private.matcher
+    if matcher is None:
+        return lane.private.sampler(logits)
+    token = lane.private.sampler(matcher.mask(logits))
+    matcher.consume(token)
+    return token
 
 
 def masked_verify(matcher, drafts: list[int], v_logits: torch.Tensor) -> torch.Tensor:

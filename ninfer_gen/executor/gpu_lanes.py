@@ -20,6 +20,11 @@ Prefill runs per lane on the B = 1 prefill buckets, one engine chunk at a time; 
 over each chunk as it goes and the last chunk's first drafts come from engine.speculative.Drafter. A lane
 whose context has no room for one more round (verify K+1 positions and chain K−1 drafts) continues with
 plain steps. Every bucket and round graph is captured when the adapter is made, not at request time.
+
+Structured output (a grammar, engine.grammar): its mask depends on every token before, so a constrained lane
+runs host-driven rounds — the B = 1 verify, its rows masked on the device by the grammar's state after each
+draft (engine.lanes.masked_verify), acceptance, commit, then the next drafts — and masked plain steps. A
+host round reuses the ReplaySSM record rows, so the device rounds' pending fold is folded first.
 The adapter uses the round-state rows of the backend's DeviceRounds: do not stream through both at once.
 
 Prefix reuse (engine.reuse, as ReferenceLanes): checkpoints at prompt ends, chunk boundaries and normal
@@ -33,10 +38,10 @@ from __future__ import annotations
 import torch
 
 from compiler.kernels import spec_round as sr
-from ninfer_gen.engine.lanes import LaneState
+from ninfer_gen.engine.lanes import LaneState, check_request, choose, masked_verify
 from ninfer_gen.engine.reuse import MtpTail, PrefixReuse
-from ninfer_gen.engine.sampling import Sampler
-from ninfer_gen.engine.speculative import Drafter
+from ninfer_gen.engine.sampling import Sampler, distribution
+from ninfer_gen.engine.speculative import Drafter, accept_greedy, accept_sampled, truncate
 from ninfer_gen.executor.device_rounds import _F, idle_rows, round_row
 
 ACCEPTANCE_OF = {True: "greedy", False: "sampled"}
@@ -53,6 +58,8 @@ class _Lane:
         self.pages = -1                                  # block-table pages written to the lane's row
         self.tail: MtpTail | None = None                 # a restored prefix's MTP input, run with the first chunk
         self.last_hidden: torch.Tensor | None = None     # prefix reuse: the last committed slot's hidden row [1, H]
+        self.matcher = lane.constraint.matcher() if lane.constraint is not None else None   # engine.grammar
+        self.host = False                                # a grammar's speculative rounds: host-driven (below)
 
 
 class GpuLanes:
@@ -122,9 +129,7 @@ class GpuLanes:
 
     # ------------------------------------------------------------ the contract
     def validate(self, request) -> None:
-        bad = [t for t in request.prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary of {self.vocab_size}")
+        check_request(request, self.vocab_size)
         if request.draft and not self.k:
             raise ValueError(f"this GPU backend has no speculative rounds ({self.be.profile.describe()}): use draft 0")
         if request.draft not in (0, self.k):
@@ -132,9 +137,6 @@ class GpuLanes:
                              f"(not {request.draft})")
         if request.draft and len(request.stop) > sr.MAX_STOPS:
             raise ValueError(f"at most {sr.MAX_STOPS} stop tokens with drafts on the GPU, got {len(request.stop)}")
-        if getattr(request, "constraint", None) is not None:
-            raise ValueError("structured output (a grammar) is not available on the GPU backend yet: use the "
-                             "reference backend")
 
     def open(self, lane: LaneState) -> None:
         lane.seq = self.be.new_sequence()
@@ -155,15 +157,19 @@ class GpuLanes:
             # the MTP's last slot used the next prompt token, which a prompt restoring this one may not share
             self._checkpoint(lane, start, False, lambda: MtpTail.of(lane.length - 1, hidden[-1:]))
             return None
-        token = priv.sampler(logits[-1])
+        token = choose(lane, logits[-1])
         lane.anchor = token
         drafted = bool(lane.k) and self._room_for_round(seq.length)
         if drafted:
+            be._reserve(seq, min(seq.length + 2 * self.T, self.max_context))     # the chained drafts' MTP slots
             drafts, priv.q = Drafter(be, lane.sampling, self.k, priv.sampler.gen).propose(
                 seq, hidden, lane.prompt[mtp_start + 1:] + [token], mtp_start)
             lane.drafts = drafts
-            priv.row = round_row(seq, token, drafts, 0, lane.sampling, lane.stop, self.accept_prob, priv.seed,
-                                 be.state.trash_page)
+            if priv.matcher is not None:
+                priv.host = True
+            else:
+                priv.row = round_row(seq, token, drafts, 0, lane.sampling, lane.stop, self.accept_prob, priv.seed,
+                                     be.state.trash_page)
         # drafting ran the MTP over the chunk, its last slot with this request's first token: only that slot
         # is left for a restoring lane; without drafting the whole chunk is
         self._checkpoint(lane, start, True, lambda: MtpTail.of(lane.length - 1, hidden[-1:]) if drafted
@@ -173,10 +179,20 @@ class GpuLanes:
     def round(self, lanes: list[LaneState]) -> dict[int, list[int] | BaseException]:
         out: dict[int, list[int] | BaseException] = {}
         for lane in lanes:
-            if lane.private.row is not None and not self._room_for_round(lane.length):
-                self._leave_rounds(lane)                 # no room for K+1 more positions: plain steps from here
+            if not self._room_for_round(lane.length):    # no room for K+1 more positions: plain steps from here
+                if lane.private.row is not None:
+                    self._leave_rounds(lane)
+                lane.private.host = False
+        hosted = [lane for lane in lanes if lane.private.host]
+        if hosted:
+            self._flush()                                # host rounds reuse the record rows
+            for lane in hosted:
+                try:
+                    out[lane.lane] = self._host_round(lane)
+                except Exception as err:                 # a grammar or a round that failed: that lane's alone
+                    out[lane.lane] = err
         speculative = [lane for lane in lanes if lane.private.row is not None]
-        plain = [lane for lane in lanes if lane.private.row is None]
+        plain = [lane for lane in lanes if lane.private.row is None and not lane.private.host]
         for group, run in ((speculative, self._speculative), (plain, self._steps)):
             if group:
                 try:
@@ -189,9 +205,10 @@ class GpuLanes:
         if lane.seq is not None and self.reuse is not None:
             if lane in self.layout:
                 self._flush()                            # the last round's accepted tokens into the state first
-            # device rounds ran the MTP over every committed slot, the last with the lane's last token (which a
+            # rounds ran the MTP over every committed slot, the last with the lane's last token (which a
             # restoring prompt may not share): that slot is left; plain steps at the context end ran none
-            last = lane.private.last_hidden if lane.k and lane.private.row is not None else None
+            running = lane.private.row is not None or lane.private.host
+            last = lane.private.last_hidden if lane.k and running else None
             self.reuse.at_release(lane, lambda: MtpTail.of(lane.length - 1, last) if last is not None else None)
         if lane in self.layout:
             self._vacate(self.layout.index(lane))
@@ -347,6 +364,31 @@ class GpuLanes:
         lane.private.q = None
         lane.drafts = []
 
+    # ------------------------------------------------------------ a grammar's rounds
+    def _host_round(self, lane: LaneState) -> list[int]:
+        """One constrained lane's round, host-driven (engine.speculative's math on the B = 1 buckets): verify
+        [anchor, drafts] with each row masked by the grammar, accept, truncate, commit, draft the next round."""
+        be, priv, seq, params = self.be, lane.private, lane.seq, lane.sampling
+        drafts, start = lane.drafts, lane.length
+        v_logits, v_hidden = be.verify(seq, [lane.anchor] + drafts)
+        v_logits = masked_verify(priv.matcher, drafts, v_logits)
+        if params.greedy:
+            out = accept_greedy(drafts, v_logits)
+        else:
+            out = accept_sampled(drafts, priv.q, distribution(v_logits, params), priv.sampler.gen)
+        lane.stats.drafted += len(drafts)
+        lane.stats.accepted += len(out) - 1
+        out = truncate(out, lane.stop, lane.budget)
+        priv.matcher.consume_all(out)
+        be.commit(seq, len(out))
+        lane.anchor = out[-1]
+        priv.last_hidden = v_hidden[len(out) - 1:len(out)].clone()
+        if self._room_for_round(seq.length):          # the next round's drafts (the MTP over the committed slots)
+            be._reserve(seq, min(seq.length + 2 * self.T, self.max_context))
+            lane.drafts, priv.q = Drafter(be, params, self.k, priv.sampler.gen).propose(
+                seq, v_hidden[:len(out)], out, start)
+        return out
+
     # ------------------------------------------------------------ plain steps
     def _steps(self, lanes: list[LaneState]) -> dict[int, list[int] | BaseException]:
         """One token for every K = 0 lane, in one padded step bucket."""
@@ -362,11 +404,14 @@ class GpuLanes:
                           [lane.seq.table.pages for lane in lanes], [lane.slot for lane in lanes])
         bucket.run(be.use_graphs)
         logits = bucket.logits.view(batch, -1)[:len(lanes)]
-        greedy = [lane.sampling.greedy for lane in lanes]
-        best = logits.argmax(-1).tolist() if any(greedy) else None
-        out = {}
+        free = [lane.sampling.greedy and lane.private.matcher is None for lane in lanes]
+        best = logits.argmax(-1).tolist() if any(free) else None
+        out: dict[int, list[int] | BaseException] = {}
         for r, lane in enumerate(lanes):
             lane.seq.table.length += 1
-            lane.anchor = best[r] if greedy[r] else lane.private.sampler(logits[r])
-            out[lane.lane] = [lane.anchor]
+            try:
+                lane.anchor = best[r] if free[r] else choose(lane, logits[r])
+                out[lane.lane] = [lane.anchor]
+            except Exception as err:                     # a grammar that failed: that lane's alone
+                out[lane.lane] = err
         return out
