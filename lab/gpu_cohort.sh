@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Device calls for the cohort engine (issue 21). TESTS=1: the cohort and server GPU tests (tests/gpu/test_cohort_gpu.py, test_serve_gpu.py).
+# REUSE=1: lab/prefix_reuse.py on the GPU (the small model's 8K two-turn conversation, TTFT with and without reuse).
 # FIGURES=1: lab/cohort_gpu.py on the 27B (random weights): TTFT of first vs repeated requests after start-up,
 # peak memory of C8 with a shared 16K KV pool and with 16K per lane, the C8 x 32K refusal.
 # BENCH=1: `ninfer-gen bench --concurrency 1,2,4,8` on the 27B with --accept-prob (CONC, TOKENS, P).
@@ -18,6 +19,10 @@ if [ "${TESTS:-0}" = 1 ]; then
     > $OUT/cohort_tests.log 2>&1
   rc=$?; echo "cohort tests: rc $rc"; shown $OUT/cohort_tests.log ${TESTS_TAIL:-40}
   [ $rc = 0 ] || exit $rc              # the figures need working lanes
+fi
+if [ "${REUSE:-0}" = 1 ]; then        # prefix reuse: the 8K two-turn conversation on the small model, TTFT with/without
+  timeout ${REUSE_S:-120} python3 -m lab.prefix_reuse --backend gpu > $OUT/prefix_reuse.log 2>&1
+  echo "prefix reuse: rc $?"; shown $OUT/prefix_reuse.log 6
 fi
 if [ "${FIGURES:-0}" = 1 ]; then
   timeout ${FIGURES_S:-400} python3 -m lab.cohort_gpu --json $OUT/cohort_gpu.json > $OUT/cohort_gpu.log 2>&1

@@ -4,7 +4,7 @@ outputs are equal token for token (and how far apart their first logits are).
 
     python -m lab.prefix_reuse                          # the shipped small model on the reference backend
     python -m lab.prefix_reuse --draft 3 --repeats 3    # MTP drafts; the best TTFT of 3 runs each
-    python -m lab.prefix_reuse --backend gpu --weights DIR   # once the GPU lanes take `prefix_cache`
+    python -m lab.prefix_reuse --backend gpu [--weights DIR]
 
 Turn 1 is `--first` tokens of this repository's Python source and `--answer` greedy tokens; turn 2 is
 turn 1, its answer and `--new` more tokens. With reuse, turn 2 restores turn 1's answer checkpoint and
@@ -42,17 +42,19 @@ def turn(model, prompt: list[int], answer: int, draft: int, prefix_cache: int, l
     from ninfer_gen.engine import Engine, Request
     from ninfer_gen.engine.cohort import cohort_lanes
 
+    from ninfer_gen.engine import lanes as lanes_module
+
     lanes = lanes or cohort_lanes(model, 1, prefix_cache=prefix_cache)
     first_logits = []
-    choose = getattr(lanes, "_choose", None)            # ReferenceLanes: the row each token is chosen from
-    if choose is not None:
-        lanes._choose = lambda lane, row: (first_logits.append(row.clone()) if not first_logits else None,
-                                           choose(lane, row))[1]
-    engine = Engine(lanes, lanes=1)
-    handle = engine.submit(Request(prompt, answer, draft=draft))
-    final = handle.result()
-    if choose is not None:
-        del lanes._choose
+    choose = lanes_module.choose                         # the row the first token is chosen from (ReferenceLanes)
+    lanes_module.choose = lambda lane, row: (first_logits.append(row.clone()) if not first_logits else None,
+                                             choose(lane, row))[1]
+    try:
+        engine = Engine(lanes, lanes=1)
+        handle = engine.submit(Request(prompt, answer, draft=draft))
+        final = handle.result()
+    finally:
+        lanes_module.choose = choose
     stats = engine.stats()
     return {"tokens": handle.tokens, "ttft_s": final.stats.ttft_s, "prefilled": stats["prefill_tokens"],
             "cached": final.stats.cached_tokens, "acceptance": final.stats.acceptance,
@@ -75,7 +77,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     import ninfer_gen
 
-    model = ninfer_gen.load(args.weights, backend=args.backend, draft=args.draft or None)
+    gpu = dict(prefix_states=16, max_context=args.first + args.new + 2 * args.answer + 64) if args.backend == "gpu" else {}
+    model = ninfer_gen.load(args.weights, backend=args.backend, draft=args.draft or None, **gpu)
     ids = source_tokens(model.tokenizer, args.first + args.new)
     first = turn(model, ids[:args.first], args.answer, args.draft, 16)
     second = ids[:args.first] + first["tokens"] + ids[args.first:]
