@@ -7,7 +7,7 @@ KV writes), so they touch no state — and the plain (K = 0) lanes in one padded
 its row from round to round while the bucket stays the same; when the bucket changes (lanes joined or
 left across a cohort size), the last round's pending fold (fused mode: the accepted records are folded at
 the start of the next round) runs eagerly first and the rows are compacted, so a fold always reads the
-ReplaySSM records of the rows that logged them.
+ReplaySSM records of the rows that logged them (executor.round_rows keeps that bookkeeping).
 
 The host keeps each speculative lane's round-state row (spec_round.ROUND_FIELDS: length, anchor, drafts,
 budget, stop tokens, sampling parameters, RNG counter) as a mirror: before a round the rows of the bucket
@@ -43,6 +43,7 @@ from ninfer_gen.engine.reuse import MtpTail, PrefixReuse
 from ninfer_gen.engine.sampling import Sampler, distribution
 from ninfer_gen.engine.speculative import Drafter, accept_greedy, accept_sampled, truncate
 from ninfer_gen.executor.device_rounds import _F, idle_rows, round_row
+from ninfer_gen.executor.round_rows import RoundRows
 
 ACCEPTANCE_OF = {True: "greedy", False: "sampled"}
 
@@ -87,13 +88,7 @@ class GpuLanes:
             raise ValueError(f"a prefix cache of {n} checkpoints needs their GDN states in the memory plan: load the "
                              f"model with prefix_states={n} (it has {be.prefix_states})")
         self.reuse = PrefixReuse(be, n, checkpoint_every) if n else None      # n states: the plan's
-        self.layout: list[LaneState | None] = []         # the lanes in the rows of the last round's bucket
-        self.fold_pending = False                        # fused: that round's accepted records are not folded
-        if self.k:
-            self.rows = be.exe.round_buffers["round"].view(-1, sr.ROW_WORDS)
-            self.tables = be.exe.round_buffers["tables"].view(self.rows.shape[0], -1)
-            self.readback = torch.zeros(self.rows.shape, dtype=torch.int32, pin_memory=True)
-            self.rows[:, _F["state"]] = sr.IDLE
+        self.rows = RoundRows(be) if self.k else None     # which lane is in which row; the pending fold
         if capture:
             self.capture()
 
@@ -124,7 +119,7 @@ class GpuLanes:
     def _round(self, batch: int, acceptance: str):
         rnd = self.be.exe.round(batch, acceptance, fold=True)
         if self.be.use_graphs and rnd.graph is None:
-            self.be.exe.capture_round(rnd, lambda: idle_rows(self.be, self.rows, batch))
+            self.be.exe.capture_round(rnd, lambda: idle_rows(self.be, self.rows.device, batch))
         return rnd
 
     # ------------------------------------------------------------ the contract
@@ -185,7 +180,7 @@ class GpuLanes:
                 lane.private.host = False
         hosted = [lane for lane in lanes if lane.private.host]
         if hosted:
-            self._flush()                                # host rounds reuse the record rows
+            self.rows.flush()                            # host rounds reuse the record rows
             for lane in hosted:
                 try:
                     out[lane.lane] = self._host_round(lane)
@@ -202,16 +197,15 @@ class GpuLanes:
         return out
 
     def release(self, lane: LaneState) -> None:
-        if lane.seq is not None and self.reuse is not None:
-            if lane in self.layout:
-                self._flush()                            # the last round's accepted tokens into the state first
+        if lane.seq is not None and self.reuse is not None and self.rows is not None:
+            self.rows.fold(lane)                         # the last round's accepted tokens into the state first
             # rounds ran the MTP over every committed slot, the last with the lane's last token (which a
             # restoring prompt may not share): that slot is left; plain steps at the context end ran none
             running = lane.private.row is not None or lane.private.host
             last = lane.private.last_hidden if lane.k and running else None
             self.reuse.at_release(lane, lambda: MtpTail.of(lane.length - 1, last) if last is not None else None)
-        if lane in self.layout:
-            self._vacate(self.layout.index(lane))
+        if self.rows is not None:
+            self.rows.vacate(lane)
         if lane.seq is not None:
             self.be.release(lane.seq)
             lane.seq = None
@@ -247,30 +241,14 @@ class GpuLanes:
         if not ready:
             return out
         batch = next(b for b in self.round_sizes if b >= len(ready))
-        self._place(ready, batch)
+        rows = self.rows
+        rows.place(ready, batch)
         coin = self.accept_prob is not None
         acceptance = "coin" if coin else ACCEPTANCE_OF[all(lane.sampling.greedy for lane in ready)]
-        host = torch.zeros((batch, sr.ROW_WORDS), dtype=torch.int32)
-        host[:, _F["state"]] = sr.IDLE
-        host[:, _F["trash"]] = be.state.trash_page
-        for r, lane in enumerate(self.layout):
-            if lane is None:
-                continue
-            row = host[r]
-            row.copy_(lane.private.row)
-            row[_F["budget"]] = lane.budget
-            row[_F["state"]] = sr.RUNNING
-            self._table(r, lane)
-        self.rows[:batch].copy_(host)
-        if not self.fold_pending:                        # nothing of another driver's rounds may be folded
-            be.bucket("commit", batch, T).inputs.set([], [], [], [])
-        self._round(batch, acceptance).run(be.use_graphs)
-        self.fold_pending = True
-        back = self.readback[:batch]
-        back.copy_(self.rows[:batch])                    # synchronous: the round's tokens
+        back = rows.run(self._round(batch, acceptance))
         if self.reuse is not None:                       # the MTP pass's input rows, padded with the last committed
-            rows = be.bucket("mtp", batch, T).inputs.tensors["hidden"].view(batch, T, -1)[:, T - 1].clone()
-        for r, lane in enumerate(self.layout):
+            hidden = be.bucket("mtp", batch, T).inputs.tensors["hidden"].view(batch, T, -1)[:, T - 1].clone()
+        for r, lane in enumerate(rows.layout):
             if lane is None:
                 continue
             h = back[r].clone()
@@ -278,7 +256,7 @@ class GpuLanes:
             tokens = h[sr.OUT_AT:sr.OUT_AT + n].tolist()
             lane.private.row = h
             if self.reuse is not None:
-                lane.private.last_hidden = rows[r:r + 1]
+                lane.private.last_hidden = hidden[r:r + 1]
             lane.seq.table.length = int(h[_F["length"]])
             lane.anchor = tokens[-1] if tokens else lane.anchor
             lane.drafts = h[sr.DRAFTS_AT:sr.DRAFTS_AT + self.k].tolist()
@@ -287,79 +265,9 @@ class GpuLanes:
             out[lane.lane] = tokens if tokens else RuntimeError(f"the round emitted nothing for lane {lane.lane}")
         return out
 
-    def _place(self, lanes: list[LaneState], batch: int) -> None:
-        """Rows of `batch` for `lanes`: the same rows as the last round when the bucket is the same and every
-        lane placed there is in this round (new lanes take free rows); else the pending fold first, then the
-        lanes compacted into rows 0.. (with their draft distributions, for sampled rounds)."""
-        keep = len(self.layout) == batch and all(lane is None or lane in lanes for lane in self.layout)
-        if not keep:
-            self._flush()
-            old = {lane: r for r, lane in enumerate(self.layout) if lane is not None}
-            self.layout = [None] * batch
-            moves = []
-            for r, lane in enumerate(lanes):
-                self.layout[r] = lane
-                lane.private.pages = -1
-                if lane in old:
-                    moves.append((old[lane], r))
-            self._move_draft_dists(moves)
-        for lane in lanes:
-            if lane not in self.layout:
-                r = self.layout.index(None)
-                self.layout[r] = lane
-                lane.private.pages = -1
-                if lane.private.q is not None:           # the prompt's drafts' distributions (sampled)
-                    self._draft_dists()[r].copy_(lane.private.q)
-                lane.private.q = None
-
-    def _draft_dists(self) -> torch.Tensor | None:
-        q = self.be.exe.round_buffers.get("q_dist")
-        return None if q is None else q.view(self.rows.shape[0], self.k, -1)
-
-    def _move_draft_dists(self, moves: list[tuple[int, int]]) -> None:
-        q = self._draft_dists()
-        moves = [(a, b) for a, b in moves if a != b]
-        if q is None or not moves:
-            return
-        src = torch.tensor([a for a, _ in moves], device=q.device)
-        dst = torch.tensor([b for _, b in moves], device=q.device)
-        q[dst] = q[src].clone()
-
-    def _table(self, r: int, lane: LaneState) -> None:
-        """The lane's block table into its row of the round's tables (when its pages changed)."""
-        pages = lane.seq.table.pages
-        if len(pages) == lane.private.pages:
-            return
-        row = torch.full((self.tables.shape[1],), self.be.state.trash_page, dtype=torch.int32)
-        row[:len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        self.tables[r].copy_(row)
-        lane.private.pages = len(pages)
-
-    def _fold_inputs(self):
-        return self.be.bucket("commit", len(self.layout), self.T).inputs
-
-    def _flush(self) -> None:
-        """Fold the last round's accepted records now (its commit bucket, eagerly) and clear its inputs."""
-        if self.fold_pending:
-            fold = self.be.bucket("commit", len(self.layout), self.T)
-            fold.run(self.be.use_graphs)
-            fold.inputs.set([], [], [], [])
-            self.fold_pending = False
-
-    def _vacate(self, r: int) -> None:
-        """Row r's lane leaves (released): nothing of its pending fold may reach its slot, which a new
-        sequence may take before the next round."""
-        if self.fold_pending:
-            views = self._fold_inputs().views
-            views["slots"][r] = -1
-            views["commit"][r] = 0
-        self.layout[r] = None
-
     def _leave_rounds(self, lane: LaneState) -> None:
         """The lane continues with plain steps: its pending fold is folded first."""
-        if lane in self.layout:
-            self._flush()
-            self.layout[self.layout.index(lane)] = None
+        self.rows.leave(lane)
         lane.private.row = None
         lane.private.q = None
         lane.drafts = []
