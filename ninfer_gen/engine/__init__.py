@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import importlib
 
-_EXPORTS = {"Engine": "engine", "EngineFull": "engine", "Event": "engine", "Handle": "engine", "Request": "engine",
-            "RequestStats": "engine", "LaneBackend": "lanes", "LaneState": "lanes", "ReferenceLanes": "lanes"}
+_EXPORTS = {"Engine": "engine", "EngineFull": "requests", "Event": "requests", "Handle": "requests",
+            "Request": "requests", "RequestStats": "requests", "LaneBackend": "lanes", "LaneState": "lanes", "ReferenceLanes": "lanes"}
 __all__ = sorted(_EXPORTS)
 
 

@@ -38,7 +38,7 @@ LaneBackend — what an adapter provides (the GPU adapter implements the same):
                       void); an exception raised by `round` itself fails every lane of the call.
                       Lanes are independent: a lane's tokens must not depend on which other lanes run.
   release(lane)       give back the lane's sequence (state slot and KV pages) in any state, even mid-round;
-                      `lane.finish` says why (engine.FINISH_REASONS): a normal end may leave a prefix checkpoint
+                      `lane.finish` says why (engine.requests.FINISH_REASONS): a normal end may leave a prefix checkpoint
   usage() -> dict     {"slots": n, "slots_in_use": n, "pages": n, "pages_in_use": n}
 
 Per round a device adapter reads from each LaneState: `slot`, `length` (committed), `anchor`, `drafts`,

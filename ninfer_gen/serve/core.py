@@ -18,7 +18,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable
 
-from ninfer_gen.engine.engine import Engine, EngineFull, Request
+from ninfer_gen.engine.engine import Engine
+from ninfer_gen.engine.requests import EngineFull, Request
 from ninfer_gen.engine.sampling import SamplingParams
 from ninfer_gen.serve.metrics import Metrics
 
