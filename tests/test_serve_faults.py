@@ -318,3 +318,16 @@ def test_cli_request_timeout_flag():
         assert app.state.serve.request_timeout == expected
     with pytest.raises(ValueError, match="--request-timeout"):
         build_server(build_parser().parse_args(["serve", "--request-timeout", "-1"]))
+
+
+def test_usage_reports_prompt_tokens_restored_from_the_prefix_cache(server):
+    """A prompt extending an earlier one restores its checkpoint: usage says how many prompt tokens were
+    cached (prompt_tokens_details.cached_tokens)."""
+    first = list(range(300, 360))
+    with httpx.Client(base_url=server.url, timeout=60, headers={"Authorization": f"Bearer {KEY}"}) as client:
+        body = {"model": NAME, "max_tokens": 2, "temperature": 0}
+        a = client.post("/v1/completions", json={**body, "prompt": first}).json()
+        assert a["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        b = client.post("/v1/completions", json={**body, "prompt": first + [400, 401, 402]}).json()
+        assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == len(first)
+    _free(server.engine)

@@ -246,7 +246,8 @@ def router(state: ServeState) -> APIRouter:
             builder.close()
             return {**base, "content": builder.message_content(),
                     "stop_reason": stop_reason(out.finish, builder.tool_uses), "stop_sequence": out.stop_sequence,
-                    "usage": {"input_tokens": gen.prompt_tokens, "output_tokens": gen.completion_tokens}}
+                    "usage": {"input_tokens": gen.prompt_tokens - gen.cached_tokens, "output_tokens": gen.completion_tokens,
+                              "cache_read_input_tokens": gen.cached_tokens, "cache_creation_input_tokens": 0}}
 
         def event(obj: dict) -> str:
             return sse(json.dumps(obj, ensure_ascii=False), obj["type"])

@@ -177,6 +177,7 @@ class Generation:
                  stop: list[str], request_id: str):
         self.state, self.prompt, self.stop = state, prompt, stop
         self.prompt_tokens = len(prompt)
+        self.cached_tokens = 0                     # of them, restored from the prefix cache (known at the end)
         self.completion_tokens = 0
         self.endpoint = ENDPOINT.get()
         try:
@@ -289,6 +290,8 @@ class Generation:
                     return
                 if final:
                     self._done = True
+                    if event.stats is not None:
+                        self.cached_tokens = event.stats.cached_tokens
                     if event.finish == "error":
                         self._end("error")
                         raise RuntimeError(f"the engine failed the request: {event.error}")

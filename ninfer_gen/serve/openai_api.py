@@ -144,7 +144,8 @@ def _enable_thinking(body: dict) -> bool | None:
 
 def _usage(gen: Generation) -> dict:
     return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,
-            "total_tokens": gen.prompt_tokens + gen.completion_tokens}
+            "total_tokens": gen.prompt_tokens + gen.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
 
 
 def _finish(reason: str, tool_calls: bool = False) -> str:

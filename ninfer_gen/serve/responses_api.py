@@ -358,7 +358,7 @@ class _Turn:
         gen, turn = self.gen, self.builder.message()
         reasoning = len(self.state.encode(turn["reasoning_content"])) if "reasoning_content" in turn else 0
         response = self.snapshot(status, {
-            "input_tokens": gen.prompt_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "input_tokens": gen.prompt_tokens, "input_tokens_details": {"cached_tokens": gen.cached_tokens, "cache_write_tokens": 0},
             "output_tokens": gen.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": min(reasoning, gen.completion_tokens)},
             "total_tokens": gen.prompt_tokens + gen.completion_tokens})
