@@ -29,13 +29,13 @@ def used_device_bytes() -> int:
 
 def load_lanes(spec: str, max_context: int, kv_pool_tokens: int | None, accept_prob: float):
     from ninfer_gen.engine.api import load
-    from ninfer_gen.executor.gpu_lanes import GpuLanes
+    from ninfer_gen.engine.cohort import cohort_lanes
 
     torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
     model = load(spec, backend="gpu", random_weights="device", cohorts=8, draft=3, accept_coin=True,
                  max_context=max_context, kv_pool_tokens=kv_pool_tokens)
-    lanes = GpuLanes.for_model(model, 8, accept_prob=accept_prob)
+    lanes = cohort_lanes(model, 8, accept_prob=accept_prob)      # captured and warmed up: start-up
     return model, lanes, time.perf_counter() - t
 
 

@@ -28,7 +28,7 @@ class RoundRows:
         self.k = self.T - 1
         self.device = backend.exe.round_buffers["round"].view(-1, sr.ROW_WORDS)
         self.tables = backend.exe.round_buffers["tables"].view(self.device.shape[0], -1)
-        self.readback = torch.zeros(self.device.shape, dtype=torch.int32, pin_memory=True)
+        self.readback = torch.zeros(self.device.shape, dtype=torch.int32, pin_memory=self.device.is_cuda)
         self.device[:, _F["state"]] = sr.IDLE
         self.layout: list[LaneState | None] = []         # the lanes in the rows of the last round's bucket
         self.fold_pending = False                        # that round's accepted records are not folded yet
@@ -41,14 +41,12 @@ class RoundRows:
         if not keep:
             self.flush()
             old = {lane: r for r, lane in enumerate(self.layout) if lane is not None}
-            self.layout = [None] * batch
-            moves = []
-            for r, lane in enumerate(lanes):
-                self.layout[r] = lane
+            self._move_draft_dists([(old[lane], r) for r, lane in enumerate(lanes) if lane in old])
+            # the lanes that had rows keep their place in the compaction; new lanes take the rows between
+            # them below, in order, with their first drafts' distributions
+            self.layout = [lane if lane in old else None for lane in lanes] + [None] * (batch - len(lanes))
+            for lane in old:
                 lane.private.pages = -1
-                if lane in old:
-                    moves.append((old[lane], r))
-            self._move_draft_dists(moves)
         for lane in lanes:
             if lane not in self.layout:
                 r = self.layout.index(None)

@@ -133,7 +133,9 @@ def test_prefix_checkpoint_protocol_copies_bit_for_bit(model):
 @pytest.mark.parametrize("draft", [0, 3])
 def test_second_turn_restores_the_prefix_and_equals_no_reuse(model, lanes, draft):
     """Prefix reuse on the GPU: turn 2 (turn 1's prompt + its answer + new tokens) restores the answer's
-    checkpoint, prefills only the rest, and gives the tokens the same request gives without reuse."""
+    checkpoint, prefills only the rest, and gives the tokens the same request gives without reuse — or, the
+    answer's state having come from the decode kernels and not the prefill ones, splits from them only at a
+    near tie of the no-reuse logits (within 1 % of the largest)."""
     from ninfer_gen.engine import Request
     from ninfer_gen.executor.gpu_lanes import GpuLanes
 
@@ -147,9 +149,28 @@ def test_second_turn_restores_the_prefix_and_equals_no_reuse(model, lanes, draft
     assert engine.stats()["prefix_hit_tokens"] == cached and engine.stats()["prefill_tokens"] == len(turn2) - cached
     (without,), _ = _run(lanes, [Request(turn2, 32, draft=draft)], 1)
     print(f"K={draft}: turn 2 of {len(turn2)} tokens restored {cached}, prefilled {len(turn2) - cached}")
-    assert with_reuse == without
+    if with_reuse != without:
+        # the restored answer's state and KV were computed by the decode kernels (turn 1), the same tokens
+        # without reuse by the prefill kernels: equal up to rounding, so a split may only come at a near tie
+        i = next(j for j, (x, y) in enumerate(zip(with_reuse, without)) if x != y)
+        margin, scale = _margin(model.backend, turn2 + without[:i], without[i], with_reuse[i])
+        print(f"K={draft}: split at token {i}: logits {without[i]} vs {with_reuse[i]} differ by {margin:.4f} "
+              f"(largest logit {scale:.2f})")
+        assert abs(margin) <= 0.01 * scale, f"split at token {i} with a margin of {margin:.3f}: not rounding"
     reuse.reuse.cache.clear()
     assert model.backend.blocks.free_pages == model.backend.blocks.num_pages
+
+
+def _margin(be, ids: list[int], a: int, b: int) -> tuple[float, float]:
+    """Prefill `ids` on a fresh sequence: the last position's logit of `a` minus that of `b`, and the largest
+    logit's magnitude."""
+    seq = be.new_sequence()
+    try:
+        logits, _ = be.prefill(seq, ids)
+    finally:
+        be.release(seq)
+    row = logits[-1].float()
+    return float(row[a] - row[b]), float(row.abs().max())
 
 
 def test_constrained_lanes_give_schema_valid_json_among_free_lanes(model, lanes):
