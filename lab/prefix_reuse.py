@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")      # before torch loads: idle threads sleep
@@ -42,9 +43,8 @@ def turn(model, prompt: list[int], answer: int, draft: int, prefix_cache: int, l
     from ninfer_gen.engine import Engine, Request
     from ninfer_gen.engine.cohort import cohort_lanes
 
-    from ninfer_gen.engine import lanes as lanes_module
-
     lanes = lanes or cohort_lanes(model, 1, prefix_cache=prefix_cache)
+    lanes_module = sys.modules[type(lanes).__module__]   # engine.lanes or executor.gpu_lanes: its `choose`
     first_logits = []
     choose = lanes_module.choose                         # the row the first token is chosen from (ReferenceLanes)
     lanes_module.choose = lambda lane, row: (first_logits.append(row.clone()) if not first_logits else None,
@@ -77,7 +77,9 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     import ninfer_gen
 
-    gpu = dict(prefix_states=16, max_context=args.first + args.new + 2 * args.answer + 64) if args.backend == "gpu" else {}
+    context = args.first + args.new + 2 * args.answer + 64
+    # the GPU: room in the KV pool for the run without reuse beside the checkpoints' pages (else it evicts them)
+    gpu = dict(prefix_states=16, max_context=context, kv_pool_tokens=2 * context) if args.backend == "gpu" else {}
     model = ninfer_gen.load(args.weights, backend=args.backend, draft=args.draft or None, **gpu)
     ids = source_tokens(model.tokenizer, args.first + args.new)
     first = turn(model, ids[:args.first], args.answer, args.draft, 16)

@@ -229,15 +229,15 @@ def run(args) -> dict:
     _check(args, k, args.turns)
     n, lanes = args.context_tokens or CONTEXT_DEFAULT[backend], max(sweep)
     context = n + 32 + (args.turns - 1) * tool[1] + args.turns * answer[1] + 4 * k + 48
+    checkpoints = args.prefix_cache or max(16, 2 * lanes)
     t0 = time.perf_counter()
-    model = load_model(args, backend, k, lanes, context, lanes * lane_tokens(context))
+    model = load_model(args, backend, k, lanes, context, lanes * lane_tokens(context), checkpoints)
     vocab = model.spec.model.vocab_size
     work = workload(model, lanes, args.turns, n, tool, answer)
     from ninfer_gen.engine.cohort import cohort_lanes
 
     options = {"batch_steps": True} if args.batch_steps and backend == "reference" else {}
     available = _reuse_option(model)
-    checkpoints = args.prefix_cache or max(16, 2 * lanes)
     modes = ([] if args.no_reuse_run else [False]) + ([True] if available else [])
     if not modes:
         raise ValueError(f"{NOT_AVAILABLE} and --no-reuse-run skips the run without it: nothing to measure")

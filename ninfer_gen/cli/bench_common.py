@@ -33,9 +33,10 @@ def pick_backend(args) -> str:
     return backend
 
 
-def load_model(args, backend: str, k: int, lanes: int, context: int, pool: int):
+def load_model(args, backend: str, k: int, lanes: int, context: int, pool: int, prefix_states: int = 0):
     """The bench's model: `--weights` or the spec (random weights; on the GPU drawn on the device), built for
-    K drafts, `lanes` lanes of `context` tokens and (GPU) a shared KV pool of `pool` tokens."""
+    K drafts, `lanes` lanes of `context` tokens and (GPU) a shared KV pool of `pool` tokens and the GDN
+    states of `prefix_states` prefix checkpoints in its memory plan."""
     import ninfer_gen
 
     source = args.weights or args.spec
@@ -49,7 +50,7 @@ def load_model(args, backend: str, k: int, lanes: int, context: int, pool: int):
     return ninfer_gen.load(source, backend="gpu", max_context=context, vram_budget=parse_bytes(args.vram_budget),
                            random_weights="device", progress=True, options=compile_options(), build_root=build_root(),
                            draft=k, accept_coin=args.accept_prob is not None, draft_vocab=_draft_vocab(args),
-                           cohorts=lanes, kv_pool_tokens=pool)
+                           cohorts=lanes, kv_pool_tokens=pool, prefix_states=prefix_states)
 
 
 def fits_host(source) -> None:

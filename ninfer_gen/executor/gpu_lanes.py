@@ -197,8 +197,9 @@ class GpuLanes:
         return out
 
     def release(self, lane: LaneState) -> None:
-        if lane.seq is not None and self.reuse is not None and self.rows is not None:
-            self.rows.fold(lane)                         # the last round's accepted tokens into the state first
+        if lane.seq is not None and self.reuse is not None:
+            if self.rows is not None:
+                self.rows.fold(lane)                     # the last round's accepted tokens into the state first
             # rounds ran the MTP over every committed slot, the last with the lane's last token (which a
             # restoring prompt may not share): that slot is left; plain steps at the context end ran none
             running = lane.private.row is not None or lane.private.host
