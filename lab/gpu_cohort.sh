@@ -4,7 +4,8 @@
 # FIGURES=1: lab/cohort_gpu.py on the 27B (random weights): TTFT of first vs repeated requests after start-up,
 # peak memory of C8 with a shared 16K KV pool and with 16K per lane, the C8 x 32K refusal.
 # BENCH=1: `ninfer-gen bench --concurrency 1,2,4,8` on the 27B with --accept-prob (CONC, TOKENS, P).
-# LONG=1: `ninfer-gen bench --long-prompt` on the 27B: a 32K-token prompt arrives while 7 lanes decode (P).
+# LONG=1: `ninfer-gen bench --long-prompt` on the 27B: a 32K-token prompt arrives while 7 lanes decode (P, BUDGET:
+# the prefill tokens per step, default the chunk).
 # AGENT=1: `ninfer-gen bench --workload agent` on the 27B (SESSIONS, TURNS, P), with and without prefix reuse.
 # Logs and JSON to $OUT. Run from the repository root on the GPU machine:  TESTS=1 bash lab/gpu_cohort.sh
 set -uo pipefail
@@ -38,8 +39,9 @@ if [ "${BENCH:-0}" = 1 ]; then
 fi
 if [ "${LONG:-0}" = 1 ]; then
   timeout ${LONG_S:-300} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --long-prompt ${LONG_N:-32768} \
-    --running-lanes 7 --draft 3 --accept-prob ${P:-0.8} --json $OUT/bench_long.json > $OUT/bench_long.log 2>&1
-  echo "long-prompt bench: rc $?"; shown $OUT/bench_long.log ${LONG_TAIL:-16}
+    --running-lanes 7 --draft 3 --accept-prob ${P:-0.8} ${BUDGET:+--prefill-budget $BUDGET} \
+    --json $OUT/bench_long${BUDGET:+_$BUDGET}.json > $OUT/bench_long${BUDGET:+_$BUDGET}.log 2>&1
+  echo "long-prompt bench: rc $?"; shown $OUT/bench_long${BUDGET:+_$BUDGET}.log ${LONG_TAIL:-16}
 fi
 if [ "${AGENT:-0}" = 1 ]; then
   timeout ${AGENT_S:-400} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --workload agent \
