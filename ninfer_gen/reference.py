@@ -20,6 +20,13 @@ from compiler.trace import StatePools, record_avals, state_avals, trace
 from ninfer_gen.allocators.sequences import Sequence, SequencePool
 
 ACT_DTYPES = {"float32": "f32", "bfloat16": "bf16", "f32": "f32", "bf16": "bf16"}
+# Calls of fewer tokens per sequence than this (decode steps, verify, drafting, folds) run on one intra-op
+# thread on the CPU; prompt chunks on all of torch's threads. A decode call is ~60 ops of a few µs each,
+# and with 2 threads each is a parallel region whose wake-up costs more than the op: the small model on the
+# 2-core box decoded at 57 tok/s on 2 sleeping (OMP_WAIT_POLICY=PASSIVE) threads, 93 on one thread, 128 on
+# 2 spinning ones — which fall to 25 each when two processes share the cores. The count depends only on
+# the tokens per row, never on the rows, so a lane's numbers stay the same in any cohort.
+ONE_THREAD_BELOW = 16
 
 
 class ReferenceBackend(SequencePool):
@@ -60,7 +67,15 @@ class ReferenceBackend(SequencePool):
         return self._programs[key]
 
     def _run(self, entry: str, batch: int, tokens: int, inputs: dict, state: dict) -> dict:
-        return self.program(entry, batch, tokens).run(inputs, self.weights, state, self.profile)
+        program = self.program(entry, batch, tokens)
+        threads = torch.get_num_threads()
+        if tokens >= ONE_THREAD_BELOW or threads == 1 or self.device.type != "cpu":
+            return program.run(inputs, self.weights, state, self.profile)
+        torch.set_num_threads(1)
+        try:
+            return program.run(inputs, self.weights, state, self.profile)
+        finally:
+            torch.set_num_threads(threads)
 
     # ------------------------------------------------------------ sequences
     def _reset_slot(self, slot: int) -> None:

@@ -230,6 +230,8 @@ def test_streaming_load_holds_about_one_tensor_of_host_memory(tmp_path):
                           str(tmp_path), "32"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"\nstreaming convert of {r['bytes'] / 1e6:.0f} MB in {r['shards']} shards (largest tensor "
+          f"{r['largest_tensor_bytes'] / 1e6:.1f} MB): host RSS growth {r['growth'] / 2**20:.0f} MiB")
     assert r["bytes"] >= 10 * r["largest_tensor_bytes"] and r["shards"] >= 4
     assert r["growth"] < r["largest_tensor_bytes"] + 2**30
     assert r["growth"] < r["bytes"] / 2, r
