@@ -33,6 +33,16 @@ class Batch:
         return (self.state(f"kv.{layer}.values"),)
 
 
+def row_parallel(ops: Ops, spec: ModelSpec, y):
+    """After a row-parallel projection of a rank's share (compiler.shard): the sum over the ranks."""
+    return ops.all_reduce(y, spec.parallel.tp) if spec.parallel.tp > 1 else y
+
+
+def vocab_parallel(ops: Ops, spec: ModelSpec, logits):
+    """The LM head's logits of a rank's rows (compiler.shard): every rank's, side by side."""
+    return ops.all_gather(logits, spec.parallel.tp) if spec.parallel.tp > 1 else logits
+
+
 def gdn_mixer(ops: Ops, spec: ModelSpec, W, p: str, h, batch: Batch, layer: int):
     a, g = spec.model, spec.model.linear_attention
     B, T, N = batch.B, batch.T, batch.B * batch.T
@@ -63,7 +73,7 @@ def gdn_mixer(ops: Ops, spec: ModelSpec, W, p: str, h, batch: Batch, layer: int)
                                       *(rec(f"rec.{layer}.{part}") for part in ("k", "v", "g")))
     o = ops.gated_rmsnorm(ops.reshape(o, N, g.num_value_heads, g.value_head_dim), z,
                           W(f"{p}norm.weight"), a.rms_norm_eps)
-    return ops.linear(ops.reshape(o, N, g.value_dim), W(f"{p}out_proj.weight"))
+    return row_parallel(ops, spec, ops.linear(ops.reshape(o, N, g.value_dim), W(f"{p}out_proj.weight")))
 
 
 def attention_mixer(ops: Ops, spec: ModelSpec, W, p: str, h, batch: Batch, layer: str):
@@ -92,7 +102,7 @@ def attention_mixer(ops: Ops, spec: ModelSpec, W, p: str, h, batch: Batch, layer
     o = ops.reshape(o, N, at.num_heads * D)
     if at.output_gate:
         o = ops.mul(o, ops.sigmoid(gate))
-    return ops.linear(o, W(f"{p}o_proj.weight"))
+    return row_parallel(ops, spec, ops.linear(o, W(f"{p}o_proj.weight")))
 
 
 def decoder_layer(ops: Ops, spec: ModelSpec, W, p: str, kind: str, x, batch: Batch, layer):
@@ -106,7 +116,7 @@ def decoder_layer(ops: Ops, spec: ModelSpec, W, p: str, kind: str, x, batch: Bat
     h = ops.rmsnorm(x, W(f"{p}post_attention_layernorm.weight"), eps)
     gate = ops.silu(ops.linear(h, W(f"{p}mlp.gate_proj.weight")))
     up = ops.linear(h, W(f"{p}mlp.up_proj.weight"))
-    return ops.add(x, ops.linear(ops.mul(gate, up), W(f"{p}mlp.down_proj.weight")))
+    return ops.add(x, row_parallel(ops, spec, ops.linear(ops.mul(gate, up), W(f"{p}mlp.down_proj.weight"))))
 
 
 def lm_head_name(spec: ModelSpec) -> str:
@@ -123,7 +133,7 @@ def forward(ops: Ops, spec: ModelSpec, W, tokens, batch: Batch, last_logits: boo
         x = decoder_layer(ops, spec, W, f"layers.{i}.", kind, x, batch, i)
     y = ops.rmsnorm(x, W("norm.weight"), a.rms_norm_eps)
     head_in = ops.slice(y, 0, N - 1, N) if last_logits else y
-    return ops.linear(head_in, W(lm_head_name(spec))), y
+    return vocab_parallel(ops, spec, ops.linear(head_in, W(lm_head_name(spec)))), y
 
 
 def mtp_forward(ops: Ops, spec: ModelSpec, W, hidden, next_tokens, batch: Batch, last_logits: bool = False,
@@ -141,7 +151,8 @@ def mtp_forward(ops: Ops, spec: ModelSpec, W, hidden, next_tokens, batch: Batch,
     y = ops.rmsnorm(u, W("mtp.norm.weight"), eps)
     N = batch.B * batch.T
     head_in = ops.slice(y, 0, N - 1, N) if last_logits else y
-    return ops.linear(head_in, W(head or lm_head_name(spec))), y
+    logits = ops.linear(head_in, W(head or lm_head_name(spec)))
+    return (logits if head else vocab_parallel(ops, spec, logits)), y     # a draft head is whole on every rank
 
 
 def commit(ops: Ops, spec: ModelSpec, batch: Batch, counts) -> None:

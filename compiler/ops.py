@@ -95,6 +95,12 @@ class Ops:
     def paged_attention(self, q, block_table, pos, cache, page_size, scale):
         return self._one("paged_attention", q, block_table, pos, *cache, page_size=page_size, scale=scale)
 
+    def all_reduce(self, x, tp):
+        return self._one("all_reduce", x, tp=tp)
+
+    def all_gather(self, x, tp):
+        return self._one("all_gather", x, tp=tp)
+
 
 class EagerOps(Ops):
     """Runs each primitive's torch reference immediately."""

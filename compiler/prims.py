@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from . import reference_collectives as collective
 from . import reference_ops as ref
 from . import reference_replayssm as replay
 from .ir import AVal
@@ -327,3 +328,15 @@ def _gated_paged_attention(q, gate, block_table, pos, *cache, page_size, scale):
     B, T, hq, d = _paged_attention(q, block_table, pos, *cache, page_size=page_size, scale=scale)[0].shape
     _check(gate.shape == (B * T, hq * d), lambda: f"gated_paged_attention: gate {gate} for {q}")
     return [gate]
+
+
+@_prim("all_reduce", collective.all_reduce)
+def _all_reduce(x, *, tp):
+    _check(tp > 1, lambda: f"all_reduce over {tp} rank(s)")
+    return [x]
+
+
+@_prim("all_gather", collective.all_gather)
+def _all_gather(x, *, tp):
+    _check(tp > 1, lambda: f"all_gather over {tp} rank(s)")
+    return [AVal((*x.shape[:-1], x.shape[-1] * tp), x.dtype)]

@@ -186,12 +186,24 @@ class RuntimeProfile:
 
 
 @dataclass(frozen=True)
+class ParallelSpec:
+    """Tensor parallelism: `tp` ranks share every layer. A spec with tp > 1 is ONE rank's (compiler.shard
+    makes it): its head counts and MLP width are the rank's share, its LM head holds vocab_size / tp rows,
+    and the model program all-reduces after each row-parallel projection and gathers the logits."""
+    tp: int = 1
+
+    def __post_init__(self):
+        require(self.tp >= 1, "tp", f"expected a positive integer, got {self.tp}")
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     name: str
     model: ArchSpec
     quantization: QuantRecipe = field(default_factory=QuantRecipe)
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
     runtime: RuntimeProfile = field(default_factory=RuntimeProfile)
+    parallel: ParallelSpec = field(default_factory=ParallelSpec)
 
     @property
     def arch(self) -> ArchSpec:
@@ -342,8 +354,8 @@ def tensor_table(spec: ModelSpec) -> list[TensorInfo]:
     for i, kind in enumerate(a.layers.kinds):
         out += _decoder_tensors(a, f"layers.{i}.", kind)
     out.append(TensorInfo("norm.weight", (a.hidden_size,), "norm"))
-    if not a.tie_word_embeddings:
-        out.append(TensorInfo("lm_head.weight", (a.vocab_size, a.hidden_size), "lm_head"))
+    if not a.tie_word_embeddings:         # a rank of tensor parallelism holds its share of the rows
+        out.append(TensorInfo("lm_head.weight", (a.vocab_size // spec.parallel.tp, a.hidden_size), "lm_head"))
     if a.mtp.num_layers:
         h = a.hidden_size
         out += [TensorInfo("mtp.pre_fc_norm_embedding.weight", (h,), "norm"),

@@ -61,17 +61,19 @@ def cmd_check(args) -> int:
 def cmd_plan(args) -> int:
     import json
 
+    from compiler.shard import shard_spec
     from compiler.spec import load_spec
     from ninfer_gen.executor.memory_plan import GiB, kv_pool_pages, parse_bytes, plan_memory
 
-    spec = load_spec(args.spec)
+    spec = shard_spec(load_spec(args.spec), args.tp)          # --tp: one card's share
     plan = plan_memory(spec, args.cohorts, args.max_context or spec.runtime.max_context,
                        parse_bytes(args.vram_budget), args.draft, args.kv, kv_pool_tokens=args.kv_pool_tokens)
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))
         return 0
+    card = f", per card of {args.tp} (tensor parallel)" if args.tp > 1 else ""
     print(f"{spec.name}: {plan.cohort} lane(s), draft {plan.draft_tokens}, max context {plan.max_context}, "
-          f"{plan.kv_dtype} KV, budget {plan.budget / GiB:.2f} GiB")
+          f"{plan.kv_dtype} KV, budget {plan.budget / GiB:.2f} GiB{card}")
     for name, size in plan.rows():
         print(f"  {name:<46} {size / GiB:8.3f} GiB")
     print(f"  {'total':<46} {plan.total / GiB:8.3f} GiB")
@@ -164,6 +166,14 @@ def cmd_run(args) -> int:
 
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)  # validate before loading
     prompts = _prompts(args)
+    if args.tp > 1:
+        from ninfer_gen.cli.run_tp import in_rank, launch_run
+        if args.backend == "gpu":
+            raise ValueError(f"--tp {args.tp} runs on the reference backend (gloo): the GPU runtime over NCCL is "
+                             "not built yet")
+        args.backend = "reference"
+        if not in_rank():
+            return launch_run(args.argv, args.tp)
     if args.backend == "auto":
         import torch
         args.backend = "gpu" if torch.cuda.is_available() and args.device in (None, "cuda") else "reference"
@@ -180,7 +190,8 @@ def cmd_run(args) -> int:
         if args.random_weights:
             raise ValueError("--random-weights draws weights on the GPU: use it with --backend gpu")
         model = ninfer_gen.load(args.weights, backend=args.backend, dtype=args.dtype, quantize=args.quantize,
-                                device=args.device, max_context=args.max_context, verify=not args.no_verify)
+                                device=args.device, max_context=args.max_context, verify=not args.no_verify,
+                                tp=args.tp)
     tok = model.tokenizer
     print(f"[model: {model.source}; backend: {args.backend} on {model.backend.device}; tokenizer: {tok.name}]",
           file=sys.stderr)
@@ -248,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--kv", choices=("int8", "bf16"), default=None, help="KV cache dtype (default: the spec's)")
     pl.add_argument("--kv-pool-tokens", type=int, default=None,
                     help="one KV pool of this many tokens shared by the lanes (default: every lane its whole context)")
+    pl.add_argument("--tp", type=int, default=1, help="tensor-parallel cards: plan one card's share (default 1)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.set_defaults(func=cmd_plan)
     b = sub.add_parser("build", help="trace, lower and compile every kernel a runtime profile launches (NVRTC → build/)",
@@ -300,6 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gpu: the compiled kernels with CUDA graphs (weights always in the spec's quantised "
                    "formats); reference: the graph interpreter in torch (any device); auto (default): gpu "
                    "when a CUDA device is visible, else reference")
+    r.add_argument("--tp", type=int, default=1, help="tensor parallel: N rank processes (gloo, reference backend), "
+                   "each with 1/N of the heads and MLP columns (default 1)")
     r.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="reference activations")
     r.add_argument("--quantize", action="store_true", help="reference: apply the spec's weight quantisation recipe")
     r.add_argument("--device", default=None, help="reference: cpu or cuda (default: cuda when available)")
@@ -389,6 +403,7 @@ def cmd_bench(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)     # `run --tp` runs the same command in each rank
     try:
         return args.func(args)
     except (SpecError, ValueError, FileNotFoundError, RuntimeError) as err:

@@ -180,7 +180,7 @@ def load(path_or_spec=None, backend: str = "reference", dtype: str = "float32", 
          progress: bool = False, options: CompileOptions | None = None, build_root=None,
          all_logits: bool = False, draft: int | None = None, round_mode: str = "fused", verify: bool = True,
          accept_coin: bool = False, draft_vocab=None, cohorts: int = 1, kv_pool_tokens: int | None = None,
-         prefix_states: int = 0) -> Model:
+         prefix_states: int = 0, tp: int = 1) -> Model:
     """Load a model. `path_or_spec`: an HF checkpoint directory, a container `ninfer-gen convert` wrote
     (its sha256 hashes checked unless `verify=False`), a spec .yaml (seeded random weights), a ModelSpec,
     or None for the small model shipped in the repository. With `draft` > 0 a checkpoint must have its
@@ -199,9 +199,13 @@ def load(path_or_spec=None, backend: str = "reference", dtype: str = "float32", 
     `draft_vocab` (GPU): token ids, or a draft_vocab.json, the MTP drafts from (weights.draft_vocab);
     `cohorts` (GPU): the most sequences decoded together (the cohort engine's lanes, executor.gpu_lanes);
     `kv_pool_tokens` (GPU): one KV pool of that many tokens shared by them (default: cohorts × context);
-    `prefix_states` (GPU): GDN states the prefix cache may keep in device memory (0: no prefix reuse)."""
+    `prefix_states` (GPU): GDN states the prefix cache may keep in device memory (0: no prefix reuse);
+    `tp` (reference): this process is one of `tp` ranks of a torch.distributed group (ninfer_gen.parallel
+    launches them) and holds its share of the model (compiler.shard)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is not available (available: {', '.join(BACKENDS)})")
+    if tp > 1 and backend != "reference":
+        raise ValueError(f"--tp {tp} runs on the reference backend (gloo); the GPU runtime over NCCL is not built yet")
     if random_weights not in ("host", "device"):
         raise ValueError(f"random_weights must be 'host' or 'device', got {random_weights!r}")
     if backend == "gpu":
@@ -218,7 +222,13 @@ def load(path_or_spec=None, backend: str = "reference", dtype: str = "float32", 
         if not (folder and is_container(folder)):    # a container holds the recipe's formats already
             tensors = dequantized(quantize_weights(spec, tensors))
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    ref = ReferenceBackend(spec, tensors, device=device, dtype=dtype, kv_dtype=kv_dtype, max_context=max_context)
+    rank_spec = spec
+    if tp > 1:
+        from compiler.shard import shard_spec, shard_weights
+        from ninfer_gen.parallel import rank_of
+
+        rank_spec, tensors = shard_spec(spec, tp), shard_weights(spec, tensors, tp, rank_of(tp))
+    ref = ReferenceBackend(rank_spec, tensors, device=device, dtype=dtype, kv_dtype=kv_dtype, max_context=max_context)
     return Model(spec, ref, folder, source)
 
 

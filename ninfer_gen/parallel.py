@@ -1,0 +1,94 @@
+"""parallel: the processes of tensor parallelism (compiler.shard) — one per rank, torchrun-style. Each rank
+process gets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, joins one torch.distributed group (gloo on the
+CPU) and runs the same program on its share of the model: every rank makes the same collectives in the same
+order and, the gathered logits being the same bits everywhere, chooses the same tokens.
+
+`launch(tp, fn, *args)` runs `fn(rank, *args)` in `tp` processes and returns every rank's result; a rank
+that raises fails the launch with its traceback, and the others are stopped rather than left waiting in a
+collective. `fn` must be importable by name (a module-level function): the processes are spawned.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from datetime import timedelta
+
+COLLECTIVE_TIMEOUT_S = 300      # a rank waiting longer than this in a collective fails (the others are gone)
+
+
+def rank_of(tp: int) -> int:
+    """This process's rank in the initialised group of `tp` ranks."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"tensor parallelism over {tp} ranks needs a torch.distributed group: start the ranks "
+                           "with ninfer_gen.parallel.launch (or `--tp` on the command line)")
+    if dist.get_world_size() != tp:
+        raise RuntimeError(f"--tp {tp} in a group of {dist.get_world_size()} processes")
+    return dist.get_rank()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, tp: int, port: int, threads: int, fn, args, results) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(tp), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=tp, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        results.put((rank, True, fn(rank, *args)))
+    except BaseException:                                  # noqa: BLE001 — the parent reports it
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(tp: int, fn, *args, threads: int | None = None, timeout_s: float = 1800) -> list:
+    """fn(rank, *args) in `tp` spawned processes of one gloo group; their results in rank order.
+    `threads`: torch threads per rank (default: the CPUs shared out, at least one)."""
+    import multiprocessing as mp
+    import queue as queues
+
+    if tp < 1:
+        raise ValueError(f"--tp must be ≥ 1, got {tp}")
+    threads = threads or max(1, (os.cpu_count() or 1) // tp)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, tp, port, threads, fn, args, results), daemon=True)
+             for r in range(tp)]
+    for p in procs:
+        p.start()
+    got: dict[int, object] = {}
+    waited = 0.0
+    try:
+        while len(got) < tp:
+            try:
+                rank, ok, value = results.get(timeout=1.0)
+            except queues.Empty:
+                waited += 1.0
+                dead = [r for r, p in enumerate(procs) if r not in got and not p.is_alive()]
+                if dead:
+                    raise RuntimeError(f"rank {dead[0]} of {tp} exited (code {procs[dead[0]].exitcode}) without a result")
+                if waited > timeout_s:
+                    raise TimeoutError(f"the {tp} ranks did not finish in {timeout_s:.0f} s")
+                continue
+            if not ok:
+                raise RuntimeError(f"rank {rank} of {tp} failed:\n{value}")
+            got[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(got) == tp else 0.5)
+            if p.is_alive():
+                p.terminate()
+                p.join()
+    return [got[r] for r in range(tp)]
