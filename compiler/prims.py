@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from . import reference_collectives as collective
+from . import reference_fused as fused
 from . import reference_ops as ref
 from . import reference_replayssm as replay
 from .ir import AVal
@@ -226,22 +227,22 @@ def _paged_attention(q, block_table, pos, *cache, page_size, scale):
 
 # ---------------------------------------------------------------- fused primitives (made by passes)
 
-@_prim("add_rmsnorm", ref.add_rmsnorm)
+@_prim("add_rmsnorm", fused.add_rmsnorm)
 def _add_rmsnorm(x, y, w, *, eps, offset):
     _check(x.shape == y.shape and w.shape == (x.shape[-1],), lambda: f"add_rmsnorm: {x} {y} {w}")
     return [x, x]
 
 
-PRIMS["silu_mul"] = Primitive("silu_mul", _same("silu_mul"), ref.silu_mul)
+PRIMS["silu_mul"] = Primitive("silu_mul", _same("silu_mul"), fused.silu_mul)
 
 
-@_prim("norm_rope", ref.norm_rope)
+@_prim("norm_rope", fused.norm_rope)
 def _norm_rope(x, w, pos, *, eps, offset, rotary_dim, theta):
     _rmsnorm(x, w, eps=eps, offset=offset)
     return _rope(x, pos, rotary_dim=rotary_dim, theta=theta)
 
 
-@_prim("qk_rope_kv", ref.qk_rope_kv, effectful=True)
+@_prim("qk_rope_kv", fused.qk_rope_kv, effectful=True)
 def _qk_rope_kv(q, k, v, q_norm, k_norm, row_pos, block_table, pos, *cache, eps, offset, rotary_dim, theta,
                 page_size):
     rope_params = dict(eps=eps, offset=offset, rotary_dim=rotary_dim, theta=theta)
@@ -252,7 +253,7 @@ def _qk_rope_kv(q, k, v, q_norm, k_norm, row_pos, block_table, pos, *cache, eps,
     return _norm_rope(q, q_norm, row_pos, **rope_params)
 
 
-@_prim("gdn_step", ref.gdn_step, effectful=True)
+@_prim("gdn_step", fused.gdn_step, effectful=True)
 def _gdn_step(q, k, v, a, b, a_log, dt_bias, state, slots):
     B, T, hv = v.shape[:3]
     _check(a.shape == b.shape == (B * T, hv), lambda: f"gdn_step: raw gates {a} {b} for {v}")
@@ -271,20 +272,20 @@ def _gdn_step_snapshot(q, k, v, a, b, a_log, dt_bias, state, slots, snaps):
     return _gdn_step(q, k, v, a, b, a_log, dt_bias, state, slots)
 
 
-@_prim("linear_residual", ref.linear_residual)
+@_prim("linear_residual", fused.linear_residual)
 def _linear_residual(x, w, residual):
     out = _linear(x, w)
     _check(out[0] == residual, lambda: f"linear_residual: residual {residual} vs {out[0]}")
     return out
 
 
-@_prim("linear_silu_mul", ref.linear_silu_mul)
+@_prim("linear_silu_mul", fused.linear_silu_mul)
 def _linear_silu_mul(x, w_gate, w_up):
     _check(w_gate.shape == w_up.shape, lambda: f"linear_silu_mul: {w_gate} vs {w_up}")
     return _linear(x, w_gate)
 
 
-@_prim("linear_residual_norm", ref.linear_residual_norm)
+@_prim("linear_residual_norm", fused.linear_residual_norm)
 def _linear_residual_norm(x, w, residual, norm_w, *, offset):
     (h,) = _linear_residual(x, w, residual)
     _check(norm_w.shape == (h.shape[1],) and h.shape[1] % 16 == 0, lambda: f"linear_residual_norm: {h} {norm_w}")
@@ -296,13 +297,13 @@ def _scaled(xn, ssq, name):
            lambda: f"{name}: tile sums {ssq} for {xn}")
 
 
-@_prim("scaled_linear", ref.scaled_linear)
+@_prim("scaled_linear", fused.scaled_linear)
 def _scaled_linear(xn, ssq, w, *, eps):
     _scaled(xn, ssq, "scaled_linear")
     return _linear(xn, w)
 
 
-@_prim("scaled_linear_silu_mul", ref.scaled_linear_silu_mul)
+@_prim("scaled_linear_silu_mul", fused.scaled_linear_silu_mul)
 def _scaled_linear_silu_mul(xn, ssq, w_gate, w_up, *, eps):
     _scaled(xn, ssq, "scaled_linear_silu_mul")
     return _linear_silu_mul(xn, w_gate, w_up)
@@ -313,17 +314,17 @@ def _conv_after(y, conv_w, history, slots):
     return [out]
 
 
-@_prim("linear_conv", ref.linear_conv, effectful=True)
+@_prim("linear_conv", fused.linear_conv, effectful=True)
 def _linear_conv(x, w, conv_w, history, slots):
     return _conv_after(_linear(x, w)[0], conv_w, history, slots)
 
 
-@_prim("scaled_linear_conv", ref.scaled_linear_conv, effectful=True)
+@_prim("scaled_linear_conv", fused.scaled_linear_conv, effectful=True)
 def _scaled_linear_conv(xn, ssq, w, conv_w, history, slots, *, eps):
     return _conv_after(_scaled_linear(xn, ssq, w, eps=eps)[0], conv_w, history, slots)
 
 
-@_prim("gated_paged_attention", ref.gated_paged_attention)
+@_prim("gated_paged_attention", fused.gated_paged_attention)
 def _gated_paged_attention(q, gate, block_table, pos, *cache, page_size, scale):
     B, T, hq, d = _paged_attention(q, block_table, pos, *cache, page_size=page_size, scale=scale)[0].shape
     _check(gate.shape == (B * T, hq * d), lambda: f"gated_paged_attention: gate {gate} for {q}")

@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from compiler.reference_ops import norm_tile_sums
+from compiler.reference_fused import norm_tile_sums
 from compiler.kernels import argmax, concat, embed, gated_rmsnorm, gemv, rmsnorm, xperm
 from compiler.kernels.weight_layout import device_bytes, pack_for_device, random_qmatrix
 

@@ -22,7 +22,7 @@ from typing import ClassVar
 
 from .._torch import torch
 
-from ..reference_ops import inverse_rms, norm_tile_sums
+from ..reference_fused import inverse_rms, norm_tile_sums
 from ..targets import Target
 from . import KernelKey, Launch, Param, ceil_div
 from .weight_layout import FORMATS, dequantize, group_of
@@ -308,7 +308,7 @@ def params(key: Key) -> list[Param]:
 def reference(key, x: torch.Tensor, w, res: torch.Tensor | None = None, ssq_in: torch.Tensor | None = None):
     """fp32 math on the dequantised weight; `w` is the logical (unpacked) matrix or QMatrix. Shared by
     every matrix-multiply key (gemv, gemm, gemm_wg: fields n, epilogue, out_dtype). A `scale_in` key
-    scales by reference_ops.inverse_rms(ssq_in) before the epilogue."""
+    scales by reference_fused.inverse_rms(ssq_in) before the epilogue."""
     y = x.float() @ dequantize(w).to(x.device).T
     if getattr(key, "scale_in", False):
         y = y * inverse_rms(ssq_in, key.eps)
