@@ -10,6 +10,7 @@ collective. `fn` must be importable by name (a module-level function): the proce
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 from datetime import timedelta
@@ -44,7 +45,9 @@ def _rank_main(rank: int, tp: int, port: int, threads: int, fn, args, results) -
     torch.set_num_threads(threads)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=tp, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-        results.put((rank, True, fn(rank, *args)))
+        # plain pickle bytes: a tensor put on the queue as it is would travel as a file descriptor that this
+        # process must still hold when the parent reads it, and the rank may have exited by then
+        results.put((rank, True, pickle.dumps(fn(rank, *args))))
     except BaseException:                                  # noqa: BLE001 — the parent reports it
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -69,22 +72,26 @@ def launch(tp: int, fn, *args, threads: int | None = None, timeout_s: float = 18
     for p in procs:
         p.start()
     got: dict[int, object] = {}
-    waited = 0.0
+    waited, silent = 0.0, {}
     try:
         while len(got) < tp:
             try:
                 rank, ok, value = results.get(timeout=1.0)
             except queues.Empty:
                 waited += 1.0
-                dead = [r for r, p in enumerate(procs) if r not in got and not p.is_alive()]
-                if dead:
-                    raise RuntimeError(f"rank {dead[0]} of {tp} exited (code {procs[dead[0]].exitcode}) without a result")
+                # a rank that put its result and exited between the wait and this look is not lost: only one
+                # still silent a few seconds after it exited is
+                for r, p in enumerate(procs):
+                    if r not in got and not p.is_alive():
+                        silent[r] = silent.get(r, 0) + 1
+                        if silent[r] > 5:
+                            raise RuntimeError(f"rank {r} of {tp} exited (code {p.exitcode}) without a result")
                 if waited > timeout_s:
                     raise TimeoutError(f"the {tp} ranks did not finish in {timeout_s:.0f} s")
                 continue
             if not ok:
                 raise RuntimeError(f"rank {rank} of {tp} failed:\n{value}")
-            got[rank] = value
+            got[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=5 if len(got) == tp else 0.5)
