@@ -1,6 +1,7 @@
-"""Chat formatting (ninfer_gen.serve.chat) against transformers' apply_chat_template on tiny tokenizers
-and the shipped small model's template; the incremental output parser (ninfer_gen.serve.parsing) fed
-every 2-piece and character-by-character split of its inputs, well-formed and malformed."""
+"""Chat formatting (ninfer_gen.serve.chat, ninfer_gen.serve.chat_template) against transformers'
+apply_chat_template on tiny tokenizers and the shipped small model's template; the incremental output parser
+(ninfer_gen.serve.parsing) fed every 2-piece and character-by-character split of its inputs, well-formed and
+malformed."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ninfer_gen.serve.chat import ChatTemplateError, load_chat_format, render_chat_template
+from ninfer_gen.serve.chat import load_chat_format
+from ninfer_gen.serve.chat_template import ChatTemplateError, render_chat_template
 from ninfer_gen.serve.parsing import (ContentDelta, OutputParser, ReasoningDelta, ToolCall, ToolCallArgumentsDelta,
                                       ToolCallEnd, ToolCallInvalid, ToolCallStart, coalesce, collect, parse_output,
                                       prompt_opens_thinking)

@@ -17,7 +17,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from ninfer_gen.serve.parsing import OutputParser  # noqa: E402
-from ninfer_gen.serve.responses_api import ResponseBuilder  # noqa: E402
+from ninfer_gen.serve.responses_output import ResponseBuilder  # noqa: E402
 import test_serve  # noqa: E402
 from test_serve import CANNED, KEY, NAME, TOOLS, _idle  # noqa: E402
 

@@ -95,7 +95,7 @@ class ServeState:
                     param: str = "messages") -> str:
         """The prompt text of a conversation; a 400 naming `param` (the request's conversation field) when the
         model has no chat template or its template refuses the conversation."""
-        from ninfer_gen.serve.chat import ChatTemplateError
+        from ninfer_gen.serve.chat_template import ChatTemplateError
 
         if self.chat is None:
             raise bad_request(f"the model '{self.served_model_name}' has no chat template (its folder has none); "
