@@ -40,11 +40,13 @@ def nbytes(v: Var, dtype: str | None = None) -> int:
     return -(-math.prod(v.shape) * DTYPE_BYTES[dtype or v.dtype] // ALIGN) * ALIGN
 
 
-def allocate(g: Graph, dtypes: dict[int, str] | None = None, skip: set[int] = frozenset()) -> ArenaLayout:
+def allocate(g: Graph, dtypes: dict[int, str] | None = None, skip: set[int] = frozenset(),
+             in_place: dict[int, int] | None = None) -> ArenaLayout:
     """First-fit offsets for every non-view value but those in `skip` (values that live elsewhere);
     `dtypes` overrides a value's dtype where its kernel writes a wider one than the graph says (fp32
-    GEMV outputs, the GDN step's fp32 output)."""
-    dtypes = dtypes or {}
+    GEMV outputs, the GDN step's fp32 output); `in_place` maps an output to the input whose bytes its
+    kernel overwrites with it (a view of that input's base from then on)."""
+    dtypes, in_place = dtypes or {}, in_place or {}
     views: dict[int, tuple[int, int]] = {}
     start, end, size = {}, {}, {}
     for i, e in enumerate(g.eqns):
@@ -58,6 +60,8 @@ def allocate(g: Graph, dtypes: dict[int, str] | None = None, skip: set[int] = fr
                 if e.prim == "slice" and e.params["axis"] == 0:
                     off += e.params["start"] * math.prod(src.shape[1:]) * DTYPE_BYTES[dtypes.get(b, src.dtype)]
                 views[o.uid] = (b, off)
+            elif o.uid in in_place:
+                views[o.uid] = views.get(in_place[o.uid], (in_place[o.uid], 0))
             elif o.uid not in skip:
                 start[o.uid], end[o.uid] = i, i
                 size[o.uid] = nbytes(o, dtypes.get(o.uid))

@@ -11,7 +11,7 @@ from .ir import Graph, Var, value_names
 from .kernels import module_of
 from .lower_rules import RULES, ZEROED_WORKSPACE, Ctx, LoweringError, Val, align
 from .options import CompileOptions
-from .plan import Arena, Call, Input, Output, Plan, PlanError, Weight, Workspace, check_args
+from .plan import Arena, Call, Collective, Input, Output, Plan, PlanError, Weight, Workspace, check_args
 from .spec import DRAFT_HEAD, ModelSpec, draft_head_info, format_of, tensor_table
 from .targets import Target, supports_pdl
 
@@ -80,6 +80,8 @@ def _workspace_per_lane(calls: list[Call]) -> dict[str, tuple[int, ...]]:
     lanes = 1 + max((c.lane for c in calls), default=0)
     need = {"scratch": [0] * lanes, "zeroed": [0] * lanes}
     for c in calls:
+        if c.launch is None:                   # a collective uses no workspace
+            continue
         fn = getattr(module_of(c.key), "workspace", None)
         sizes = fn(c.key) if fn else {}
         for pool, per_lane in need.items():
@@ -97,16 +99,22 @@ def lower(g: Graph, spec: ModelSpec, target: Target, options: CompileOptions = C
               {v.uid: k for k, v in g.weights.items()}, {v.uid: k for k, v in g.state.items()})
     lowered = {}
     for i, e in enumerate(g.eqns):
-        if e.prim in VIEWS:
+        if e.prim in VIEWS:                    # a view reads its source's bytes in the source's dtype
+            if e.inputs[0].uid in ctx.wide:
+                ctx.wide[e.outputs[0].uid] = ctx.wide[e.inputs[0].uid]
             continue
         if e.prim not in RULES:
             raise LoweringError(f"no lowering rule for primitive {e.prim!r} (eqn {i}); run the pass pipeline first")
         lowered[i] = RULES[e.prim](ctx, e)
+        if lowered[i].out_dtype:
+            ctx.wide[e.outputs[0].uid] = lowered[i].out_dtype
         if lowered[i].calls:
             ctx.scratch = lowered[i].scratch
     aliases = {g.eqns[i].outputs[0].uid: low.alias for i, low in lowered.items() if low.alias is not None}
+    in_place = {g.eqns[i].outputs[0].uid: _overwritten(g, i, low.in_place)
+                for i, low in lowered.items() if low.in_place is not None}
     layout = allocate(g, {g.eqns[i].outputs[0].uid: low.out_dtype for i, low in lowered.items() if low.out_dtype},
-                      skip=set(aliases))
+                      skip=set(aliases), in_place=in_place)
     names = value_names(g)
     resolve = _Resolver(g, layout, names, aliases)
     arena_name = lambda v: names[layout.base(v)[0]]                               # noqa: E731
@@ -120,12 +128,15 @@ def lower(g: Graph, spec: ModelSpec, target: Target, options: CompileOptions = C
                 bound = check_args(key, {p: resolve(a) for p, a in args.items()})
             except PlanError as err:
                 raise PlanError(f"{e.prim} (eqn {i}): {err}") from None
-            calls.append(Call(key, module_of(key).launch(key, target), i, bound, reads, writes))
+            launch = None if isinstance(key, Collective) else module_of(key).launch(key, target)
+            calls.append(Call(key, launch, i, bound, reads, writes))
     arena = {names[u]: slot for u, slot in layout.slots.items()}
     groups = concurrent_groups(calls, arena, options.concurrency)
     lane = {i: n for group in groups for n, i in enumerate(group)}
     pdl = options.pdl and supports_pdl(target.arch)
-    calls = [_placed(c, lane[i], pdl and i > 0) for i, c in enumerate(calls)]
+    # a kernel after a collective waits for it in full: programmatic launch overlaps our kernels only
+    calls = [_placed(c, lane[i], pdl and i > 0 and c.launch is not None and calls[i - 1].launch is not None)
+             for i, c in enumerate(calls)]
     outputs = {k: Output(layout.offset(v), v.shape, layout.dtype(v)) for k, v in g.outputs.items()}
     p = g.params
     return Plan(g.name, target.name, calls, arena, layout.nbytes,
@@ -133,6 +144,14 @@ def lower(g: Graph, spec: ModelSpec, target: Target, options: CompileOptions = C
                 dtypes={names[u]: d for u, d in layout.dtypes.items()}, outputs=outputs, groups=groups,
                 workspace=_workspace_per_lane(calls), shape=(p["entry"], p["batch"], p["tokens"]),
                 max_pages=g.inputs["block_table"].shape[1] if "block_table" in g.inputs else 0, options=options, graph=g)
+
+
+def _overwritten(g: Graph, i: int, which: int) -> int:
+    """The input `which` of equation i, whose bytes its kernel overwrites: nothing after it may read it."""
+    x = g.eqns[i].inputs[which]
+    if any(x in e.inputs for e in g.eqns[i + 1:]) or any(x is v for v in g.outputs.values()):
+        raise LoweringError(f"{g.eqns[i].prim} (eqn {i}) overwrites an input that is read after it")
+    return x.uid
 
 
 def _placed(c: Call, lane: int, programmatic: bool) -> Call:

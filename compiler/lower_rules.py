@@ -7,6 +7,7 @@ format allow) and the prefill GDN choice (chunked from 64 tokens) live here.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Callable
@@ -15,7 +16,7 @@ from .ir import Eqn, Graph, Var
 from .kernels import (KernelKey, attn_combine, attn_decode, attn_prefill, concat, embed, gated_rmsnorm, gdn_chunk,
                       gdn_conv, gdn_step, gemm, gemm_wg, gemv, module_of, qk_rope_kv, rmsnorm, xperm)
 from .options import CompileOptions
-from .plan import NULL, Binding, Const, Input, State, Weight, Workspace
+from .plan import NULL, Binding, Collective, Const, Input, State, Weight, Workspace
 from .spec import DRAFT_HEAD, ModelSpec
 from .targets import Target
 from .weights import gate_up_name, planes_of
@@ -44,6 +45,7 @@ class Lowered:
     out_dtype: str | None = None        # the dtype the kernels write to output 0, where wider than the graph's
     alias: Binding | None = None        # launches nothing: output 0 is this binding
     scratch: tuple | None = None        # what lane 0's scratch holds afterwards (a permuted input), if known
+    in_place: int | None = None         # output 0 overwrites this input's bytes (its last reader)
 
 
 @dataclass
@@ -56,6 +58,7 @@ class Ctx:
     weight_name: dict[int, str]
     state_name: dict[int, str]
     scratch: tuple | None = None        # Lowered.scratch of the previous equation that launched anything
+    wide: dict[int, str] = field(default_factory=dict)   # value → the dtype its kernel writes, where wider
 
     @property
     def b(self) -> int:
@@ -215,8 +218,12 @@ def _norm(ctx, e):
 
 
 def _add_norm(ctx, e):
-    raise LoweringError("add_rmsnorm: the rmsnorm kernel adds in place, which a plan cannot bind to the fused "
-                        "equation's separate sum; the residual add rides on the projection instead")
+    """The residual add and the next norm in one rmsnorm kernel (add mode), which writes the sum over x: the
+    sum takes x's bytes. A single card's graphs carry the residual add on the projection instead
+    (linear_residual); a tensor-parallel graph's add reads the all_reduce of the projection."""
+    x, delta, w = e.inputs
+    key = rmsnorm.Key(x.shape[-1], ctx.m, True, "bf16", e.params["eps"], ctx.target.arch)
+    return Lowered([(key, {"y": Val(e.outputs[1]), "x": Val(x), "delta": Val(delta), "w": Val(w)})], in_place=0)
 
 
 def _embed(ctx, e):
@@ -347,6 +354,17 @@ def _attention(gate: bool):
     return rule
 
 
+def _collective(op: str):
+    """all_reduce / all_gather (compiler.shard): a Collective step on the arena, in the dtype the producer
+    wrote (the vocabulary head's fp32 logits, the projections' bf16)."""
+    def rule(ctx, e):
+        x, y = e.inputs[0], e.outputs[0]
+        dtype = ctx.wide.get(x.uid, x.dtype)
+        key = Collective(op, math.prod(x.shape), dtype, e.params["tp"])
+        return Lowered([(key, {"x": Val(x), "y": Val(y)})], out_dtype=dtype if dtype != y.dtype else None)
+    return rule
+
+
 def _positions(ctx, e):
     return Lowered(alias=Input("row_pos"))
 
@@ -366,6 +384,7 @@ RULES: dict[str, Callable[[Ctx, Eqn], Lowered]] = {
     "rmsnorm": _norm, "add_rmsnorm": _add_norm, "gdn_conv": _gdn_conv, "gdn_step": _gdn_step,
     "gdn_conv_record": _gdn_conv, "gdn_step_record": _gdn_step, "gdn_conv_fold": _gdn_conv_fold, "gdn_fold": _gdn_fold,
     "gdn_step_snapshot": _gdn_step, "gdn_snapshot_restore": _gdn_snapshot_restore,
+    "all_reduce": _collective("all_reduce"), "all_gather": _collective("all_gather"),
     "gated_rmsnorm": _gated_rmsnorm, "qk_rope_kv": _qk_rope_kv, "paged_attention": _attention(False),
     "gated_paged_attention": _attention(True), "linear_residual_norm": _linear_residual_norm,
     "scaled_linear": _scaled(_projection("none")), "scaled_linear_silu_mul": _scaled(_projection("silu_mul")),

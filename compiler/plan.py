@@ -147,9 +147,27 @@ STEP_TENSORS = ("hidden",)
 
 # ---------------------------------------------------------------------------------------------- the plan
 @dataclass(frozen=True)
+class Collective:
+    """A step of a tensor-parallel plan (compiler.shard) that is no kernel of ours: the collective library's
+    sum `all_reduce` of `elements` values of `dtype` over the `tp` ranks, or its `all_gather` of each rank's
+    `elements` side by side (rank 0 first); `x` in, `y` out. A Call with this key has no launch; the runtime
+    calls the library on the bucket's stream."""
+    op: str
+    elements: int
+    dtype: str
+    tp: int
+    family: ClassVar[str] = "collective"
+    PARAMS: ClassVar[tuple[str, ...]] = ("x", "y")
+
+    @property
+    def name(self) -> str:
+        return f"{self.op}_n{self.elements}_{self.dtype}_tp{self.tp}"
+
+
+@dataclass(frozen=True)
 class Call:
-    key: KernelKey
-    launch: Launch
+    key: KernelKey | Collective
+    launch: Launch | None                      # None: a Collective
     eqn: int                                   # index of the graph equation it implements
     args: tuple[tuple[str, Binding], ...]      # (parameter, binding) in the family's parameter order
     inputs: tuple[str, ...] = ()               # arena values read, by allocation name (concurrency checks)
@@ -196,7 +214,11 @@ class Plan:
         return max((len(g) for g in self.groups), default=1)
 
     def keys(self) -> list[KernelKey]:
-        return list(dict.fromkeys(c.key for c in self.calls))
+        """The kernels the plan launches (not its collectives)."""
+        return list(dict.fromkeys(c.key for c in self.calls if not isinstance(c.key, Collective)))
+
+    def collectives(self) -> list[Call]:
+        return [c for c in self.calls if isinstance(c.key, Collective)]
 
     def family_counts(self) -> Counter:
         return Counter(c.key.family for c in self.calls)
@@ -222,6 +244,10 @@ def _params(key: KernelKey) -> tuple:
 
 def check_args(key: KernelKey, args: dict[str, Binding]) -> tuple[tuple[str, Binding], ...]:
     """`args` in the family's parameter order; a missing, unknown or mistyped binding is a PlanError."""
+    if isinstance(key, Collective):
+        if set(args) != set(key.PARAMS) or not all(isinstance(args[n], Arena) for n in key.PARAMS):
+            raise PlanError(f"{key.name}: x and y must be arena values, got {args}")
+        return tuple((n, args[n]) for n in key.PARAMS)
     params = _params(key)
     names = [p.name for p in params]
     missing = [n for n in names if n not in args]
@@ -252,6 +278,10 @@ def format_plan(plan: Plan) -> str:
                                     [f"{k}:{dt}{list(sh)}" for k, (sh, dt) in plan.step_tensors().items()]),
              "  outputs " + " ".join(f"{k}=arena[{o.offset}] {o.dtype}{list(o.shape)}" for k, o in plan.outputs.items())]
     for i, c in enumerate(plan.calls):
+        if c.launch is None:
+            lines.append(f"  call {i} {c.key.name} collective eqn={c.eqn}")
+            lines += [f"    {name} <- {binding}" for name, binding in c.args]
+            continue
         g, b = c.launch.grid, c.launch.block
         branch = f" branch {lane_of[i]}" if i in lane_of else ""
         lines.append(f"  call {i} {c.key.name} grid={g[0]},{g[1]},{g[2]} block={b[0]},{b[1]},{b[2]} "

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .spec import ModelSpec, ParallelSpec, SpecError
+from .spec import ModelSpec, ParallelSpec, SpecError, format_of, tensor_table
 
 
 def _blocks(heads: int, readers: int, tp: int, what: str, reader: str) -> tuple[int, int]:
@@ -53,6 +53,18 @@ def shard_spec(spec: ModelSpec, tp: int) -> ModelSpec:
                     attention=replace(at, num_heads=heads, num_kv_heads=kv),
                     linear_attention=replace(g, num_key_heads=keys, num_value_heads=values))
     return replace(spec, name=f"{spec.name}.tp{tp}", model=model, parallel=ParallelSpec(tp))
+
+
+def check_quantised_shares(rank: ModelSpec) -> None:
+    """A rank's quantised matrices must hold whole quantisation groups along their input columns (the
+    row-parallel projections are cut there), else the GPU kernels cannot read its share."""
+    from .kernels.weight_layout import FORMATS
+
+    for t in tensor_table(rank):
+        fmt = format_of(rank, t)
+        if len(t.shape) == 2 and fmt in FORMATS and fmt != "bf16" and t.shape[1] % FORMATS[fmt][1]:
+            raise SpecError("parallel.tp", f"{t.name}: {t.shape[1]} input columns per rank are not a multiple of its "
+                            f"{fmt} group ({FORMATS[fmt][1]}): a quantised share must hold whole groups")
 
 
 def shard_weights(spec: ModelSpec, weights: dict, tp: int, rank: int) -> dict:

@@ -108,3 +108,44 @@ def test_cli_run_with_tp2_prints_what_one_process_prints(capfd):
     assert capfd.readouterr().out == one
     assert main(argv + ["--tp", "3"]) == 2
     assert "do not split over 3 ranks" in capfd.readouterr().err
+
+
+def test_a_rank_plan_reduces_after_each_row_parallel_projection_and_gathers_the_logits():
+    """The 27B's rank plan at TP = 2 (sm_86): one all_reduce after each layer's mixer and MLP down
+    projection (bf16, B·T × hidden), the residual add and the next norm in one in-place rmsnorm, one
+    all_gather of the fp32 logits; the plan's kernels exclude the collectives."""
+    from compiler.buckets import plan_bucket
+    from compiler.plan import Collective, format_plan
+    from compiler.targets import lookup
+
+    spec = shard_spec(load_spec(SPECS / "qwen3.8-27b.yaml"), 2)
+    a = spec.model
+    plan = plan_bucket(spec, lookup("sm_86"), "verify", 2, 4)
+    rows = 2 * 4
+    reduces = [c for c in plan.collectives() if c.key.op == "all_reduce"]
+    gathers = [c for c in plan.collectives() if c.key.op == "all_gather"]
+    assert len(reduces) == 2 * a.layers.count and len(gathers) == 1
+    assert {c.key for c in reduces} == {Collective("all_reduce", rows * a.hidden_size, "bf16", 2)}
+    assert gathers[0].key == Collective("all_gather", rows * a.vocab_size // 2, "f32", 2)
+    assert not any(isinstance(k, Collective) for k in plan.keys())
+    for c in reduces:                       # reduced into its own bytes, then added into the residual in place
+        i = plan.calls.index(c)
+        after = plan.calls[i + 1]
+        assert plan.calls[i - 1].key.family == "gemv" and plan.calls[i - 1].binding("y") == c.binding("x")
+        assert after.key.family == "rmsnorm" and after.key.add and after.binding("delta") == c.binding("y")
+        assert not after.programmatic
+    assert "all_gather_n" in format_plan(plan) and " collective " in format_plan(plan)
+
+
+@pytest.mark.slow
+def test_a_rank_plans_kernels_compile_and_a_quantised_share_must_hold_whole_groups(tmp_path, capsys):
+    from compiler.build_cache import build_kernels
+    from compiler.buckets import plan_bucket
+    from compiler.targets import lookup
+    from ninfer_gen.cli import main
+
+    plan = plan_bucket(shard_spec(load_spec(SPECS / "qwen3.8-27b.yaml"), 2), lookup("sm_86"), "step", 1, 1)
+    summary = build_kernels(plan.keys(), jobs=2, root=tmp_path, progress=False)
+    assert summary.kernels == len(plan.keys()) and summary.spills == 0
+    assert main(["build", str(SPECS / "qwen3.8-tiny.yaml"), "--tp", "2", "--build-dir", str(tmp_path)]) == 2
+    assert "96 input columns per rank are not a multiple of its q5g64 group" in capsys.readouterr().err

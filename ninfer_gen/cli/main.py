@@ -101,14 +101,19 @@ def _profile(spec, cohorts: str | None = None, draft: int | None = None, max_con
 def cmd_build(args) -> int:
     from compiler.build_cache import build_kernels
     from compiler.buckets import plan_profile, plan_rounds, profile_keys
+    from compiler.shard import check_quantised_shares, shard_spec
     from compiler.spec import load_spec
     from compiler.targets import resolve
 
-    spec = load_spec(args.spec)
+    spec = shard_spec(load_spec(args.spec), args.tp)          # --tp: each rank's graphs (all ranks' are alike)
+    if args.tp > 1:
+        check_quantised_shares(spec)
     target = resolve(args.target, args.arch)
     profile = _profile(spec, args.cohorts, args.draft, args.max_context, args.kv)
     plans = plan_profile(spec, target, profile)
-    print(f"{spec.name} for {target.name} ({target.arch}): {profile.describe()}")
+    rank = f"; each of {args.tp} ranks, {sum(len(p.collectives()) for p in plans.values())} collectives in its " \
+        "buckets (the NCCL runtime that would launch them is not built yet)" if args.tp > 1 else ""
+    print(f"{spec.name} for {target.name} ({target.arch}): {profile.describe()}{rank}")
     print(f"  {'bucket':<22} {'launches':>8} {'arena MiB':>10}")
     for (entry, b, t), plan in plans.items():
         print(f"  {f'{entry} B={b} T={t}':<22} {plan.launches:>8} {plan.arena_bytes / 2**20:>10.1f}")
@@ -188,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--draft", type=int, default=None, help="MTP draft tokens (default: the spec's)")
     b.add_argument("--max-context", type=int, default=None, help="tokens per sequence (default: the spec's)")
     b.add_argument("--kv", choices=("int8", "bf16"), default=None, help="KV cache dtype (default: the spec's)")
+    b.add_argument("--tp", type=int, default=1, help="tensor parallel: compile one rank's kernels of N (all ranks' "
+                   "are the same; the NCCL runtime that would run them is not built yet)")
     b.add_argument("--jobs", type=int, default=None, help="parallel compiles (default: CPU count)")
     b.add_argument("--build-dir", default="build", help="cache root (default: build/)")
     b.add_argument("--ptx", action="store_true", help="also emit PTX for the arch (compute_XX)")

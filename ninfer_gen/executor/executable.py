@@ -146,6 +146,9 @@ class Executable:
     def bind_plan(self, plan: Plan, inputs: StepInputs | None = None) -> Bucket:
         """A bucket for `plan` on this executable's memory (the profile's buckets come through `bucket`;
         lab A/B measurements bind plans of other options here, sharing a bucket's `inputs`)."""
+        if plan.collectives():
+            raise ExecutableError(f"{plan.name} is one rank's plan of a tensor-parallel model: the runtime that calls "
+                                  "its collectives (NCCL in the bucket's graph) is not built yet")
         self.kernels.build(plan.keys())
         spills = [n for n in self.kernels.spilled() if n in {k.name for k in plan.keys()}]
         if spills:
