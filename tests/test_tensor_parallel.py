@@ -149,3 +149,17 @@ def test_a_rank_plans_kernels_compile_and_a_quantised_share_must_hold_whole_grou
     assert summary.kernels == len(plan.keys()) and summary.spills == 0
     assert main(["build", str(SPECS / "qwen3.8-tiny.yaml"), "--tp", "2", "--build-dir", str(tmp_path)]) == 2
     assert "96 input columns per rank are not a multiple of its q5g64 group" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_cli_bench_with_tp2_writes_one_report(tmp_path, capfd):
+    import json
+
+    from ninfer_gen.cli import main
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", str(ROOT / "models/qwen3.8-small-py"), "--tp", "2", "--concurrency", "1", "--output-tokens",
+                 "8", "--no-plain", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert "2 tensor-parallel ranks" in report["device"] and report["runs"]["mtp"][0]["concurrency"] == 1
+    assert capfd.readouterr().out.count("cohort bench:") == 1        # rank 0 alone prints

@@ -42,7 +42,8 @@ def load_model(args, backend: str, k: int, lanes: int, context: int, pool: int, 
     source = args.weights or args.spec
     if backend == "reference":
         fits_host(source)
-        return ninfer_gen.load(source, backend="reference", device="cpu", max_context=context, draft=k)
+        return ninfer_gen.load(source, backend="reference", device="cpu", max_context=context, draft=k,
+                               tp=getattr(args, "tp", 1))
     from ninfer_gen.cli.bench import _draft_vocab
     from ninfer_gen.cli.env import build_root, compile_options
     from ninfer_gen.executor.memory_plan import parse_bytes
@@ -78,7 +79,10 @@ def device_name(backend: str) -> str:
 
     if backend == "gpu":
         return torch.cuda.get_device_name()
-    return f"CPU, {torch.get_num_threads()} torch threads"
+    from ninfer_gen.cli.ranks import in_rank
+
+    ranks = f" in each of {torch.distributed.get_world_size()} tensor-parallel ranks (gloo)" if in_rank() else ""
+    return f"CPU, {torch.get_num_threads()} torch threads{ranks}"
 
 
 class Memory:
@@ -202,8 +206,10 @@ def line_plot(path: Path, lines: list[tuple], *, xlabel: str, ylabel: str, title
 
 def write_report(result: dict, json_path: str | None, plot) -> None:
     """--json: the result as JSON, with `plot(result, png)` beside it (its path in the result's `plot`) when
-    `plot` is given."""
-    if not json_path:
+    `plot` is given. Of `--tp` ranks, rank 0 writes."""
+    from ninfer_gen.cli.ranks import is_lead
+
+    if not json_path or not is_lead():
         return
     path = Path(json_path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -266,11 +266,21 @@ def _bench_arguments(p) -> None:
                    "snapshot design (K+1 GDN state copies per lane; fused rounds), for comparison")
     p.add_argument("--draft-vocab", default=None, help="with --draft: a draft_vocab.json, or a number N — bench only: "
                    "the first N token ids (random weights have no frequent tokens) — for a reduced MTP head")
+    p.add_argument("--tp", type=int, default=1, help="engine benches: tensor parallel over N rank processes (gloo, "
+                   "reference backend; default 1)")
     from ninfer_gen.cli.bench_cohort import add_arguments as add_cohort_arguments
     add_cohort_arguments(p)
 
 
 def cmd_bench(args) -> int:
+    if args.tp > 1:
+        from ninfer_gen.cli.ranks import in_rank, launch_command, reference_backend
+        if not (args.concurrency or args.workload or args.long_prompt is not None):
+            raise ValueError(f"--tp {args.tp}: the engine benches (--concurrency, --long-prompt, --workload agent) run "
+                             "on the reference backend's ranks; the single-request GPU bench has no --tp")
+        reference_backend(args, "bench")
+        if not in_rank():
+            return launch_command(args.argv, args.tp)
     if args.workload == "agent":
         from ninfer_gen.cli.bench_agent import cmd_bench_agent
         return cmd_bench_agent(args)
@@ -284,7 +294,7 @@ def cmd_bench(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)     # `run --tp` runs the same command in each rank
+    args.argv = list(sys.argv[1:] if argv is None else argv)     # `--tp` runs the same command in each rank
     try:
         return args.func(args)
     except (SpecError, ValueError, FileNotFoundError, RuntimeError) as err:

@@ -1,6 +1,6 @@
 """run: the `ninfer-gen run` command — load a model (the GPU or the reference backend), then one prompt streamed
 as it is generated with a summary line (time to first token, decode tok/s, acceptance), or several prompts as
-one cohort (cli.run_cohort), or the same command in `--tp` rank processes (cli.run_tp)."""
+one cohort (cli.run_cohort), or the same command in `--tp` rank processes (cli.ranks)."""
 from __future__ import annotations
 
 import sys
@@ -17,13 +17,10 @@ def cmd_run(args) -> int:
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)  # validate before loading
     prompts = _prompts(args)
     if args.tp > 1:
-        from ninfer_gen.cli.run_tp import in_rank, launch_run
-        if args.backend == "gpu":
-            raise ValueError(f"--tp {args.tp} runs on the reference backend (gloo): the GPU runtime over NCCL is "
-                             "not built yet")
-        args.backend = "reference"
+        from ninfer_gen.cli.ranks import in_rank, launch_command, reference_backend
+        reference_backend(args, "run")
         if not in_rank():
-            return launch_run(args.argv, args.tp)
+            return launch_command(args.argv, args.tp)
     if args.backend == "auto":
         import torch
         args.backend = "gpu" if torch.cuda.is_available() and args.device in (None, "cuda") else "reference"
