@@ -163,3 +163,72 @@ def test_cli_bench_with_tp2_writes_one_report(tmp_path, capfd):
     report = json.loads(out.read_text())
     assert "2 tensor-parallel ranks" in report["device"] and report["runs"]["mtp"][0]["concurrency"] == 1
     assert capfd.readouterr().out.count("cohort bench:") == 1        # rank 0 alone prints
+
+
+@pytest.mark.slow
+def test_the_cohort_engine_over_replicated_lanes_equals_one_process():
+    """engine.replicated: the lead's engine drives the follower's lanes call by call — the same tokens as one
+    process for greedy and seeded requests (K = 0 and 3, one cancelled mid-stream), an unseeded sampled
+    request finishes without desynchronising the ranks, and every rank's slots are free after, its pages
+    those the prefix cache keeps, as in one process."""
+    from ninfer_gen.parallel import launch
+    from tp_worker import engine_rank
+
+    one = engine_rank(0, 1, str(ROOT))
+    lead, follower = launch(2, engine_rank, 2, str(ROOT), threads=1)
+    assert lead["finish"] == one["finish"] and lead["finish"][2] == "cancelled"
+    assert [t for i, t in enumerate(lead["tokens"]) if i not in (2, 5)] == \
+        [t for i, t in enumerate(one["tokens"]) if i not in (2, 5)]
+    assert len(lead["tokens"][5]) == 20
+    assert lead["usage"] == follower["usage"] and lead["usage"]["slots_in_use"] == 0
+    shared = {k: v for k, v in one["usage"].items() if k != "prefix_bytes"}
+    assert {k: lead["usage"][k] for k in shared} == shared            # the prefix cache's pages pinned alike,
+    assert lead["usage"]["prefix_bytes"] < 0.6 * one["usage"]["prefix_bytes"]  # a rank's GDN states half
+
+
+def _serve(tmp_path, tp: int):
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from ninfer_gen.parallel import free_port
+
+    port = free_port()
+    log = open(tmp_path / f"serve_tp{tp}.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "ninfer_gen.cli", "serve", "--backend", "reference", "--port",
+                             str(port), "--lanes", "2", "--tp", str(tp), "--log-level", "warning"],
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(240):
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None, (tmp_path / f"serve_tp{tp}.log").read_text()[-2000:]
+        time.sleep(0.25)
+    proc.kill()
+    raise AssertionError("the server did not start")
+
+
+@pytest.mark.slow
+def test_serve_with_tp2_answers_what_one_process_answers(tmp_path):
+    """`ninfer-gen serve --tp 2`: the lead serves HTTP and drives the follower; greedy completions equal the
+    single-process server's, and both ranks exit when the server is interrupted."""
+    import signal
+
+    import httpx
+
+    body = {"model": "qwen3.8-small-py", "max_tokens": 16, "temperature": 0}
+    texts = []
+    for tp in (1, 2):
+        proc, url = _serve(tmp_path, tp)
+        try:
+            texts.append([httpx.post(url + "/v1/completions", json=body | {"prompt": p}, timeout=60).json()
+                          ["choices"][0]["text"] for p in ("def fib(n):", "class Stack:")])
+        finally:
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=30) in (0, 130, -signal.SIGINT)
+    assert texts[0] == texts[1] and all(texts[0])

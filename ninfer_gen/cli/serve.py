@@ -38,16 +38,17 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--device", default=None, help="reference: cpu or cuda (default: cuda when available)")
     s.add_argument("--max-context", type=int, default=None, help="tokens per sequence (default: the spec's)")
     s.add_argument("--no-verify", action="store_true", help="a converted container: skip checking its hashes")
+    s.add_argument("--tp", type=int, default=1, help="tensor parallel: N rank processes (gloo, reference backend), "
+                   "each with 1/N of the heads and MLP columns; rank 0 serves and drives the others (default 1)")
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     s.set_defaults(func=cmd_serve)
 
 
-def build_server(args):
-    """(app, engine) from parsed arguments; a ValueError / RuntimeError says what cannot be served."""
+def build_lanes(args):
+    """(model, lanes) from parsed arguments: the model loaded for the backend (a rank's share with --tp) and
+    the cohort engine's lane adapter over it; a ValueError / RuntimeError says what cannot be served."""
     import ninfer_gen
-    from ninfer_gen.engine import Engine
     from ninfer_gen.engine.cohort import cohort_lanes
-    from ninfer_gen.serve.app import create_app
 
     if args.backend == "auto":
         import torch
@@ -72,10 +73,23 @@ def build_server(args):
                                     args.weights or "").endswith((".yaml", ".yml")) else "host")
     else:
         model = ninfer_gen.load(args.weights, backend="reference", dtype=args.dtype, device=args.device,
-                                max_context=args.max_context, verify=not args.no_verify, draft=args.draft or None)
+                                max_context=args.max_context, verify=not args.no_verify, draft=args.draft or None,
+                                tp=args.tp)
     model.speculative(args.draft)                 # a ValueError naming why K drafts cannot run here
-    engine = Engine(cohort_lanes(model, args.lanes, prefix_cache=args.prefix_cache), lanes=args.lanes,
-                    max_queue=args.max_queue)
+    return model, cohort_lanes(model, args.lanes, prefix_cache=args.prefix_cache)
+
+
+def build_server(args):
+    """(app, engine, model) from parsed arguments (with --tp, on the lead rank: the engine over
+    engine.replicated.ReplicatedLanes)."""
+    from ninfer_gen.engine import Engine
+    from ninfer_gen.serve.app import create_app
+
+    model, lanes = build_lanes(args)
+    if args.tp > 1:
+        from ninfer_gen.engine.replicated import ReplicatedLanes
+        lanes = ReplicatedLanes(lanes)
+    engine = Engine(lanes, lanes=args.lanes, max_queue=args.max_queue)
     app = create_app(engine, model, served_model_name=args.served_model_name or model.spec.name,
                      api_key=args.api_key, model_folder=args.weights if args.weights and not
                      str(args.weights).endswith((".yaml", ".yml")) else None, draft=args.draft,
@@ -86,10 +100,24 @@ def build_server(args):
 def cmd_serve(args) -> int:
     import uvicorn
 
+    if args.tp > 1:
+        from ninfer_gen.cli.ranks import in_rank, is_lead, launch_command, reference_backend
+        reference_backend(args, "serve")
+        if not in_rank():
+            return launch_command(args.argv, args.tp)
+        if not is_lead():                          # a follower: the lead's lane calls on this rank's share
+            from ninfer_gen.engine.replicated import follow
+            follow(build_lanes(args)[1])
+            return 0
     app, engine, model = build_server(args)
     name = args.served_model_name or model.spec.name
-    print(f"[serving {name} ({model.source}) on the {args.backend} backend, {args.lanes} lanes, max queue "
+    ranks = f", tensor parallel over {args.tp} ranks" if args.tp > 1 else ""
+    print(f"[serving {name} ({model.source}) on the {args.backend} backend{ranks}, {args.lanes} lanes, max queue "
           f"{args.max_queue}, draft {args.draft}, request timeout {args.request_timeout or 'none'}"
           f"{' s' if args.request_timeout else ''}; http://{args.host}:{args.port}]", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:                                       # the engine has stopped with the server: release the followers
+        if args.tp > 1:
+            engine.backend.close()
     return 0
