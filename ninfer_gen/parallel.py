@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import socket
+import time
 import traceback
 from datetime import timedelta
 
@@ -55,9 +57,10 @@ def _rank_main(rank: int, tp: int, port: int, threads: int, fn, args, results) -
             dist.destroy_process_group()
 
 
-def launch(tp: int, fn, *args, threads: int | None = None, timeout_s: float = 1800) -> list:
+def launch(tp: int, fn, *args, threads: int | None = None, timeout_s: float | None = None) -> list:
     """fn(rank, *args) in `tp` spawned processes of one gloo group; their results in rank order.
-    `threads`: torch threads per rank (default: the CPUs shared out, at least one)."""
+    `threads`: torch threads per rank (default: the CPUs shared out, at least one); `timeout_s`: the most the
+    ranks may take (default: no limit — a server runs until it is stopped)."""
     import multiprocessing as mp
     import queue as queues
 
@@ -86,16 +89,33 @@ def launch(tp: int, fn, *args, threads: int | None = None, timeout_s: float = 18
                         silent[r] = silent.get(r, 0) + 1
                         if silent[r] > 5:
                             raise RuntimeError(f"rank {r} of {tp} exited (code {p.exitcode}) without a result")
-                if waited > timeout_s:
+                if timeout_s is not None and waited > timeout_s:
                     raise TimeoutError(f"the {tp} ranks did not finish in {timeout_s:.0f} s")
                 continue
             if not ok:
                 raise RuntimeError(f"rank {rank} of {tp} failed:\n{value}")
             got[rank] = pickle.loads(value)
     finally:
-        for p in procs:
-            p.join(timeout=5 if len(got) == tp else 0.5)
-            if p.is_alive():
-                p.terminate()
-                p.join()
+        _stop(procs, finished=len(got) == tp)
     return [got[r] for r in range(tp)]
+
+
+def _stop(procs, finished: bool) -> None:
+    """Every rank process ended. Interrupted or failed, the lead first gets SIGINT — a server shuts down and
+    releases the followers (engine.replicated) — then whatever is left after a grace period is terminated,
+    then killed."""
+    grace = 5.0
+    if not finished and procs[0].is_alive():
+        os.kill(procs[0].pid, signal.SIGINT)
+        grace = 10.0
+    deadline = time.monotonic() + grace
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join()
