@@ -18,6 +18,7 @@ import traceback
 from datetime import timedelta
 
 COLLECTIVE_TIMEOUT_S = 300      # a rank waiting longer than this in a collective fails (the others are gone)
+FAILURE_GRACE_S = 3             # after a rank fails, how long `launch` waits for the others' results
 
 
 def rank_of(tp: int) -> int:
@@ -50,8 +51,8 @@ def _rank_main(rank: int, tp: int, port: int, threads: int, fn, args, results) -
         # plain pickle bytes: a tensor put on the queue as it is would travel as a file descriptor that this
         # process must still hold when the parent reads it, and the rank may have exited by then
         results.put((rank, True, pickle.dumps(fn(rank, *args))))
-    except BaseException:                                  # noqa: BLE001 — the parent reports it
-        results.put((rank, False, traceback.format_exc()))
+    except BaseException as err:                           # noqa: BLE001 — the parent reports it
+        results.put((rank, False, str(err) if getattr(err, "quiet", False) else traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -75,9 +76,10 @@ def launch(tp: int, fn, *args, threads: int | None = None, timeout_s: float | No
     for p in procs:
         p.start()
     got: dict[int, object] = {}
-    waited, silent = 0.0, {}
+    failed: dict[int, str] = {}
+    waited, silent, give_up = 0.0, {}, None
     try:
-        while len(got) < tp:
+        while len(got) + len(failed) < tp and (give_up is None or waited < give_up):
             try:
                 rank, ok, value = results.get(timeout=1.0)
             except queues.Empty:
@@ -85,27 +87,40 @@ def launch(tp: int, fn, *args, threads: int | None = None, timeout_s: float | No
                 # a rank that put its result and exited between the wait and this look is not lost: only one
                 # still silent a few seconds after it exited is
                 for r, p in enumerate(procs):
-                    if r not in got and not p.is_alive():
+                    if r not in got and r not in failed and not p.is_alive():
                         silent[r] = silent.get(r, 0) + 1
                         if silent[r] > 5:
-                            raise RuntimeError(f"rank {r} of {tp} exited (code {p.exitcode}) without a result")
+                            failed[r] = f"exited (code {p.exitcode}) without a result"
                 if timeout_s is not None and waited > timeout_s:
                     raise TimeoutError(f"the {tp} ranks did not finish in {timeout_s:.0f} s")
                 continue
-            if not ok:
-                raise RuntimeError(f"rank {rank} of {tp} failed:\n{value}")
-            got[rank] = pickle.loads(value)
+            if ok:
+                got[rank] = pickle.loads(value)
+                continue
+            failed[rank] = value
+            give_up = give_up or waited + FAILURE_GRACE_S     # the others' words, rank 0's first, a moment longer
+        if failed:
+            first = min(failed)
+            raise RankFailed(first, tp, failed[first])
     finally:
-        _stop(procs, finished=len(got) == tp)
+        _stop(procs, finished=len(got) == tp, reported=set(got) | set(failed))
     return [got[r] for r in range(tp)]
 
 
-def _stop(procs, finished: bool) -> None:
-    """Every rank process ended. Interrupted or failed, the lead first gets SIGINT — a server shuts down and
-    releases the followers (engine.replicated) — then whatever is left after a grace period is terminated,
-    then killed."""
+class RankFailed(RuntimeError):
+    """A rank of `launch` failed; `message` is its error ('' when the rank has already printed it)."""
+
+    def __init__(self, rank: int, tp: int, message: str):
+        super().__init__(f"rank {rank} of {tp} failed: {message}")
+        self.rank, self.message = rank, message
+
+
+def _stop(procs, finished: bool, reported: set[int]) -> None:
+    """Every rank process ended. Interrupted or failed, a lead that has not reported first gets SIGINT — a
+    server shuts down and releases the followers (engine.replicated) — then whatever is left after a grace
+    period is terminated, then killed."""
     grace = 5.0
-    if not finished and procs[0].is_alive():
+    if not finished and 0 not in reported and procs[0].is_alive():
         os.kill(procs[0].pid, signal.SIGINT)
         grace = 10.0
     deadline = time.monotonic() + grace

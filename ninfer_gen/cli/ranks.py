@@ -29,20 +29,37 @@ def reference_backend(args, what: str) -> None:
 
 def launch_command(argv: list[str], tp: int) -> int:
     """The command `argv` in `tp` rank processes; rank 0's exit code."""
-    from ninfer_gen.parallel import launch
+    from ninfer_gen.parallel import RankFailed, launch
 
-    return launch(tp, _rank, argv)[0]
+    try:
+        return launch(tp, _rank, argv)[0]
+    except RankFailed as failure:
+        if failure.rank == 0 and not failure.message:
+            return 2                               # rank 0 has printed its error where the user reads it
+        raise
+
+
+class CommandFailed(RuntimeError):
+    """A rank's command ended with an error it has already put in words (ninfer_gen.parallel reports the
+    words, not a traceback)."""
+    quiet = True
 
 
 def _rank(rank: int, argv: list[str]) -> int:
+    import io
     import os
     import sys
 
     from ninfer_gen.cli.main import main
 
-    if rank:
-        sys.stdout = sys.stderr = open(os.devnull, "w")
+    said = io.StringIO()
+    if rank:                                       # the others' output is rank 0's; their errors are kept
+        sys.stdout, sys.stderr = open(os.devnull, "w"), said
     code = main(argv)
     if code:
-        raise RuntimeError(f"`ninfer-gen {' '.join(argv)}` exited with {code} on rank {rank}")
+        lines = said.getvalue().strip().splitlines()
+        if not rank:
+            raise CommandFailed("")                # its error went to the terminal
+        raise CommandFailed(lines[-1].removeprefix("error: ") if lines else f"`ninfer-gen {' '.join(argv)}` "
+                            f"exited with {code}")
     return code
