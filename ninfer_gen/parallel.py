@@ -78,6 +78,7 @@ def launch(tp: int, fn, *args, threads: int | None = None, timeout_s: float | No
     got: dict[int, object] = {}
     failed: dict[int, str] = {}
     waited, silent, give_up = 0.0, {}, None
+    terminated = _interrupt_on_sigterm()
     try:
         while len(got) + len(failed) < tp and (give_up is None or waited < give_up):
             try:
@@ -104,7 +105,21 @@ def launch(tp: int, fn, *args, threads: int | None = None, timeout_s: float | No
             raise RankFailed(first, tp, failed[first])
     finally:
         _stop(procs, finished=len(got) == tp, reported=set(got) | set(failed))
+        if terminated is not None:
+            signal.signal(signal.SIGTERM, terminated)
     return [got[r] for r in range(tp)]
+
+
+def _interrupt_on_sigterm():
+    """While `launch` waits, SIGTERM interrupts it like SIGINT (so the ranks are stopped, not orphaned: a
+    command run in the background ignores SIGINT). Returns the handler to restore (None off the main thread)."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    try:
+        return signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:                               # not the main thread: signals are not ours to take
+        return None
 
 
 class RankFailed(RuntimeError):
@@ -116,12 +131,12 @@ class RankFailed(RuntimeError):
 
 
 def _stop(procs, finished: bool, reported: set[int]) -> None:
-    """Every rank process ended. Interrupted or failed, a lead that has not reported first gets SIGINT — a
-    server shuts down and releases the followers (engine.replicated) — then whatever is left after a grace
-    period is terminated, then killed."""
+    """Every rank process ended. Interrupted or failed, a lead that has not reported is terminated first — a
+    server shuts down gracefully on SIGTERM and releases the followers (engine.replicated) — then whatever is
+    left after a grace period is terminated, then killed."""
     grace = 5.0
     if not finished and 0 not in reported and procs[0].is_alive():
-        os.kill(procs[0].pid, signal.SIGINT)
+        procs[0].terminate()
         grace = 10.0
     deadline = time.monotonic() + grace
     for p in procs:
