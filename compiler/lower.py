@@ -147,9 +147,15 @@ def lower(g: Graph, spec: ModelSpec, target: Target, options: CompileOptions = C
 
 
 def _overwritten(g: Graph, i: int, which: int) -> int:
-    """The input `which` of equation i, whose bytes its kernel overwrites: nothing after it may read it."""
+    """The input `which` of equation i, whose bytes its kernel overwrites: nothing after it may read them,
+    through the value or a view of it."""
     x = g.eqns[i].inputs[which]
-    if any(x in e.inputs for e in g.eqns[i + 1:]) or any(x is v for v in g.outputs.values()):
+    same = {x.uid}
+    for e in g.eqns:
+        if e.prim in VIEWS and e.inputs[0].uid in same:
+            same.add(e.outputs[0].uid)
+    later = any(isinstance(v, Var) and v.uid in same for e in g.eqns[i + 1:] for v in e.inputs)
+    if later or any(v.uid in same for v in g.outputs.values()):
         raise LoweringError(f"{g.eqns[i].prim} (eqn {i}) overwrites an input that is read after it")
     return x.uid
 

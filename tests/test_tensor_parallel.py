@@ -238,3 +238,23 @@ def test_serve_with_tp2_answers_what_one_process_answers(tmp_path):
                 raise
         assert code in (0, 130, -signal.SIGTERM)
     assert texts[0] == texts[1] and all(texts[0])
+
+
+def test_an_in_place_kernel_may_not_overwrite_what_is_read_after_it():
+    """The in-place add + norm takes its input's bytes only when nothing after it reads them, directly or
+    through a view (compiler.lower)."""
+    from compiler.ir import Graph
+    from compiler.lower import LoweringError, _overwritten
+    from compiler.ops import TraceOps
+
+    def graph(read_after: bool):
+        ops = TraceOps("bf16")
+        x, d, w = ops.new_var((2, 128), "bf16"), ops.new_var((2, 128), "bf16"), ops.new_var((128,), "bf16")
+        total, y = ops.bind("add_rmsnorm", x, d, w, eps=1e-6, offset=1.0)
+        out = ops.add(ops.reshape(x, 2, 128), y) if read_after else ops.add(total, y)
+        return Graph("g", {"x": x, "d": d}, {"w": w}, {}, ops.eqns, {"out": out})
+
+    g = graph(False)
+    assert _overwritten(g, 0, 0) == g.eqns[0].inputs[0].uid
+    with pytest.raises(LoweringError, match="overwrites an input that is read after it"):
+        _overwritten(graph(True), 0, 0)
