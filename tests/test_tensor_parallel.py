@@ -258,3 +258,14 @@ def test_an_in_place_kernel_may_not_overwrite_what_is_read_after_it():
     assert _overwritten(g, 0, 0) == g.eqns[0].inputs[0].uid
     with pytest.raises(LoweringError, match="overwrites an input that is read after it"):
         _overwritten(graph(True), 0, 0)
+
+
+@pytest.mark.slow
+def test_cli_run_with_tp2_samples_alike_on_every_rank_without_a_seed(capfd):
+    """Sampling without --seed: every rank's generator starts from the same default seed (ranks drawing
+    apart would desynchronise their collectives); the command ends normally."""
+    from ninfer_gen.cli import main
+
+    assert main(["run", "--weights", str(SPECS / "qwen3.8-tiny.yaml"), "--prompt", "ab", "--max-tokens", "24",
+                 "--temperature", "0.9", "--backend", "reference", "--tp", "2"]) == 0
+    assert "24 new tokens" in capfd.readouterr().err

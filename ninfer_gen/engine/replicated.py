@@ -9,13 +9,10 @@ tokens. The engine's own decisions (admission, budgets, finishing, cancellation,
 only; a follower needs no engine.
 
 The ranks choose the same tokens because their logits are the same bits (gathered) and their random streams
-start from the same seed: a sampled request without a seed gets one drawn on the lead. Structured output
+start from the same seed (a request's, or the generators' fixed default: engine.sampling). Structured output
 (a grammar's matcher is host state the messages do not carry) is refused with --tp for now.
 """
 from __future__ import annotations
-
-import random
-from dataclasses import replace
 
 PUBLIC = ("lane", "prompt", "sampling", "stop", "k", "max_context", "prefilled", "cached", "finish", "anchor",
           "drafts", "budget", "tokens")
@@ -52,8 +49,6 @@ class ReplicatedLanes:
         self.inner.validate(request)
 
     def open(self, lane) -> None:
-        if not lane.sampling.greedy and lane.sampling.seed is None:    # every rank must draw the same stream
-            lane.sampling = replace(lane.sampling, seed=random.SystemRandom().randrange(2 ** 31))
         self._send("open", [lane])
         self.inner.open(lane)
 
