@@ -79,33 +79,30 @@ def shard_weights(spec: ModelSpec, weights: dict, tp: int, rank: int) -> dict:
     la, lat, lg = local.model, local.model.attention, local.model.linear_attention
     out = {}
 
-    def heads(first_reader: int, group: int) -> int:
-        return first_reader // group          # the first head a rank's first reader reads
-
-    q0 = rank * lat.num_heads                                   # this rank's first query head
-    kv0 = heads(q0, at.group)
-    v0 = rank * lg.num_value_heads                               # this rank's first value head
-    k0 = heads(v0, g.group)
+    q0 = rank * lat.num_heads                                   # this rank's first query head,
+    kv0 = q0 // at.group                                         # the KV head it reads,
+    v0 = rank * lg.num_value_heads                               # its first value head,
+    k0 = v0 // g.group                                           # the key head it reads
     f0 = rank * la.intermediate_size
     vocab = a.vocab_size // tp
+    values = slice(v0 * g.value_head_dim, (v0 + lg.num_value_heads) * g.value_head_dim)   # its value channels
+    keys = slice(k0 * g.key_head_dim, (k0 + lg.num_key_heads) * g.key_head_dim)
 
     def gdn_channels(t):                                         # [q | k | v] rows of in_proj_qkv / conv1d
-        q = t[k0 * g.key_head_dim:(k0 + lg.num_key_heads) * g.key_head_dim]
-        k = t[g.key_dim + k0 * g.key_head_dim:g.key_dim + (k0 + lg.num_key_heads) * g.key_head_dim]
-        v = t[2 * g.key_dim + v0 * g.value_head_dim:2 * g.key_dim + (v0 + lg.num_value_heads) * g.value_head_dim]
-        return torch.cat([q, k, v])
+        q, k, v = t[:g.key_dim], t[g.key_dim:2 * g.key_dim], t[2 * g.key_dim:]
+        return torch.cat([q[keys], k[keys], v[values]])
 
     q_width = at.head_dim * (2 if at.output_gate else 1)        # q_proj rows per head ([query | gate])
     for name, t in weights.items():
         if name.endswith("linear_attn.in_proj_qkv.weight") or name.endswith("linear_attn.conv1d.weight"):
             out[name] = gdn_channels(t)
         elif name.endswith("linear_attn.in_proj_z.weight"):
-            out[name] = t[v0 * g.value_head_dim:(v0 + lg.num_value_heads) * g.value_head_dim]
+            out[name] = t[values]
         elif name.endswith(("linear_attn.in_proj_a.weight", "linear_attn.in_proj_b.weight", "linear_attn.A_log",
                             "linear_attn.dt_bias")):
             out[name] = t[v0:v0 + lg.num_value_heads]
         elif name.endswith("linear_attn.out_proj.weight"):
-            out[name] = t[:, v0 * g.value_head_dim:(v0 + lg.num_value_heads) * g.value_head_dim]
+            out[name] = t[:, values]
         elif name.endswith("self_attn.q_proj.weight"):
             out[name] = t[q0 * q_width:(q0 + lat.num_heads) * q_width]
         elif name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")):
