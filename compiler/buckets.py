@@ -130,6 +130,14 @@ class Profile:
                 + (", snapshot state mode" if self.snapshots else "") + f", options {self.options.describe()}")
 
 
+def cohort_sizes(spec_sizes, lanes: int) -> tuple[int, ...]:
+    """The cohort buckets a runtime of `lanes` lanes builds: the spec's sizes up to it and `lanes` itself, so
+    any n ≤ lanes has a bucket of at least n (6 lanes: 1, 2, 4, 6)."""
+    if lanes < 1:
+        raise ValueError(f"lanes must be ≥ 1, got {lanes}")
+    return tuple(sorted({b for b in spec_sizes if b <= lanes} | {lanes}))
+
+
 def profile_of(spec: ModelSpec, *, cohorts=None, draft: int | None = None, max_context: int | None = None,
                kv_dtype: str | None = None, prefill_chunk: int | None = None, all_logits: bool = False,
                options: CompileOptions | None = None, draft_vocab: int = 0, accept_coin: bool = False,

@@ -121,7 +121,7 @@ def greedy_tokens(spec, weights, source: Path, prompt: list[int], n: int) -> lis
     if not torch.cuda.is_available():
         return ninfer_gen.load(source, quantize=True, device="cpu").generate(prompt, n)
     from ninfer_gen.cli.env import build_root
-    from ninfer_gen.engine.api import Model
+    from ninfer_gen.api import Model
     from ninfer_gen.executor.gpu_backend import GpuBackend
 
     backend = GpuBackend(spec, weights, max_context=256, draft=0, prefill_chunk=64, build_root=build_root(),

@@ -28,14 +28,13 @@ def used_device_bytes() -> int:
 
 
 def load_lanes(spec: str, max_context: int, kv_pool_tokens: int | None, accept_prob: float):
-    from ninfer_gen.engine.api import load
-    from ninfer_gen.engine.cohort import cohort_lanes
+    from ninfer_gen.api import load
 
     torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
     model = load(spec, backend="gpu", random_weights="device", cohorts=8, draft=3, accept_coin=True,
                  max_context=max_context, kv_pool_tokens=kv_pool_tokens)
-    lanes = cohort_lanes(model, 8, accept_prob=accept_prob)      # captured and warmed up: start-up
+    lanes = model.lanes(8, accept_prob=accept_prob)      # captured and warmed up: start-up
     return model, lanes, time.perf_counter() - t
 
 

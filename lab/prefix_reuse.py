@@ -41,9 +41,8 @@ def turn(model, prompt: list[int], answer: int, draft: int, prefix_cache: int, l
     """One request through its own engine: its tokens, TTFT, prompt tokens prefilled and cached, and the
     logits row its first token was chosen from."""
     from ninfer_gen.engine import Engine, Request
-    from ninfer_gen.engine.cohort import cohort_lanes
 
-    lanes = lanes or cohort_lanes(model, 1, prefix_cache=prefix_cache)
+    lanes = lanes or model.lanes(1, prefix_cache=prefix_cache)
     lanes_module = sys.modules[type(lanes).__module__]   # engine.lanes or executor.gpu_lanes: its `choose`
     first_logits = []
     choose = lanes_module.choose                         # the row the first token is chosen from (ReferenceLanes)

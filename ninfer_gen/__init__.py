@@ -16,7 +16,7 @@ __all__ = ["Model", "load"]
 
 def __getattr__(name: str):
     if name in __all__:
-        return getattr(importlib.import_module(".engine.api", __name__), name)
+        return getattr(importlib.import_module(".api", __name__), name)
     if importlib.util.find_spec(f"{__name__}.{name}") is not None:        # ninfer_gen.engine, .reference, ...
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -96,7 +96,7 @@ class ReferenceBackend(SequencePool):
         B, T = len(seqs), len(tokens[0])
         starts = starts if starts is not None else [s.length for s in seqs]
         for s, p in zip(seqs, starts):
-            self._reserve(s, p + T)
+            self.reserve(s, p + T)
         inputs = {"tokens": self._i32(tokens), "pos": self._i32(starts), "block_table": self._block_table(seqs)}
         if entry == "mtp":
             inputs["hidden"] = hidden
@@ -137,7 +137,7 @@ class ReferenceBackend(SequencePool):
         """Chunked prefill from the sequence's current length; returns logits [T, V] and hidden [T, H]
         (always every row; `all_logits` and `all_hidden` are accepted for the GPU backend's interface)."""
         chunk = chunk or self.spec.runtime.prefill_chunk
-        self._reserve(seq, seq.length + len(ids))  # fail before any work when it cannot fit
+        self.reserve(seq, seq.length + len(ids))  # fail before any work when it cannot fit
         logits, hidden = [], []
         for i in range(0, len(ids), chunk):
             lg, hd = self.run("prefill", [seq], [ids[i:i + chunk]])

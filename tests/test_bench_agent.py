@@ -7,7 +7,7 @@ import json
 import pytest
 
 from ninfer_gen.cli import bench_agent, main
-from ninfer_gen.engine.api import TINY_SPEC
+from ninfer_gen.api import TINY_SPEC
 
 BASE = ["bench", str(TINY_SPEC), "--backend", "reference", "--workload", "agent", "--context-tokens", "160",
         "--turns", "3", "--tool-tokens", "10-30", "--answer-tokens", "4-8"]
@@ -21,7 +21,7 @@ def test_agent_bench_with_and_without_reuse(tmp_path, capsys):
     assert "TTFT turn 1 ms" in text and "TTFT of turns 2+ with reuse / without (mean): S=1" in text
     r = json.loads(out.read_text())
     assert r["workload"] == "agent" and r["draft"] == 3 and r["turns"] == 3 and r["prefix_cache"] == 16
-    assert r["reuse_note"] is None and r["tool_tokens"] == [10, 30] and r["answer_tokens"] == [4, 8]
+    assert r["tool_tokens"] == [10, 30] and r["answer_tokens"] == [4, 8]
     assert r["plot"] == str(out.with_suffix(".png")) and out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     rows = {name: {x["sessions"]: x for x in r["runs"][name]} for name in ("no_reuse", "reuse")}
     for s in (1, 2):
@@ -43,16 +43,6 @@ def test_agent_bench_with_and_without_reuse(tmp_path, capsys):
         assert reused["prefilled_tokens"]["later"] <= 2 * s * (1 + 30) < plain["prefilled_tokens"]["later"]
         assert reused["engine"]["prefix_hit_tokens"] == sum(reused["prompt_tokens"].values()) - reused["engine"][
             "prefill_tokens"]
-
-
-def test_agent_bench_where_reuse_is_not_available(monkeypatch, capsys):
-    monkeypatch.setattr(bench_agent, "_reuse_option", lambda model: False)
-    assert main(BASE + ["--sessions", "1", "--turns", "2", "--draft", "0"]) == 0
-    text = capsys.readouterr().out
-    assert "prefix reuse not available on this backend: the runs without it only" in text
-    assert "\n 1    no " in text and "\n 1   yes " not in text and "with reuse / without" not in text
-    assert main(BASE + ["--sessions", "1", "--no-reuse-run"]) == 2
-    assert "prefix reuse not available on this backend and --no-reuse-run" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -4,7 +4,7 @@ and bad options are one clear error line."""
 import json
 
 from ninfer_gen.cli import main
-from ninfer_gen.engine.api import TINY_SPEC
+from ninfer_gen.api import TINY_SPEC
 
 BASE = ["bench", str(TINY_SPEC), "--backend", "reference", "--output-tokens", "4"]
 

@@ -13,9 +13,10 @@ import weakref
 import torch
 
 from compiler.spec import load_spec
-from ninfer_gen.engine import Engine, ReferenceLanes, Request
-from ninfer_gen.engine.api import TINY_SPEC
-from ninfer_gen.engine.sampling import SamplingParams
+from ninfer_gen.engine import Engine, Request
+from ninfer_gen.lanes.reference import ReferenceLanes
+from ninfer_gen.api import TINY_SPEC
+from ninfer_gen.sampling import SamplingParams
 from ninfer_gen.reference import ReferenceBackend
 from ninfer_gen.weights.random_weights import random_weights
 

@@ -13,13 +13,14 @@ import torch
 pytest.importorskip("llguidance")
 
 from compiler.spec import load_spec  # noqa: E402
-from ninfer_gen.engine import Engine, ReferenceLanes, Request  # noqa: E402
-from ninfer_gen.engine.api import DEFAULT_MODEL, TINY_SPEC  # noqa: E402
+from ninfer_gen.engine import Engine, Request
+from ninfer_gen.lanes.reference import ReferenceLanes  # noqa: E402
+from ninfer_gen.api import DEFAULT_MODEL, TINY_SPEC  # noqa: E402
 from ninfer_gen.engine.grammar import (GrammarCompiler, GrammarError, GrammarViolation, ToolSpec,  # noqa: E402
                                        grammar_text)
-from ninfer_gen.engine.lanes import masked_verify  # noqa: E402
-from ninfer_gen.engine.sampling import SamplingParams, distribution  # noqa: E402
-from ninfer_gen.engine.speculative import accept_greedy, accept_sampled  # noqa: E402
+from ninfer_gen.lanes.contract import masked_verify  # noqa: E402
+from ninfer_gen.sampling import SamplingParams, distribution  # noqa: E402
+from ninfer_gen.speculative import accept_greedy, accept_sampled  # noqa: E402
 from ninfer_gen.engine.tokenizer import ByteTokenizer, load_tokenizer  # noqa: E402
 from ninfer_gen.reference import ReferenceBackend  # noqa: E402
 from ninfer_gen.weights.random_weights import random_weights  # noqa: E402

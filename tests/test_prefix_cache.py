@@ -16,9 +16,10 @@ from ninfer_gen.allocators import prefix as prefix_mod
 from ninfer_gen.allocators.kv import BlockManager, BlockTable
 from ninfer_gen.allocators.prefix import PrefixCache
 from ninfer_gen.allocators.sequences import SequencePool
-from ninfer_gen.engine import Engine, ReferenceLanes, Request
-from ninfer_gen.engine.api import DEFAULT_MODEL, TINY_SPEC
-from ninfer_gen.engine.sampling import SamplingParams
+from ninfer_gen.engine import Engine, Request
+from ninfer_gen.lanes.reference import ReferenceLanes
+from ninfer_gen.api import DEFAULT_MODEL, TINY_SPEC
+from ninfer_gen.sampling import SamplingParams
 from ninfer_gen.reference import ReferenceBackend
 from ninfer_gen.weights.random_weights import random_weights
 
@@ -63,7 +64,7 @@ class FakePool(SequencePool):
 
     def committed(self, tokens: int):
         seq = self.new_sequence()
-        self._reserve(seq, tokens)
+        self.reserve(seq, tokens)
         seq.table.length = tokens
         return seq
 
@@ -283,7 +284,7 @@ def _conversation(model, first: int, new: int, answer: int, draft: int) -> None:
     With reuse turn 2 restores turn 1's answer checkpoint and prefills only the new tokens (and the answer's
     last token, which was never run); its tokens equal turn 2 run without reuse."""
     ids = model.tokenizer.encode((DEFAULT_MODEL.parent.parent / "ninfer_gen" / "engine" / "engine.py").read_text()
-                                 + (DEFAULT_MODEL.parent.parent / "ninfer_gen" / "engine" / "lanes.py").read_text())
+                                 + (DEFAULT_MODEL.parent.parent / "ninfer_gen" / "lanes" / "contract.py").read_text())
     assert len(ids) >= first + new
     reuse = ReferenceLanes.for_model(model, 1, prefix_cache=4)
     engine = Engine(reuse, lanes=1)

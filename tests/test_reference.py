@@ -112,36 +112,15 @@ def test_context_limit_is_a_clear_error(model):
     assert model.backend.blocks.free_pages == model.backend.blocks.num_pages
 
 
-class _WindowedReference(ninfer_gen.reference.ReferenceBackend):
-    """The reference backend with a `greedy` device-loop entry (done here with host steps), so
-    Model.stream takes its windowed path on the CPU."""
-
-    def __init__(self, base):
-        self.__dict__.update(base.__dict__)
-        self.windows: list[int] = []
-
-    def greedy(self, seq, token, n):
-        self.windows.append(n)
-        out = []
-        for _ in range(n):
-            logits, _ = self.run("step", [seq], [[token]])
-            token = int(torch.argmax(logits[-1]))
-            out.append(token)
-        return out
-
-
-def test_windowed_greedy_stream_equals_step_by_step(model):
-    """Model.stream on a backend with a device loop: same tokens as one step per token, windows of
-    GREEDY_WINDOW, stop tokens end the stream at once, the context limit holds."""
-    windowed = ninfer_gen.Model(model.spec, _WindowedReference(model.backend), None, "windowed")
+def test_generate_stops_at_stop_tokens_budgets_and_the_context_limit(model):
+    """Model.generate (a one-lane engine): a stop token ends the output at once, 0 and 1 token budgets, and a
+    prompt 25 positions short of the context gets its first token and 25 more."""
     plain = model.generate(IDS[:20], 40)
-    assert windowed.generate(IDS[:20], 40) == plain
-    assert windowed.backend.windows == [16, 16, 7]                     # 1 token from the prefill + 39
     stop = plain[20]
-    assert windowed.generate(IDS[:20], 40, stop_tokens={stop}) == plain[:plain.index(stop) + 1]
-    assert windowed.generate(IDS[:20], 0) == [] and windowed.generate(IDS[:20], 1) == plain[:1]
+    assert model.generate(IDS[:20], 40, stop_tokens={stop}) == plain[:plain.index(stop) + 1]
+    assert model.generate(IDS[:20], 0) == [] and model.generate(IDS[:20], 1) == plain[:1]
     near = model.backend.max_context - 25
-    assert len(windowed.generate([1] * near, 40)) == 26                 # 25 positions left: 1 + 25 tokens
+    assert len(model.generate([1] * near, 40)) == 26
 
 
 def test_precision_tool_measures_the_bf16_spread(capsys):

@@ -4,7 +4,7 @@ when the layout is rebuilt (another bucket, compaction), and that lanes already 
 import torch
 
 from compiler.kernels import spec_round as sr
-from ninfer_gen.executor.round_rows import RoundRows
+from ninfer_gen.lanes.round_rows import RoundRows
 
 ROWS, K, V = 8, 3, 5
 

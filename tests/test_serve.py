@@ -20,8 +20,9 @@ anthropic = pytest.importorskip("anthropic")
 httpx = pytest.importorskip("httpx")
 
 import ninfer_gen  # noqa: E402
-from ninfer_gen.engine import Engine, ReferenceLanes  # noqa: E402
-from ninfer_gen.engine.api import DEFAULT_MODEL, TINY_SPEC  # noqa: E402
+from ninfer_gen.engine import Engine  # noqa: E402
+from ninfer_gen.lanes.reference import ReferenceLanes  # noqa: E402
+from ninfer_gen.api import DEFAULT_MODEL, TINY_SPEC  # noqa: E402
 from ninfer_gen.serve.anthropic_api import MessageBuilder, stop_reason  # noqa: E402
 from ninfer_gen.serve.app import create_app  # noqa: E402
 from ninfer_gen.serve.openai_api import ChatBuilder  # noqa: E402

@@ -23,8 +23,9 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
 import ninfer_gen  # noqa: E402
-from ninfer_gen.engine import Engine, ReferenceLanes  # noqa: E402
-from ninfer_gen.engine.api import DEFAULT_MODEL  # noqa: E402
+from ninfer_gen.engine import Engine  # noqa: E402
+from ninfer_gen.lanes.reference import ReferenceLanes  # noqa: E402
+from ninfer_gen.api import DEFAULT_MODEL  # noqa: E402
 from ninfer_gen.serve.app import create_app  # noqa: E402
 from test_serve import KEY, NAME, USER, Server, _idle  # noqa: E402
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ninfer_gen
-from ninfer_gen.engine.api import DEFAULT_MODEL
+from ninfer_gen.api import DEFAULT_MODEL
 
 pytestmark = pytest.mark.skipif(not (DEFAULT_MODEL / "config.json").is_file(), reason="no shipped model")
 SNIPPET = (Path(sysconfig.get_paths()["stdlib"]) / "json" / "encoder.py").read_text()[:2400]

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import ninfer_gen
-from ninfer_gen.engine.sampling import SamplingParams, distribution
-from ninfer_gen.engine.speculative import Stats, accept_greedy, accept_sampled, truncate
+from ninfer_gen.sampling import SamplingParams, distribution
+from ninfer_gen.speculative import Stats, accept_greedy, accept_sampled, truncate
 
 
 def _logits(best: list[int], vocab: int = 7) -> torch.Tensor:
@@ -113,7 +113,7 @@ def test_cli_run_prints_acceptance_and_refuses_drafting_without_mtp(capsys):
 def test_rounds_that_keep_every_draft_stop_inside_the_context(monkeypatch):
     """A round that keeps all K drafts near the context end: the next drafts would be chained past the last
     position, so the stream stops at the context limit instead (it used to fail reserving the pages)."""
-    from ninfer_gen.engine import speculative
+    from ninfer_gen.lanes import reference as speculative       # where the reference lanes take accept_greedy
 
     model = ninfer_gen.load("model_specs/qwen3.8-tiny.yaml", device="cpu", max_context=64)
     keep_all = lambda drafts, logits: drafts + [int(logits.reshape(len(drafts) + 1, -1)[-1].argmax())]

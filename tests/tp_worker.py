@@ -35,13 +35,12 @@ def engine_rank(rank: int, tp: int, root: str) -> dict:
 
     import ninfer_gen
     from ninfer_gen.engine import Engine, Request
-    from ninfer_gen.engine.cohort import cohort_lanes
     from ninfer_gen.engine.replicated import ReplicatedLanes, follow
-    from ninfer_gen.engine.sampling import SamplingParams
+    from ninfer_gen.sampling import SamplingParams
 
     os.chdir(root)
     model = ninfer_gen.load(SPEC, backend="reference", device="cpu", tp=tp, max_context=256)
-    lanes = cohort_lanes(model, 4)
+    lanes = model.lanes(4)
     if rank:
         return {"usage": follow(lanes)}
     lanes = ReplicatedLanes(lanes) if tp > 1 else lanes

@@ -12,7 +12,9 @@ states the math; this family runs it on the device so a round is one CUDA graph)
   draft   draft j from the MTP output (argmax, or the `probs` draw), mapped through the draft vocabulary,
           and the next chained MTP step's inputs.
 
-Round state: one row of ROW_WORDS int32 per lane (`ROUND_FIELDS`; float fields hold fp32 bits). A row's
+Round state: one row of ROW_WORDS int32 per lane (`ROUND_FIELDS`; float fields hold fp32 bits). A row's `k`
+(0..K) is how many of the round's K drafts its acceptance may keep: a lane asking fewer drafts than the
+bucket's K (or an adaptive policy's choice) runs in the same graph, its later drafts never accepted. A row's
 `state` is RUNNING, DONE (a stop token or the budget ended it) or IDLE (no request): rows that are not
 RUNNING when a round starts are padded rows everywhere (slot −1, no keys, trash-page KV writes).
 Random numbers: a counter-based hash of (seed, round counter, stream), so replays need no RNG state
@@ -28,7 +30,7 @@ from . import KernelKey, Launch, Param
 
 # must match templates/spec_round.cu.j2
 ROUND_FIELDS = ("length", "budget", "anchor", "emitted", "state", "slot", "trash", "counter", "seed_lo",
-                "seed_hi", "top_k", "temperature", "top_p", "n_stop", "accept_prob", "stop_hit", "accepted")
+                "seed_hi", "top_k", "temperature", "top_p", "n_stop", "accept_prob", "stop_hit", "accepted", "k")
 DRAFTS_AT, OUT_AT, STOPS_AT, MAX_STOPS, ROW_WORDS = 20, 52, 84, 8, 92
 RUNNING, DONE, IDLE = 0, 1, 2
 STAGES = ("begin", "probs", "accept", "draft")

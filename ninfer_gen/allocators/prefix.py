@@ -21,7 +21,7 @@ Backend protocol (ReferenceBackend implements it; the GPU backend implements the
   free_state(handle)                give the handle's storage back to the store
   copy_page(src, dst)               copy KV page `src` to page `dst`, every attention layer and the MTP
                                     layer, codes and scales: the whole page, bit for bit
-  _reserve(seq, length)             (allocators.sequences.SequencePool) pages for `length` tokens; a short
+  reserve(seq, length)             (allocators.sequences.SequencePool) pages for `length` tokens; a short
                                     pool calls the cache's `reclaim` first, once the pool's `prefix` is set
 
 Every call comes from the engine's thread, between the backend's own calls, on committed states only (a
@@ -162,7 +162,7 @@ class PrefixCache:
         self.blocks.share(seq.table, ck.pages[:cut])
         self._busy = ck
         try:
-            self.pool._reserve(seq, ck.n)
+            self.pool.reserve(seq, ck.n)
         except OutOfPages:
             self.blocks.free(seq.table)
             self.stats.refused += 1

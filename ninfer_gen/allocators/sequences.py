@@ -42,7 +42,7 @@ class SequencePool:
         self.slots.free(seq.slot)
         self.blocks.free(seq.table)
 
-    def _reserve(self, seq: Sequence, length: int) -> None:
+    def reserve(self, seq: Sequence, length: int) -> None:
         if length > self.max_context:
             raise ValueError(f"sequence of {length} tokens exceeds the context limit {self.max_context}")
         short = self.blocks.pages_for(length) - len(seq.table.pages) - self.blocks.free_pages
@@ -52,7 +52,7 @@ class SequencePool:
 
     def _verified_tokens(self, seq: Sequence, tokens: int) -> None:
         """A verify of `tokens` positions logged records for the sequence (reserving their pages)."""
-        self._reserve(seq, seq.length + tokens)
+        self.reserve(seq, seq.length + tokens)
         self._verified[seq.slot] = tokens
 
     def _committing(self, seq: Sequence, m: int) -> int:

@@ -2,7 +2,7 @@
 in the same run as a device-to-device copy so speed is reported as bandwidth efficiency.
 
 Phases: (1) copy bandwidth; (2) ~30-token prompts, `--output-tokens` (1024) greedy new tokens
-(decoded in device-loop windows, as `Model.stream` does), one request: TTFT, end-to-end and decode
+(one request through the engine, as `run` and `serve` decode it): TTFT, end-to-end and decode
 tok/s, and the decode step alone (CUDA-event timed graph replays; per call group, its share of the
 replay by omission) with the bytes it must move (weights streamed + GDN state read/written + KV read
 at the context the replays ran at: the end of the output) → bandwidth efficiency; (3) long prompts
@@ -21,11 +21,9 @@ from pathlib import Path
 
 import torch
 
-from compiler.kernels import MATMUL_FAMILIES
-from compiler.kernels.weight_layout import device_bytes
 from compiler.spec import ModelSpec, load_spec
 
-from ninfer_gen.engine.api import GREEDY_WINDOW
+from ninfer_gen.cli.bench_common import draft_vocab_arg, engine_run, random_ids, step_bytes
 from ninfer_gen.executor.memory_plan import GiB, parse_bytes
 
 MiB = 2 ** 20
@@ -48,21 +46,6 @@ def copy_bandwidth(iters: int = 20) -> float:
     del src, dst
     torch.cuda.empty_cache()
     return 2 * 256 * MiB * 4 / statistics.median(times) / 1e9
-
-
-def step_bytes(spec: ModelSpec, plan, context: int, kv_dtype: str) -> dict[str, int]:
-    """Bytes one decode step must move: packed weights of every GEMV, the embedding row, GDN state
-    read + written and conv history, KV of `context` tokens read per attention layer."""
-    a, g, at = spec.model, spec.model.linear_attention, spec.model.attention
-    weights = sum(device_bytes(c.key.fmt, c.key.n, c.key.k) for c in plan.calls if c.key.family in MATMUL_FAMILIES)
-    n_gdn = sum(k == "linear_attention" for k in a.layers.kinds)
-    n_attn = a.layers.count - n_gdn
-    b = plan.graph.params["batch"]
-    state = b * n_gdn * (2 * g.num_value_heads * g.key_head_dim * g.value_head_dim * 4
-                         + 2 * (g.conv_kernel - 1) * g.conv_dim * 2)
-    per_token = 2 * at.num_kv_heads * at.head_dim * ((1 + 2 / 64) if kv_dtype == "int8" else 2)
-    kv = int(b * n_attn * context * per_token)
-    return {"weights": weights, "state": state, "kv": kv, "total": weights + state + kv}
 
 
 def matrix_params(spec: ModelSpec) -> int:
@@ -92,11 +75,6 @@ class _Peak:
 def _sync_time() -> float:
     torch.cuda.synchronize()
     return time.perf_counter()
-
-
-def _ids(n: int, vocab: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (n,), generator=g).tolist()
 
 
 def time_replays(bucket, iters: int = 50) -> list[float]:
@@ -183,7 +161,7 @@ def run_bench(args) -> dict:
     budget = parse_bytes(args.vram_budget)
     spec = load_spec(args.spec) if args.weights is None else None
     longs = [int(x) for x in args.prefill.split(",") if x] if args.prefill else []
-    rounds_ctx = args.prompt_tokens + (args.rounds + 48) * (args.draft + 1) if args.draft else 0   # + replays
+    rounds_ctx = args.prompt_tokens + args.output_tokens + 4 * (args.draft + 1) if args.draft else 0
     ctx = max([args.prompt_tokens + args.output_tokens, rounds_ctx, *longs]) + 64
     result: dict = {"device": torch.cuda.get_device_name(), "budget_bytes": budget, "max_context": ctx}
     peak = _Peak()
@@ -195,9 +173,9 @@ def run_bench(args) -> dict:
         raise ValueError("--accept-prob needs --draft K > 0 and a probability in [0, 1]")
     model = ninfer_gen.load(source, backend="gpu", max_context=ctx, vram_budget=budget,
                             random_weights="device" if args.weights is None else "host", progress=True,
-                            options=compile_options(), build_root=build_root(), draft=args.draft,
-                            accept_coin=args.accept_prob is not None, draft_vocab=_draft_vocab(args),
-                            round_mode="snapshot" if getattr(args, "state_mode", "") == "snapshot" else "fused")
+                            compile_options=compile_options(), build_root=build_root(), draft=args.draft,
+                            accept_coin=args.accept_prob is not None, draft_vocab=draft_vocab_arg(args),
+                            state_mode=getattr(args, "state_mode", "replayssm"), arch_path=args.arch_path)
     spec = model.spec
     be = model.backend
     torch.cuda.synchronize()
@@ -207,38 +185,22 @@ def run_bench(args) -> dict:
     result["weights_bytes"] = be.weights.nbytes
     peak.sample()
 
-    # warm-up: compile and capture the buckets the workload uses, outside the timings
+    # warm-up: the lanes capture every bucket and round graph and run a short request of each kind
     t0 = time.perf_counter()
-    seq = be.new_sequence()
-    warm = args.prompt_tokens + (be.profile.prefill_chunk if longs else 0)   # the chunk bucket only if used
-    be.prefill(seq, _ids(min(warm, be.max_context - 1), spec.model.vocab_size, 99))
-    be.run("step", [seq], [[1]])
-    be.release(seq)
+    lanes = model.lanes(1, accept_prob=args.accept_prob)
+    if longs:                                         # the chunk bucket's first replay, outside the timings
+        seq = be.new_sequence()
+        be.prefill(seq, random_ids(min(be.profile.prefill_chunk, be.max_context - 1), spec.model.vocab_size, 99))
+        be.release(seq)
     result["warmup_s"] = time.perf_counter() - t0
 
-    # (2) the reference workload: short prompt, long greedy output, one request
+    # (2) the reference workload: short prompt, long greedy output, one request through the engine
     vocab = spec.model.vocab_size
     runs = []
     for r in range(args.repeats):
-        prompt = _ids(args.prompt_tokens, vocab, r)
-        seq = be.new_sequence()
-        start = _sync_time()
-        logits, _ = be.prefill(seq, prompt)
-        token = int(torch.argmax(logits[-1]))
-        first = _sync_time()
-        left = args.output_tokens - 1
-        while left:                      # as Model.stream decodes greedily: device-loop windows
-            window = min(GREEDY_WINDOW, left)
-            token = be.greedy(seq, token, window)[-1]
-            left -= window
-        end = _sync_time()
-        context = seq.length
-        step = be.exe.bucket("step", 1, 1)
-        replay_ms = statistics.median(time_replays(step))
-        be.release(seq)
-        runs.append({"ttft_ms": (first - start) * 1e3, "decode_tok_s": (args.output_tokens - 1) / (end - first),
-                     "e2e_tok_s": args.output_tokens / (end - start), "step_replay_ms": replay_ms,
-                     "final_context": context})
+        run = engine_run(lanes, random_ids(args.prompt_tokens, vocab, r), args.output_tokens, 0)
+        run["step_replay_ms"] = statistics.median(time_replays(be.exe.bucket("step", 1, 1)))
+        runs.append(run)
     peak.sample()
     step_plan = be.exe.bucket("step", 1, 1).plan
     best = min(runs, key=lambda r: r["step_replay_ms"])
@@ -259,7 +221,7 @@ def run_bench(args) -> dict:
     result["decode"] = decode
     if args.draft:
         from ninfer_gen.cli.bench_spec import speculative_figures
-        result["speculative"] = speculative_figures(be, spec, args, decode, copy_gbs)
+        result["speculative"] = speculative_figures(model, args, decode, copy_gbs)
         peak.sample()
 
     # (3) long prompts
@@ -268,7 +230,7 @@ def run_bench(args) -> dict:
         seq = be.new_sequence()
         try:
             start = _sync_time()
-            be.prefill(seq, _ids(n, vocab, 7))
+            be.prefill(seq, random_ids(n, vocab, 7))
             secs = _sync_time() - start
             result["prefill"].append({"tokens": n, "seconds": secs, "tok_s": n / secs,
                                       "effective_TFLOPs": prefill_flops(spec, n) / secs / 1e12,
@@ -339,14 +301,6 @@ def table(r: dict) -> str:
         if k.endswith("ratio"):
             lines.append(f"{'vs HF ' + k.replace('_ratio', ''):<34} {v:>13.2f}×")
     return "\n".join(lines)
-
-
-def _draft_vocab(args):
-    """--draft-vocab: a draft_vocab.json, or N (bench only: the first N ids, labelled in the output)."""
-    value = getattr(args, "draft_vocab", None)
-    if value is None:
-        return None
-    return list(range(int(value))) if str(value).isdigit() else value
 
 
 def cmd_bench(args) -> int:

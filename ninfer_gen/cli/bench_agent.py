@@ -22,7 +22,6 @@ beside the engine's own `prefill_tokens` and `prefix_hit_tokens` counts over the
 """
 from __future__ import annotations
 
-import inspect
 import random
 import statistics
 import time
@@ -30,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ninfer_gen.cli.bench_common import (Driver, Memory, device_name, int_list, lane_tokens, line_plot, load_model,
-                                         memory_text, pct, pick_backend, write_report)
+                                         memory_text, pct, pick_backend, random_ids, write_report)
 
 CONTEXT_DEFAULT = {"gpu": 8192, "reference": 1024}
 SESSIONS_DEFAULT = {"gpu": "1,2,4,8", "reference": "1,2"}   # the CPU: about a minute on 2 cores
@@ -38,7 +37,6 @@ SEED = 22
 TASKS = ("find where the prefill budget is checked", "add a test for an empty prompt",
          "explain how a lane is released", "rename the draft option", "why does this request fail?",
          "list the modules that import torch", "speed up the page allocator", "document the bench options")
-NOT_AVAILABLE = "prefix reuse not available on this backend"
 
 
 def add_arguments(p) -> None:
@@ -102,13 +100,11 @@ def workload(model, sessions: int, turns: int, context: int, tool: tuple[int, in
         tasks = [model.tokenizer.encode(f"\n\n# Task {i + 1}: {TASKS[i % len(TASKS)]}\n") for i in range(sessions)]
         tools = [[_window(corpus, n, rng) for n in sizes] for sizes, rng in zip(tool_sizes, rngs)]
         return Workload(corpus[:context], tasks, tools, answers, "this package's Python source, tokenised")
-    from ninfer_gen.cli.bench import _ids
-
     vocab = model.spec.model.vocab_size
-    tasks = [_ids(16, vocab, seed * 1000 + i) for i in range(sessions)]
-    tools = [[_ids(n, vocab, seed * 100_000 + 100 * i + t) for t, n in enumerate(sizes)]
+    tasks = [random_ids(16, vocab, seed * 1000 + i) for i in range(sessions)]
+    tools = [[random_ids(n, vocab, seed * 100_000 + 100 * i + t) for t, n in enumerate(sizes)]
              for i, sizes in enumerate(tool_sizes)]
-    return Workload(_ids(context, vocab, seed), tasks, tools, answers, "seeded random ids")
+    return Workload(random_ids(context, vocab, seed), tasks, tools, answers, "seeded random ids")
 
 
 def _source_ids(tokenizer, n: int) -> list[int]:
@@ -128,34 +124,21 @@ def _window(corpus: list[int], n: int, rng: random.Random) -> list[int]:
     return corpus[start:start + n]
 
 
-def _reuse_option(model) -> bool:
-    """Whether the lanes engine.cohort.cohort_lanes picks for the model take `prefix_cache`."""
-    from ninfer_gen.reference import ReferenceBackend
-
-    if isinstance(model.backend, ReferenceBackend):
-        from ninfer_gen.engine.lanes import ReferenceLanes as lanes
-    else:
-        from ninfer_gen.executor.gpu_lanes import GpuLanes as lanes
-    return any("prefix_cache" in inspect.signature(f).parameters for f in (lanes.for_model, lanes.__init__))
-
-
 def _drop_checkpoints(adapter) -> None:
-    """Evicts every prefix checkpoint of the adapter's pool (allocators.prefix), so that a run starts cold."""
-    cache = getattr(getattr(adapter, "backend", None), "prefix", None)
-    if cache is not None:
-        cache.clear()
+    """Evicts every prefix checkpoint the adapter keeps (lanes.reuse), so that a run starts cold."""
+    if adapter.reuse is not None:
+        adapter.reuse.cache.clear()
 
 
 def _warm_up(engine, memory: Memory, s: int, k: int, vocab: int, context: int) -> None:
     """Two short turns per session on other ids: a full prefill chunk (or the context), a partial one, rounds."""
-    from ninfer_gen.cli.bench import _ids
     from ninfer_gen.engine import Request
 
     d = Driver(engine, memory)
     n = min(engine.prefill_budget, context) + 8
-    handles = [d.submit(Request(_ids(n, vocab, 10_000 + i), 2 * k + 4, draft=k)) for i in range(s)]
+    handles = [d.submit(Request(random_ids(n, vocab, 10_000 + i), 2 * k + 4, draft=k)) for i in range(s)]
     d.finals(handles)
-    d.finals([d.submit(Request(_ids(n, vocab, 10_000 + i) + h.tokens + _ids(8, vocab, 20_000 + i), 2 * k + 4,
+    d.finals([d.submit(Request(random_ids(n, vocab, 10_000 + i) + h.tokens + random_ids(8, vocab, 20_000 + i), 2 * k + 4,
                                draft=k)) for i, h in enumerate(handles)])
 
 
@@ -234,22 +217,17 @@ def run(args) -> dict:
     model = load_model(args, backend, k, lanes, context, lanes * lane_tokens(context), checkpoints)
     vocab = model.spec.model.vocab_size
     work = workload(model, lanes, args.turns, n, tool, answer)
-    from ninfer_gen.engine.cohort import cohort_lanes
 
     options = {"batch_steps": True} if args.batch_steps and backend == "reference" else {}
-    available = _reuse_option(model)
-    modes = ([] if args.no_reuse_run else [False]) + ([True] if available else [])
-    if not modes:
-        raise ValueError(f"{NOT_AVAILABLE} and --no-reuse-run skips the run without it: nothing to measure")
+    modes = ([] if args.no_reuse_run else [False]) + [True]
     result = {"workload": "agent", "model": model.source, "backend": backend, "device": device_name(backend),
               "draft": k, "accept_prob": args.accept_prob, "batch_steps": bool(options), "context_tokens": n,
               "context_source": work.source, "turns": args.turns, "tool_tokens": list(tool),
-              "answer_tokens": list(answer), "prefix_cache": checkpoints if available else None,
-              "reuse_note": None if available else NOT_AVAILABLE, "load_s": time.perf_counter() - t0, "runs": {}}
+              "answer_tokens": list(answer), "prefix_cache": checkpoints, "load_s": time.perf_counter() - t0, "runs": {}}
     memory = Memory(backend == "gpu")
     for reuse in modes:
-        cache = {"prefix_cache": checkpoints if reuse else 0} if available else {}
-        adapter = cohort_lanes(model, lanes, accept_prob=args.accept_prob, **options, **cache)
+        cache = {"prefix_cache": checkpoints if reuse else 0}
+        adapter = model.lanes(lanes, accept_prob=args.accept_prob, **options, **cache)
         result.update(prefill_budget=args.prefill_budget or adapter.prefill_chunk, max_context=adapter.max_context)
         result["runs"]["reuse" if reuse else "no_reuse"] = [
             agent_run(adapter, work, s, args.turns, k, args, memory, reuse, vocab) for s in sweep]
@@ -260,7 +238,7 @@ def run(args) -> dict:
 def table(r: dict) -> str:
     gpu = r["backend"] == "gpu"
     coin = f", --accept-prob {r['accept_prob']} (a coin per draft, bench only)" if r["accept_prob"] is not None else ""
-    cache = f"prefix cache {r['prefix_cache']} checkpoints" if r["prefix_cache"] else r["reuse_note"]
+    cache = f"prefix cache {r['prefix_cache']} checkpoints"
     lines = [f"agent bench: {r['model']}; {r['backend']} backend on {r['device']}",
              f"  {r['context_tokens']:,}-token shared context ({r['context_source']}), {r['turns']} turns per session, "
              f"tool results {r['tool_tokens'][0]}-{r['tool_tokens'][1]} tokens, answers {r['answer_tokens'][0]}-"
@@ -283,8 +261,6 @@ def table(r: dict) -> str:
         lines.append("TTFT of turns 2+ with reuse / without (mean): " + ", ".join(
             f"S={a['sessions']} {a['ttft_ms']['later']['mean'] / b['ttft_ms']['later']['mean']:.2f}×"
             for a, b in pairs) if pairs else "one turn per session: no later turns to compare")
-    if r["reuse_note"]:
-        lines.append(f"{r['reuse_note']}: the runs without it only")
     return "\n".join(lines)
 
 

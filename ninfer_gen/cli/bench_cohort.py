@@ -1,5 +1,5 @@
 """bench_cohort: `ninfer-gen bench --concurrency 1,2,4,8` and `--long-prompt N` — the reference workload run
-as a cohort through engine.Engine over the lanes engine.cohort.cohort_lanes picks (the GPU adapter, or
+as a cohort through engine.Engine over the lanes Model.lanes makes (the GPU adapter, or
 ReferenceLanes on the CPU). Owns the workload, its timings and the report (table, JSON, PNG plot); the
 stepping, memory and plotting are bench_common's, the numbers come from the engine and its backend, and
 torch is imported only when a bench runs.
@@ -22,12 +22,11 @@ import statistics
 import time
 from pathlib import Path
 
+from ninfer_gen.cli.bench_interference import MIN_CHUNK, WINDOW
 from ninfer_gen.cli.bench_common import (Driver, Memory, device_name, int_list, lane_tokens, line_plot, load_model,
-                                         memory_text, pick_backend, write_report)
+                                         memory_text, pick_backend, random_ids, write_report)
 
-WINDOW = 32                   # --long-prompt: engine steps measured before and after the long prefill
 LONG_DEFAULT = {"gpu": 32768, "reference": 2048}
-MIN_CHUNK = 64                # --long-prompt: the smallest prefill budget the running lanes' context is sized for
 # distinct prompts for models with a real tokenizer: windows of this text (not in the small model's corpus)
 TEXT = '''
 def merge_intervals(intervals):
@@ -112,8 +111,7 @@ def _prompts(model, count: int, tokens: int) -> list[list[int]]:
         windows = [ids[i * stride:i * stride + tokens] for i in range(count)]
         if len(ids) >= tokens and len({tuple(w) for w in windows}) == count and all(len(w) == tokens for w in windows):
             return windows
-    from ninfer_gen.cli.bench import _ids
-    return [_ids(tokens, model.spec.model.vocab_size, 1000 + i) for i in range(count)]
+    return [random_ids(tokens, model.spec.model.vocab_size, 1000 + i) for i in range(count)]
 
 
 def cohort_run(lanes, prompts: list[list[int]], c: int, k: int, args, memory: Memory) -> dict:
@@ -171,9 +169,8 @@ def run(args) -> dict:
     t0 = time.perf_counter()
     model = load_model(args, backend, k, lanes, context, pool)
     adapter_options = {"batch_steps": True} if args.batch_steps and backend == "reference" else {}
-    from ninfer_gen.engine.cohort import cohort_lanes
 
-    adapter = cohort_lanes(model, lanes, accept_prob=args.accept_prob, **adapter_options)
+    adapter = model.lanes(lanes, accept_prob=args.accept_prob, **adapter_options)
     memory = Memory(backend == "gpu")
     result = {"model": model.source, "backend": backend, "device": device_name(backend), "draft": k,
               "accept_prob": args.accept_prob, "batch_steps": bool(adapter_options),

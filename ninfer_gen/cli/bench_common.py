@@ -44,14 +44,14 @@ def load_model(args, backend: str, k: int, lanes: int, context: int, pool: int, 
         fits_host(source)
         return ninfer_gen.load(source, backend="reference", device="cpu", max_context=context, draft=k,
                                tp=getattr(args, "tp", 1))
-    from ninfer_gen.cli.bench import _draft_vocab
     from ninfer_gen.cli.env import build_root, compile_options
     from ninfer_gen.executor.memory_plan import parse_bytes
 
     return ninfer_gen.load(source, backend="gpu", max_context=context, vram_budget=parse_bytes(args.vram_budget),
-                           random_weights="device", progress=True, options=compile_options(), build_root=build_root(),
-                           draft=k, accept_coin=args.accept_prob is not None, draft_vocab=_draft_vocab(args),
-                           cohorts=lanes, kv_pool_tokens=pool, prefix_states=prefix_states)
+                           random_weights="device", progress=True, compile_options=compile_options(), build_root=build_root(),
+                           draft=k, accept_coin=args.accept_prob is not None, draft_vocab=draft_vocab_arg(args),
+                           cohorts=lanes, kv_pool_tokens=pool, prefix_states=prefix_states,
+                           arch_path=getattr(args, "arch_path", None))
 
 
 def fits_host(source) -> None:
@@ -135,6 +135,56 @@ def memory_text(m: dict) -> str:
     if "allocator_peak_bytes" in m:
         return f"{m['allocator_peak_bytes'] / GiB:.2f} / {m['device_used_peak_bytes'] / GiB:.2f}"
     return f"{m['host_peak_rss_bytes'] / MiB:,.0f}"
+
+
+def step_bytes(spec, plan, context: int, kv_dtype: str) -> dict[str, int]:
+    """Bytes one decode step must move: packed weights of every GEMV, the embedding row, GDN state
+    read + written and conv history, KV of `context` tokens read per attention layer."""
+    from compiler.kernels import MATMUL_FAMILIES
+    from compiler.kernels.weight_layout import device_bytes
+
+    a, g, at = spec.model, spec.model.linear_attention, spec.model.attention
+    weights = sum(device_bytes(c.key.fmt, c.key.n, c.key.k) for c in plan.calls if c.key.family in MATMUL_FAMILIES)
+    n_gdn = sum(k == "linear_attention" for k in a.layers.kinds)
+    n_attn = a.layers.count - n_gdn
+    b = plan.graph.params["batch"]
+    state = b * n_gdn * (2 * g.num_value_heads * g.key_head_dim * g.value_head_dim * 4
+                         + 2 * (g.conv_kernel - 1) * g.conv_dim * 2)
+    per_token = 2 * at.num_kv_heads * at.head_dim * ((1 + 2 / 64) if kv_dtype == "int8" else 2)
+    kv = int(b * n_attn * context * per_token)
+    return {"weights": weights, "state": state, "kv": kv, "total": weights + state + kv}
+
+
+def draft_vocab_arg(args):
+    """--draft-vocab: a draft_vocab.json, or N (bench only: the first N ids, labelled in the output)."""
+    value = getattr(args, "draft_vocab", None)
+    if value is None:
+        return None
+    return list(range(int(value))) if str(value).isdigit() else value
+
+
+def random_ids(n: int, vocab: int, seed: int) -> list[int]:
+    """n seeded random token ids (the benches' prompts with random weights)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+def engine_run(lanes, prompt: list[int], tokens: int, draft: int) -> dict:
+    """One greedy request alone through a one-lane engine over `lanes` (the path `run` and `serve` take):
+    TTFT, decode and end-to-end tok/s, rounds, acceptance, ms per decode round."""
+    from ninfer_gen.engine import Engine, Request
+
+    engine = Engine(lanes, lanes=1, max_queue=0)
+    final = engine.submit(Request(prompt, tokens, draft=draft)).result()
+    if final.finish == "error":
+        raise RuntimeError(f"the bench's request failed: {final.error}")
+    s = final.stats
+    return {"ttft_ms": s.ttft_s * 1e3, "decode_tok_s": s.decode_tok_s, "e2e_tok_s": s.tokens / (s.ttft_s + s.decode_s),
+            "tokens": s.tokens, "rounds": s.rounds, "tokens_per_round": s.tokens_per_round,
+            "acceptance": s.acceptance, "round_ms": s.decode_s / s.rounds * 1e3 if s.rounds else 0.0,
+            "final_context": len(prompt) + s.tokens}
 
 
 class Driver:

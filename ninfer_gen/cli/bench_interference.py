@@ -7,18 +7,19 @@ during and after that prefill — p50, p99 and max over WINDOW steps each side. 
 memory are bench_common's; this module owns the scenario and its table lines."""
 from __future__ import annotations
 
-from ninfer_gen.cli.bench_cohort import MIN_CHUNK, WINDOW
-from ninfer_gen.cli.bench_common import Driver, Memory, pct
+from ninfer_gen.cli.bench_common import Driver, Memory, pct, random_ids
+
+WINDOW = 32                   # --long-prompt: engine steps measured before and after the long prefill
+MIN_CHUNK = 64                # --long-prompt: the smallest prefill budget the running lanes' context is sized for
 
 
 def interference(lanes, prompts: list[list[int]], n: int, k: int, args, memory: Memory, vocab: int) -> dict:
     """The long request's TTFT alone and while `args.running_lanes` decode, and their gaps by phase."""
-    from ninfer_gen.cli.bench import _ids
     from ninfer_gen.engine import Engine, Request
 
     r = args.running_lanes
     engine = Engine(lanes, lanes=r + 1, max_queue=r + 1, prefill_budget=args.prefill_budget)
-    long_prompt = _ids(n, vocab, 7)
+    long_prompt = random_ids(n, vocab, 7)
     alone = []
     for _ in range(2):                                       # the first also warms the chunk shapes up
         h = engine.submit(Request(long_prompt, 1, draft=k))

@@ -9,7 +9,7 @@ from collections import Counter
 
 from compiler.schema import SpecError
 from ninfer_gen.cli.run import add_run_parser
-from ninfer_gen.cli.weights_cmds import CONVERT_DESCRIPTION, cmd_convert, cmd_draft_vocab
+from ninfer_gen.cli.weights_cmds import CONVERT_DESCRIPTION, cmd_convert, cmd_draft_vocab, fmt_bytes
 
 EPILOG = """examples:
   ninfer-gen run --prompt "def fibonacci(n):"        the small model shipped in models/
@@ -30,14 +30,6 @@ BUILD_DESCRIPTION = ("Plans every bucket of the runtime profile (step B×1 and B
                      "NINFER_* variables (README) choose the compile options.")
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
-
-
 def cmd_check(args) -> int:
     from compiler.sizes import summary
     from compiler.spec import load_spec
@@ -46,12 +38,12 @@ def cmd_check(args) -> int:
     rows = [("model", s["name"]),
             ("parameters", f"{s['parameters'] / 1e9:.3f} B" if s["parameters"] > 1e8 else f"{s['parameters']:,}"),
             ("layers", ", ".join(f"{v} {k}" for k, v in s["layers"].items())),
-            ("bytes per quantised forward", _fmt_bytes(s["bytes_per_forward"])),
-            ("MTP bytes per draft step", _fmt_bytes(s["mtp_bytes_per_draft"])),
-            ("GDN state per sequence", _fmt_bytes(s["gdn_state_bytes_per_sequence"])),
-            ("conv history per sequence", _fmt_bytes(s["conv_history_bytes_per_sequence"])),
+            ("bytes per quantised forward", fmt_bytes(s["bytes_per_forward"])),
+            ("MTP bytes per draft step", fmt_bytes(s["mtp_bytes_per_draft"])),
+            ("GDN state per sequence", fmt_bytes(s["gdn_state_bytes_per_sequence"])),
+            ("conv history per sequence", fmt_bytes(s["conv_history_bytes_per_sequence"])),
             ("KV per token (bf16 / int8-g64)",
-             f"{_fmt_bytes(s['kv_bytes_per_token_bf16'])} / {_fmt_bytes(s['kv_bytes_per_token_int8'])}")]
+             f"{fmt_bytes(s['kv_bytes_per_token_bf16'])} / {fmt_bytes(s['kv_bytes_per_token_int8'])}")]
     print(f"{args.spec}: valid")
     for k, v in rows:
         print(f"  {k:<32} {v}")
@@ -260,10 +252,14 @@ def _bench_arguments(p) -> None:
     p.add_argument("--accept-prob", type=float, default=None, help="bench only: keep each draft with this "
                    "probability (a coin per position until the first failure) instead of comparing it with the "
                    "target: random weights draft at random")
-    p.add_argument("--rounds", type=int, default=128, help="timed speculative rounds (with --draft)")
+    p.add_argument("--per-k", action="store_true", help="with --draft K: also run the request at every K' from 1 to K "
+                   "in the K-bucket (a lane's own K; tokens per round and acceptance per K')")
     p.add_argument("--state-mode", choices=("replayssm", "snapshot"), default="replayssm",
-                   help="with --draft: ReplaySSM (records; rounds timed fused, eager and host-driven) or the "
+                   help="with --draft: ReplaySSM (records; rounds timed fused and eager) or the "
                    "snapshot design (K+1 GDN state copies per lane; fused rounds), for comparison")
+    p.add_argument("--arch-path", default=None, metavar="sm_XX", help="run another card's code path: e.g. sm_86 "
+                   "builds the RTX 3090's kernels (no PDL, no warpgroup MMA) as compute_86 PTX the driver "
+                   "JIT-compiles on this GPU (default: the GPU's own arch)")
     p.add_argument("--draft-vocab", default=None, help="with --draft: a draft_vocab.json, or a number N — bench only: "
                    "the first N token ids (random weights have no frequent tokens) — for a reduced MTP head")
     p.add_argument("--tp", type=int, default=1, help="engine benches: tensor parallel over N rank processes (gloo, "
@@ -280,7 +276,7 @@ def cmd_bench(args) -> int:
                              "on the reference backend's ranks; the single-request GPU bench has no --tp")
         reference_backend(args, "bench")
         if not in_rank():
-            return launch_command(args.argv, args.tp)
+            return launch_command(args)
     if args.workload == "agent":
         from ninfer_gen.cli.bench_agent import cmd_bench_agent
         return cmd_bench_agent(args)
@@ -295,6 +291,7 @@ def cmd_bench(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)     # `--tp` runs the same command in each rank
+    args.cli_main = main                                          # ... through this entry (cli.ranks)
     try:
         return args.func(args)
     except (SpecError, ValueError, FileNotFoundError, RuntimeError) as err:

@@ -27,12 +27,13 @@ def reference_backend(args, what: str) -> None:
     args.backend = "reference"
 
 
-def launch_command(argv: list[str], tp: int) -> int:
-    """The command `argv` in `tp` rank processes; rank 0's exit code."""
+def launch_command(args) -> int:
+    """The command `args.argv` in `args.tp` rank processes, each through `args.cli_main` (the CLI's main, which
+    parsed it); rank 0's exit code."""
     from ninfer_gen.parallel import RankFailed, launch
 
     try:
-        return launch(tp, _rank, argv)[0]
+        return launch(args.tp, _rank, args.argv, args.cli_main)[0]
     except RankFailed as failure:
         if failure.rank == 0 and not failure.message:
             return 2                               # rank 0 has printed its error where the user reads it
@@ -45,12 +46,10 @@ class CommandFailed(RuntimeError):
     quiet = True
 
 
-def _rank(rank: int, argv: list[str]) -> int:
+def _rank(rank: int, argv: list[str], main) -> int:
     import io
     import os
     import sys
-
-    from ninfer_gen.cli.main import main
 
     said = io.StringIO()
     if rank:                                       # the others' output is rank 0's; their errors are kept

@@ -6,21 +6,21 @@ from __future__ import annotations
 import sys
 import time
 
-from ninfer_gen.cli.run_cohort import COHORT_LANES, _prompts, _run_cohort, cohort_size
+from ninfer_gen.cli.run_cohort import COHORT_LANES, cohort_size, prompts_of, run_cohort
 
 
 def cmd_run(args) -> int:
     import ninfer_gen
-    from ninfer_gen.engine.sampling import SamplingParams
-    from ninfer_gen.engine.speculative import Stats
+    from ninfer_gen.sampling import SamplingParams
+    from ninfer_gen.speculative import Stats
 
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)  # validate before loading
-    prompts = _prompts(args)
+    prompts = prompts_of(args)
     if args.tp > 1:
         from ninfer_gen.cli.ranks import in_rank, launch_command, reference_backend
         reference_backend(args, "run")
         if not in_rank():
-            return launch_command(args.argv, args.tp)
+            return launch_command(args)
     if args.backend == "auto":
         import torch
         args.backend = "gpu" if torch.cuda.is_available() and args.device in (None, "cuda") else "reference"
@@ -30,9 +30,9 @@ def cmd_run(args) -> int:
         model = ninfer_gen.load(args.weights, backend="gpu", max_context=args.max_context,
                                 random_weights="device" if args.random_weights else "host",
                                 vram_budget=parse_bytes(args.vram_budget), use_graphs=not args.no_graphs,
-                                progress=True, options=compile_options(), build_root=build_root(), draft=args.draft,
-                                verify=not args.no_verify, round_mode=args.round_mode, draft_vocab=args.draft_vocab,
-                                cohorts=cohort_size(args, prompts))
+                                progress=True, compile_options=compile_options(), build_root=build_root(), draft=args.draft,
+                                verify=not args.no_verify, state_mode=args.state_mode, draft_vocab=args.draft_vocab,
+                                cohorts=cohort_size(args, prompts), arch_path=args.arch_path)
     else:
         if args.random_weights:
             raise ValueError("--random-weights draws weights on the GPU: use it with --backend gpu")
@@ -42,8 +42,10 @@ def cmd_run(args) -> int:
     tok = model.tokenizer
     print(f"[model: {model.source}; backend: {args.backend} on {model.backend.device}; tokenizer: {tok.name}]",
           file=sys.stderr)
+    if args.backend == "gpu":
+        model.lanes(cohort_size(args, prompts), round_mode=args.round_mode)     # made (captured, warm) once
     if len(prompts) > 1 or args.json:
-        return _run_cohort(model, args, prompts, params, _draft(model, args.draft))
+        return run_cohort(model, args, prompts, params, _draft(model, args.draft))
     ids = tok.encode(prompts[0])
     if not ids:
         raise ValueError("the prompt is empty")
@@ -92,12 +94,11 @@ def _draft(model, asked: int | None) -> int:
 def add_run_parser(sub) -> None:
     """The `run` subcommand and its options on the `ninfer-gen` parser's subparsers."""
     r = sub.add_parser("run", help="generate completions: one prompt, or several as one cohort")
-    r.add_argument("--weights", help="HF checkpoint dir, converted container (ninfer-gen convert) or spec YAML "
+    r.add_argument("--weights", help="HF checkpoint dir, converted container (ninfer-gen convert), a llama.cpp .gguf file or spec YAML "
                    "(random weights); default: the small model shipped in models/")
     r.add_argument("--no-verify", action="store_true", help="a converted container: skip checking its sha256 hashes")
     r.add_argument("--prompt", action="append", help="the prompt; repeat it for several, which run as one cohort "
-                   "(reference backend: the engine, one lane per prompt; gpu: for now one after another through "
-                   "Model.stream), each streamed to its own [i] lines")
+                   "through the engine (one lane per prompt), each streamed to its own [i] lines")
     r.add_argument("--prompts-file", default=None, help="a text file of prompts, one per line (blank lines "
                    "skipped), after any --prompt")
     r.add_argument("--lanes", type=int, default=None, help=f"several prompts: lanes of the cohort (default: one per "
@@ -127,11 +128,15 @@ def add_run_parser(sub) -> None:
     r.add_argument("--draft", type=int, default=None, help="MTP speculative decoding with K drafts per round "
                    "(default: the spec's, where the model has an MTP layer and the backend drafts; 0 = plain "
                    "decode); prints the acceptance and tokens per round")
-    r.add_argument("--round-mode", choices=("fused", "eager", "host", "snapshot"), default="fused",
+    r.add_argument("--round-mode", choices=("fused", "eager"), default="fused",
                    help="gpu: how a speculative round runs — fused (default): one CUDA graph per round, the fold of "
-                   "the accepted tokens its first kernels; eager: the fold its own graph after the host has read "
-                   "the round; host: each step of the round waits for the host's decision (the reference's way); "
-                   "snapshot: fused rounds whose verify keeps K+1 copies of the GDN state (the common design)")
+                   "the accepted tokens its first kernels, two rounds in flight; eager: the fold its own graph "
+                   "after the host has read the round")
+    r.add_argument("--state-mode", choices=("replayssm", "snapshot"), default="replayssm",
+                   help="gpu: replayssm (default): verify logs per-token records and folds the accepted ones; "
+                   "snapshot: verify keeps K+1 copies of the GDN state (the common design, for comparison)")
+    r.add_argument("--arch-path", default=None, metavar="sm_XX", help="gpu: run another card's code path, e.g. "
+                   "sm_86 (the RTX 3090's kernels as compute_86 PTX the driver JIT-compiles; default: the GPU's own)")
     r.add_argument("--draft-vocab", default=None, help="gpu: a draft_vocab.json (ninfer-gen draft-vocab): the MTP "
                    "drafts from those token ids only (a reduced LM head); verification still uses the full head")
     r.set_defaults(func=cmd_run)

@@ -8,7 +8,7 @@ import sys
 COHORT_LANES = 8      # `run`'s default cohort: one lane per prompt, at most this many
 
 
-def _prompts(args) -> list[str]:
+def prompts_of(args) -> list[str]:
     """--prompt as often as given, then --prompts-file's lines (blank lines skipped)."""
     from pathlib import Path
 
@@ -33,7 +33,7 @@ def cohort_size(args, prompts: list[str]) -> int:
     return args.lanes or min(len(prompts), COHORT_LANES)
 
 
-def _run_cohort(model, args, prompts: list[str], params, draft: int) -> int:
+def run_cohort(model, args, prompts: list[str], params, draft: int) -> int:
     """Several prompts (or --json): one cohort through the Engine. Exit 2 if a request failed."""
     tok, eos = model.tokenizer, model.eos_ids
     ids = [tok.encode(p) for p in prompts]
@@ -42,10 +42,9 @@ def _run_cohort(model, args, prompts: list[str], params, draft: int) -> int:
             raise ValueError(f"prompt {i} is empty")
     outs = [_Labelled(i, p, tok, eos, args.json, draft) for i, p in enumerate(prompts, 1)]
     from ninfer_gen.engine import Engine, Request
-    from ninfer_gen.engine.cohort import cohort_lanes
 
     lanes = cohort_size(args, prompts)
-    engine = Engine(cohort_lanes(model, lanes), lanes=lanes, max_queue=len(prompts))
+    engine = Engine(model.lanes(lanes), lanes=lanes, max_queue=len(prompts))
     handles = [engine.submit(Request(x, args.max_tokens, params, eos, draft)) for x in ids]
     while engine.step():
         for handle, out in zip(handles, outs):

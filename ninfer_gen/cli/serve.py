@@ -6,12 +6,14 @@ from __future__ import annotations
 import sys
 
 DEFAULT_TIMEOUT_S = 600.0        # serve.core's default (not imported: the parser must not load torch)
+GPU_LANES = 8                    # the cohort the engine is built for (the mission: 8 requests on a 24 GB card)
+CPU_LANES = 4                    # the reference backend: more lanes add no speed on a few cores
 
 
 def add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="HTTP server: OpenAI chat/completions/responses and Anthropic messages over "
                        "the cohort engine")
-    s.add_argument("--weights", help="HF checkpoint dir, converted container or spec YAML (random weights); default: "
+    s.add_argument("--weights", help="HF checkpoint dir, converted container, a llama.cpp .gguf file or spec YAML (random weights); default: "
                    "the small model shipped in models/")
     s.add_argument("--backend", choices=("auto", "gpu", "reference"), default="auto",
                    help="gpu: the compiled kernels (every bucket and round graph captured at start-up); reference: "
@@ -20,14 +22,18 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help="require this key on /v1 paths (Authorization: Bearer KEY or "
                    "x-api-key: KEY)")
-    s.add_argument("--lanes", type=int, default=4, help="requests decoded at once (cohort lanes; default 4)")
+    s.add_argument("--lanes", type=int, default=None, help="requests decoded at once (cohort lanes; default: 8 on the "
+                   "GPU — fewer when the memory plan cannot hold 8 —, 4 on the reference backend)")
     s.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a lane; beyond it: 429 "
                    "with Retry-After (default 64)")
     s.add_argument("--request-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
                    help="a generation running longer than S seconds (queue included) is cancelled, its lane freed, "
                    f"and answered 504 (streamed: an error event) (default {DEFAULT_TIMEOUT_S:g}; 0: no limit)")
-    s.add_argument("--draft", type=int, default=0, help="MTP speculative decoding with K drafts per round "
-                   "(default 0: plain decode)")
+    s.add_argument("--draft", type=int, default=None, help="MTP speculative decoding with K drafts per round "
+                   "(default: the spec's runtime.draft_tokens where the model has an MTP layer; 0: plain decode)")
+    s.add_argument("--kv-pool-tokens", type=int, default=None, metavar="N", help="gpu: one KV pool of N tokens "
+                   "the lanes share (default: every lane's whole context when it fits the budget, else the "
+                   "largest pool that does)")
     s.add_argument("--prefix-cache", type=int, default=None, metavar="N", help="prefix reuse: keep N checkpoints "
                    "(KV pages + GDN state) of prompts and answers; a request restores the longest one its prompt "
                    "starts with and prefills the rest (default: 16 on the reference backend, one per lane on the GPU, "
@@ -40,6 +46,7 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--no-verify", action="store_true", help="a converted container: skip checking its hashes")
     s.add_argument("--tp", type=int, default=1, help="tensor parallel: N rank processes (gloo, reference backend), "
                    "each with 1/N of the heads and MLP columns; rank 0 serves and drives the others (default 1)")
+    s.add_argument("--no-ui", action="store_true", help="no chat page at GET / (the JSON endpoints only)")
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     s.set_defaults(func=cmd_serve)
 
@@ -48,16 +55,17 @@ def build_lanes(args):
     """(model, lanes) from parsed arguments: the model loaded for the backend (a rank's share with --tp) and
     the cohort engine's lane adapter over it; a ValueError / RuntimeError says what cannot be served."""
     import ninfer_gen
-    from ninfer_gen.engine.cohort import cohort_lanes
 
     if args.backend == "auto":
         import torch
         args.backend = "gpu" if torch.cuda.is_available() and args.device in (None, "cuda") else "reference"
+    if args.lanes is None:
+        args.lanes = GPU_LANES if args.backend == "gpu" else CPU_LANES
     if args.lanes < 1:
         raise ValueError(f"--lanes must be ≥ 1, got {args.lanes}")
     if args.request_timeout < 0:
         raise ValueError(f"--request-timeout must be ≥ 0 seconds (0: no limit), got {args.request_timeout:g}")
-    if args.draft < 0:
+    if args.draft is not None and args.draft < 0:
         raise ValueError(f"--draft must be ≥ 0, got {args.draft}")
     if args.prefix_cache is None:
         args.prefix_cache = args.lanes if args.backend == "gpu" else 16
@@ -66,17 +74,75 @@ def build_lanes(args):
     if args.backend == "gpu":
         from ninfer_gen.cli.env import build_root, compile_options
         from ninfer_gen.executor.memory_plan import parse_bytes
+        budget = parse_bytes(args.vram_budget)
+        _fit_gpu(args, budget)
         model = ninfer_gen.load(args.weights, backend="gpu", max_context=args.max_context, verify=not args.no_verify,
-                                vram_budget=parse_bytes(args.vram_budget), progress=True, options=compile_options(),
+                                vram_budget=budget, progress=True, compile_options=compile_options(),
                                 build_root=build_root(), draft=args.draft, cohorts=args.lanes,
-                                prefix_states=args.prefix_cache, random_weights="device" if str(
-                                    args.weights or "").endswith((".yaml", ".yml")) else "host")
+                                kv_pool_tokens=args.kv_pool_tokens, prefix_states=args.prefix_cache,
+                                random_weights="device" if str(args.weights or "").endswith((".yaml", ".yml")) else "host")
     else:
         model = ninfer_gen.load(args.weights, backend="reference", dtype=args.dtype, device=args.device,
                                 max_context=args.max_context, verify=not args.no_verify, draft=args.draft or None,
                                 tp=args.tp)
+    if args.draft is None:
+        args.draft = min(model.spec.runtime.draft_tokens, model.max_draft)
     model.speculative(args.draft)                 # a ValueError naming why K drafts cannot run here
-    return model, cohort_lanes(model, args.lanes, prefix_cache=args.prefix_cache)
+    return model, model.lanes(args.lanes, prefix_cache=args.prefix_cache)
+
+
+def _spec_of(weights):
+    """The model spec of --weights without reading its tensors (the memory plan is made before the load)."""
+    from pathlib import Path
+
+    from compiler.spec import load_spec, spec_from_hf_config
+    from ninfer_gen.api import DEFAULT_MODEL, TINY_SPEC
+
+    path = Path(weights) if weights else (DEFAULT_MODEL if (DEFAULT_MODEL / "config.json").is_file() else TINY_SPEC)
+    from ninfer_gen.weights.gguf_load import is_gguf, open_gguf
+    if is_gguf(path):
+        return open_gguf(path).spec
+    if path.suffix in (".yaml", ".yml"):
+        return load_spec(path)
+    from ninfer_gen.weights.container import is_container, open_container
+    if is_container(path):
+        return open_container(path).spec
+    return spec_from_hf_config(path / "config.json")
+
+
+def _fit_gpu(args, budget: int) -> None:
+    """The GPU's lanes and KV pool within the budget (the memory plan decides; said on stderr): every lane its
+    whole context when that fits, else one shared pool as large as fits, else fewer lanes."""
+    from ninfer_gen.executor.memory_plan import MemoryPlanError, plan_memory
+
+    spec = _spec_of(args.weights)
+    ctx = args.max_context or spec.runtime.max_context
+    page = spec.runtime.page_size
+
+    def plan(lanes: int, pool: int | None):
+        return plan_memory(spec, lanes, ctx, budget, draft=args.draft, kv_pool_tokens=pool, prefix_states=lanes)
+
+    asked = args.lanes
+    while True:
+        try:
+            plan(args.lanes, args.kv_pool_tokens)
+            break
+        except MemoryPlanError as why:
+            if args.kv_pool_tokens is None:       # the largest shared pool that fits, in pages
+                try:
+                    left = plan(args.lanes, ctx)
+                    args.kv_pool_tokens = max(ctx, left.kv_pages * page)
+                    break
+                except MemoryPlanError:
+                    pass
+            if args.lanes == 1:
+                raise ValueError(f"the model does not fit the GPU budget even with one lane: {why}") from None
+            args.lanes, args.kv_pool_tokens = args.lanes - 1, None
+    args.prefix_cache = min(args.prefix_cache, args.lanes)
+    pool = f"a shared KV pool of {args.kv_pool_tokens} tokens" if args.kv_pool_tokens else f"{ctx} tokens per lane"
+    fewer = f" (asked {asked}: more do not fit {budget / 2**30:.1f} GiB)" if args.lanes < asked else ""
+    print(f"[memory plan: {args.lanes} lanes{fewer}, {pool}, context {ctx} per request, "
+          f"{args.prefix_cache} prefix checkpoints]", file=sys.stderr, flush=True)
 
 
 def build_server(args):
@@ -93,7 +159,7 @@ def build_server(args):
     app = create_app(engine, model, served_model_name=args.served_model_name or model.spec.name,
                      api_key=args.api_key, model_folder=args.weights if args.weights and not
                      str(args.weights).endswith((".yaml", ".yml")) else None, draft=args.draft,
-                     request_timeout=args.request_timeout or None)
+                     request_timeout=args.request_timeout or None, ui=not args.no_ui)
     return app, engine, model
 
 
@@ -104,7 +170,7 @@ def cmd_serve(args) -> int:
         from ninfer_gen.cli.ranks import in_rank, is_lead, launch_command, reference_backend
         reference_backend(args, "serve")
         if not in_rank():
-            return launch_command(args.argv, args.tp)
+            return launch_command(args)
         if not is_lead():                          # a follower: the lead's lane calls on this rank's share
             from ninfer_gen.engine.replicated import follow
             follow(build_lanes(args)[1])
@@ -113,7 +179,8 @@ def cmd_serve(args) -> int:
     name = args.served_model_name or model.spec.name
     ranks = f", tensor parallel over {args.tp} ranks" if args.tp > 1 else ""
     print(f"[serving {name} ({model.source}) on the {args.backend} backend{ranks}, {args.lanes} lanes, max queue "
-          f"{args.max_queue}, draft {args.draft}, request timeout {args.request_timeout or 'none'}"
+          f"{args.max_queue}, draft {args.draft} (MTP drafts per round), KV pool "
+          f"{getattr(args, 'kv_pool_tokens', None) or 'one context per lane'}, request timeout {args.request_timeout or 'none'}"
           f"{' s' if args.request_timeout else ''}; http://{args.host}:{args.port}]", file=sys.stderr, flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -4,9 +4,12 @@ MTP head)."""
 from __future__ import annotations
 
 
-def _fmt_bytes(n: float) -> str:
-    from ninfer_gen.cli.main import _fmt_bytes as fmt
-    return fmt(n)
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
 
 
 CONVERT_DESCRIPTION = ("Streams the checkpoint one tensor at a time through the spec's quantisation recipe (on the "
@@ -24,7 +27,7 @@ def cmd_convert(args) -> int:
     r = convert_checkpoint(args.source, args.out, spec=spec, device=args.device, shard_bytes=parse_bytes(args.shard_size),
                            overwrite=args.force, progress=True)
     print(f"{r['out']}: {r['tensors']} planes of spec {r['spec']} in {r['shards']} shard(s), "
-          f"{_fmt_bytes(r['written_bytes'])} from {_fmt_bytes(r['read_bytes'])} read, quantised on {r['device']}, "
+          f"{fmt_bytes(r['written_bytes'])} from {fmt_bytes(r['read_bytes'])} read, quantised on {r['device']}, "
           f"{r['seconds']:.1f} s ({r['read_bytes'] / max(r['seconds'], 1e-9) / 1e9:.2f} GB/s)")
     print(f"  MTP layer: {'yes' if r['mtp'] else 'no (the source has no mtp.* tensors: no drafting)'}; "
           f"copied: {', '.join(r['files']) or 'nothing'}")
@@ -37,10 +40,10 @@ DRAFT_VOCAB_SUFFIXES = (".py", ".md", ".txt", ".json", ".rst", ".c", ".h", ".js"
 def cmd_draft_vocab(args) -> int:
     from pathlib import Path
 
-    from ninfer_gen.engine.api import _resolve_tokenizer
+    from ninfer_gen.api import resolve_tokenizer
     from ninfer_gen.weights.draft_vocab import rank, save
 
-    tok, vocab = _resolve_tokenizer(args.weights)
+    tok, vocab = resolve_tokenizer(args.weights)
     files = []
     for name in args.files:
         path = Path(name)

@@ -1,6 +1,7 @@
-"""engine: what a user of the engine talks to — `load()` and `Model` (api), the cohort `Engine` (engine)
-and its lane adapters (lanes), sampling parameters and the sampler, the tokenizer. Picks weights and a
-backend; computes nothing itself and imports no CUDA.
+"""engine: the cohort engine — `Engine` (admission, lanes, scheduling, finishing), what goes in and comes out
+(`requests`), structured output (`grammar`), the tokenizer, and the engine over tensor-parallel ranks
+(`replicated`). It drives a backend only through the contract (ninfer_gen.lanes.contract); it imports no
+backend, no executor and no CUDA (ninfer_gen.api wires a model's backend under it).
 
 The cohort engine's names are imported on first use (`from ninfer_gen.engine import Engine`)."""
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {"Engine": "engine", "EngineFull": "requests", "Event": "requests", "Handle": "requests",
-            "Request": "requests", "RequestStats": "requests", "LaneBackend": "lanes", "LaneState": "lanes", "ReferenceLanes": "lanes"}
+            "Request": "requests", "RequestStats": "requests"}
 __all__ = sorted(_EXPORTS)
 
 

@@ -20,7 +20,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass
 
-from ninfer_gen.engine.lanes import LaneBackend, LaneState
+from ninfer_gen.lanes.contract import LaneBackend, LaneState
 from ninfer_gen.engine.requests import EngineFull, Event, Handle, Request, RequestStats
 
 @dataclass(eq=False)
@@ -268,7 +268,7 @@ class Engine:
         with self._lock:
             self._count["tokens"] += len(tokens)
         live.handle.tokens += tokens
-        live.handle._events.put(Event(live.handle.id, tuple(tokens)))
+        live.handle.send(Event(live.handle.id, tuple(tokens)))
         if tokens[-1] in req.stop:
             self._finish(live, "stop")
         elif len(lane.tokens) >= req.max_tokens or lane.room <= 0:
@@ -300,4 +300,4 @@ class Engine:
             rounds=lane.stats.rounds if lane else 0, drafted=lane.stats.drafted if lane else 0,
             accepted=lane.stats.accepted if lane else 0, cached_tokens=lane.cached if lane else 0)
         live.handle.final = Event(live.handle.id, (), reason, stats, error)
-        live.handle._events.put(live.handle.final)
+        live.handle.send(live.handle.final)

@@ -81,7 +81,7 @@ class ReplicatedLanes:
 def follow(inner) -> dict[str, int]:
     """A follower's loop: the lead's calls on `inner` (this rank's lane backend), until the lead closes.
     Returns `inner.usage()` at the end (every slot and page free when the lead released every lane)."""
-    from ninfer_gen.engine.lanes import LaneState
+    from ninfer_gen.lanes.contract import LaneState
 
     mirrors: dict[int, LaneState] = {}
     while True:

@@ -8,7 +8,7 @@ import queue
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ninfer_gen.engine.sampling import SamplingParams
+from ninfer_gen.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from ninfer_gen.engine.engine import Engine
@@ -116,6 +116,10 @@ class Handle:
 
     def cancel(self) -> bool:
         return self._engine.cancel(self.id)
+
+    def send(self, event: Event) -> None:
+        """The engine's side: queue an event for the reader (thread-safe)."""
+        self._events.put(event)
 
     def _next(self) -> Event:
         while True:

@@ -18,14 +18,13 @@ import math
 
 import torch
 
-from compiler.buckets import profile_of
+from compiler.buckets import cohort_sizes, profile_of
 from compiler.options import CompileOptions
 from compiler.spec import ModelSpec
-from compiler.targets import Target, resolve
+from compiler.targets import Target, arch_path_target
 
 from ninfer_gen.executor.cuda_module import KernelCache, primary_context
 from ninfer_gen.executor.device_weights import DeviceWeights
-from ninfer_gen.executor.device_rounds import ROUND_MODES, DeviceRounds
 from ninfer_gen.executor.draft_head import IDS as DRAFT_IDS, add_draft_head
 from ninfer_gen.executor.device_state import DeviceState
 from ninfer_gen.executor.executable import Executable
@@ -33,10 +32,15 @@ from ninfer_gen.executor.memory_plan import GiB, MemoryPlan, kv_pool_pages, plan
 from ninfer_gen.allocators.sequences import Sequence, SequencePool
 
 
-def device_target(device: torch.device) -> Target:
-    """The target card entry for the GPU we run on (by compute capability)."""
+def device_arch(device: torch.device) -> str:
     major, minor = torch.cuda.get_device_capability(device)
-    return resolve(arch=f"sm_{major}{minor}")
+    return f"sm_{major}{minor}"
+
+
+def device_target(device: torch.device, arch_path: str | None = None) -> Target:
+    """The target card entry for the GPU we run on (by compute capability), or the arch path's: another
+    card's kernels, run as PTX (compiler.targets.arch_path_target refuses a path newer than the device)."""
+    return arch_path_target(device_arch(device), arch_path)
 
 
 class GpuBackend(SequencePool):
@@ -47,18 +51,21 @@ class GpuBackend(SequencePool):
                  options: CompileOptions = CompileOptions(), all_logits: bool = False,
                  prefill_chunk: int | None = None, draft: int | None = None, round_mode: str = "fused",
                  accept_coin: bool = False, draft_vocab: list[int] | None = None, kv_pool_tokens: int | None = None,
-                 prefix_states: int = 0):
+                 prefix_states: int = 0, arch_path: str | None = None):
         """`cohorts` lanes (the profile's step buckets: the spec's cohort sizes up to it); `all_logits`:
         prefill buckets keep every row's logits (evaluation: `Model.forward_logits`), else the last;
         `prefill_chunk`: the largest prefill bucket (default: the spec's, within the context); `draft`: the MTP
         drafts per speculative round the profile builds for (default: the spec's; 0: plain decode only);
-        `round_mode`: `fused` or `eager` one-graph rounds (executor.device_rounds), `host` the host-driven
-        round of engine.speculative, `snapshot` fused rounds built in the snapshot design (K+1 state copies
-        per lane instead of ReplaySSM records, for comparison); `accept_coin` (bench only) also builds the `--accept-prob` rounds;
+        `round_mode`: `snapshot` builds the rounds in the snapshot design (K+1 state copies per lane instead
+        of ReplaySSM records, for comparison), anything else the ReplaySSM design (how rounds run, fused or
+        eager, is the lanes' choice: lanes.gpu); `accept_coin` (bench only) also builds the `--accept-prob` rounds;
         `draft_vocab`: token ids the MTP drafts from (a reduced head of those LM-head rows; None: all);
         `kv_pool_tokens`: one KV pool of that many tokens shared by the lanes (default: cohorts × context);
-        `prefix_states`: GDN states the prefix cache may keep (device memory, in the plan; 0: no prefix cache)."""
+        `prefix_states`: GDN states the prefix cache may keep (device memory, in the plan; 0: no prefix cache);
+        `arch_path`: run another, older card's code path (`sm_86` or `rtx3090` on an H200: its tiles, no PDL, no
+        gemm_wg), as compute_XX PTX the driver JIT-compiles (None: the device's own arch, as cubins)."""
         self.spec, self.device, self.use_graphs = spec, torch.device(device), use_graphs
+        self.target = device_target(self.device, arch_path)          # refuses a path this device cannot run
         rt = spec.runtime
         kv_dtype = kv_dtype or rt.kv_dtype
         ctx = max_context or rt.max_context
@@ -70,45 +77,23 @@ class GpuBackend(SequencePool):
         per_seq = math.ceil(ctx / rt.page_size)
         pages = min(self.memory.kv_pages, kv_pool_pages(cohorts, ctx, rt.page_size, kv_pool_tokens))
         primary_context(self.device.index)
-        self.target = device_target(self.device)
         if draft_vocab is not None and len(draft_vocab) < spec.model.vocab_size:
             add_draft_head(weights, draft_vocab)
         else:
             draft_vocab = None
         self.draft_ids = draft_vocab
-        self.profile = profile_of(spec, cohorts=tuple(b for b in rt.cohorts if b <= cohorts) or (1,),
+        self.profile = profile_of(spec, cohorts=cohort_sizes(rt.cohorts, cohorts),
                                   max_context=ctx, kv_dtype=kv_dtype, all_logits=all_logits, options=options,
                                   prefill_chunk=prefill_chunk, draft=draft, accept_coin=accept_coin,
                                   draft_vocab=len(draft_vocab) if draft_vocab else 0, snapshots=snapshots)
         rounds = (max(self.profile.cohorts), self.profile.tail_tokens) if self.profile.speculative else (0, 0)
         self.state = DeviceState(spec, pages, cohorts, kv_dtype, self.device, *rounds, snapshots=snapshots)
         self.weights = weights
-        self.kernels = KernelCache(build_root, jobs=jobs, progress=progress)
+        self.kernels = KernelCache(build_root, jobs=jobs, progress=progress,
+                                   jit_ptx=self.target.arch != device_arch(self.device))
         self.exe = Executable(spec, self.target, weights, self.state, self.kernels, self.profile, self.device)
         self.exe.prepare()                  # every kernel and all memory of the profile, once, up front
         super().__init__(cohorts, pages, rt.page_size, per_seq * rt.page_size)
-        self._greedy_out: torch.Tensor | None = None       # greedy(): tokens chosen on the device
-        self._greedy_index: torch.Tensor | None = None
-        self._advance: torch.cuda.CUDAGraph | None = None
-        self.set_round_mode(round_mode)
-
-    def set_round_mode(self, mode: str) -> None:
-        """Switch how speculative rounds run: `fused`, `eager` (one-graph rounds) or `host`-driven; a
-        backend built in `snapshot` mode (K+1 state copies) runs `snapshot` (fused) or `host` rounds."""
-        modes = ("snapshot", "host") if self.profile.snapshots else ("host", *ROUND_MODES)
-        if mode not in modes:
-            raise ValueError(f"round mode {mode!r}: this backend runs {', '.join(modes)}"
-                             + ("" if self.profile.snapshots else " (snapshot mode is chosen when it is built)"))
-        self.round_mode, self._device_rounds = mode, None
-
-    @property
-    def device_rounds(self) -> DeviceRounds | None:
-        """The one-graph speculative rounds (None in `host` round mode or without speculative buckets)."""
-        if self.round_mode == "host" or not self.profile.speculative:
-            return None
-        if self._device_rounds is None:
-            self._device_rounds = DeviceRounds(self, "fused" if self.round_mode == "snapshot" else self.round_mode)
-        return self._device_rounds
 
     def capture_profile(self) -> None:
         """Every bucket of the profile bound and captured now (start-up), so that no request waits for a
@@ -133,66 +118,12 @@ class GpuBackend(SequencePool):
         bucket = self.bucket(entry, B, T)
         starts = [s.length for s in seqs]
         for s, p in zip(seqs, starts):
-            self._reserve(s, p + T)
+            self.reserve(s, p + T)
         bucket.inputs.set(tokens, starts, [s.table.pages for s in seqs], [s.slot for s in seqs])
         bucket.run(self.use_graphs)
         for s, p in zip(seqs, starts):
             s.table.length = p + T
         return bucket.logits.clone(), bucket.hidden.clone()
-
-    def greedy(self, seq: Sequence, token: int, n: int) -> list[int]:
-        """n greedy decode steps for one sequence with no host round trip between them: feeds `token`
-        (the last one chosen) and returns the n tokens chosen after it; the sequence advances by n.
-        Each step replays the (1, 1) step graph and then a captured 'advance' graph that takes the
-        argmax of the logits as the next step's input token and moves the positions on by one, all
-        in device buffers; the host queues the n pairs and reads the tokens back once. The pages for
-        all n tokens are reserved first. Tokens equal those of n host-driven steps with argmax."""
-        if n <= 0:
-            return []
-        bucket = self.bucket("step", 1, 1)
-        start = seq.length
-        self._reserve(seq, start + n)
-        bucket.inputs.set([[token]], [start], [seq.table.pages], [seq.slot])
-        advance = self._advance_graph(bucket, n)
-        self._greedy_index.zero_()
-        for _ in range(n):
-            bucket.run(self.use_graphs)
-            advance.replay()
-        seq.table.length = start + n
-        return self._greedy_out[:n].tolist()
-
-    def _advance_graph(self, bucket, n: int) -> torch.cuda.CUDAGraph:
-        """The captured 'advance' of `greedy` for the (1, 1) step bucket: next token = argmax of the
-        logits, appended to the output buffer; row_pos, pos and seq_lens + 1."""
-        if self._greedy_out is None or self._greedy_out.numel() < n:
-            size = max(n, 1024)
-            self._greedy_out = torch.zeros(size, dtype=torch.int64, device=self.device)
-            self._greedy_index = torch.zeros(1, dtype=torch.int64, device=self.device)
-            self._advance = None
-        if self._advance is None:
-            views = bucket.inputs.views
-
-            def advance():                      # only tensors that outlive the graph (or made inside it)
-                nxt = torch.argmax(bucket.logits[-1]).reshape(1)
-                views["tokens"].copy_(nxt)
-                for name in ("row_pos", "pos", "seq_lens"):
-                    views[name].add_(1)
-                self._greedy_out.index_copy_(0, self._greedy_index, nxt)
-                self._greedy_index.add_(1)
-
-            side = torch.cuda.Stream(self.device)          # torch's recipe: warm up off the capture stream
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            saved = bucket.inputs.device.clone()
-            with torch.cuda.stream(side):
-                advance()
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            bucket.inputs.device.copy_(saved)
-            self._greedy_index.zero_()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                advance()
-            self._advance = graph
-        return self._advance
 
     # ------------------------------------------------------------ speculative rounds (engine.speculative)
     @property
@@ -252,7 +183,7 @@ class GpuBackend(SequencePool):
             raise ValueError("this GPU backend keeps the last row's logits of a prefill chunk; make it with "
                              "all_logits=True for every row's")
         pieces = self.profile.prompt_pieces(len(ids), chunk)
-        self._reserve(seq, seq.length + len(ids))       # fail before any work when it cannot fit
+        self.reserve(seq, seq.length + len(ids))       # fail before any work when it cannot fit
         logits, hidden, at = [], [], 0
         for entry, t in pieces:
             lg, hd = self.run(entry, [seq], [ids[at:at + t]])

@@ -20,21 +20,19 @@ CONTEXT = 1024
 
 @pytest.fixture(scope="module")
 def model():
-    from ninfer_gen.engine.api import load
+    from ninfer_gen.api import load
 
     return load(SMALL, backend="gpu", cohorts=8, draft=3, max_context=CONTEXT, build_root=build_root(), prefix_states=4)
 
 
 @pytest.fixture(scope="module")
 def lanes(model):
-    from ninfer_gen.executor.gpu_lanes import GpuLanes
-
-    return GpuLanes.for_model(model, 8, prefix_cache=0)
+    return model.lanes(8, prefix_cache=0)
 
 
 def _requests():
     from ninfer_gen.engine import Request
-    from ninfer_gen.engine.sampling import SamplingParams
+    from ninfer_gen.sampling import SamplingParams
 
     rng = random.Random(3)
     reqs = []
@@ -114,7 +112,7 @@ def test_prefix_checkpoint_protocol_copies_bit_for_bit(model):
         be.prefill(a, [random.Random(4).randrange(1, 4000) for _ in range(150)])
         handle = be.save_state(a)
         assert sum(t.numel() * t.element_size() for t in handle) == be.state_bytes
-        be._reserve(b, 1)
+        be.reserve(b, 1)
         be.restore_state(handle, b)
         for t in be._gdn_tensors():
             assert torch.equal(t[a.slot], t[b.slot])
@@ -137,7 +135,7 @@ def test_second_turn_restores_the_prefix_and_equals_no_reuse(model, lanes, draft
     answer's state having come from the decode kernels and not the prefill ones, splits from them only at a
     near tie of the no-reuse logits (within 1 % of the largest)."""
     from ninfer_gen.engine import Request
-    from ninfer_gen.executor.gpu_lanes import GpuLanes
+    from ninfer_gen.lanes.gpu import GpuLanes
 
     reuse = GpuLanes(model.backend, prefix_cache=4)
     rng = random.Random(20 + draft)
@@ -213,3 +211,48 @@ def _run_any(lanes, reqs):
     finals = [h.result() for h in handles]
     assert all(f.finish in ("stop", "length") for f in finals), [f.error for f in finals]
     return [h.tokens for h in handles]
+
+
+def test_per_request_k_mixed_in_one_cohort_of_8(model, lanes):
+    """K = 0, 1, 2 and 3 (built K = 3) in one cohort of 8: a lane keeps at most its own K drafts in the K-bucket's
+    round, and each request's greedy tokens equal its plain greedy output (lossless); per K the acceptance and
+    tokens per round are printed."""
+    from ninfer_gen.engine import Engine, Request
+
+    rng = random.Random(7)
+    prompts = [[rng.randrange(1, 4000) for _ in range(rng.choice([9, 40, 120]))] for _ in range(8)]
+    reqs = [Request(p, 48, draft=i % 4) for i, p in enumerate(prompts)]
+    engine = Engine(lanes, lanes=8, max_queue=8)
+    handles = [engine.submit(r) for r in reqs]
+    engine.run_until_idle()
+    for r, h in zip(reqs, handles):
+        final = h.result()
+        assert final.finish == "length", final.error
+        assert h.tokens == model.generate(list(r.prompt), 48), f"K = {r.draft}: differs from plain greedy"
+        s = final.stats
+        assert s.drafted == r.draft * s.rounds
+        print(f"K = {r.draft}: acceptance {s.acceptance:.1%}, {s.tokens_per_round:.2f} tokens per round")
+
+
+@pytest.mark.parametrize("n", [1, 3, 5, 6, 8])
+def test_run_cli_any_number_of_prompts_equals_each_alone(model, capsys, n):
+    """`ninfer-gen run --backend gpu --json --draft 3` with n 64-token code prompts, 64 new tokens (the backend
+    built for n lanes: buckets of the spec's sizes ≤ n and n itself): every request finishes and its text
+    equals the prompt's solo greedy run."""
+    import json
+
+    from ninfer_gen.cli.main import main
+
+    tok = model.tokenizer
+    source = (ROOT / "ninfer_gen" / "engine" / "engine.py").read_text()
+    ids = tok.encode(source)
+    prompts = [tok.decode(ids[200 * i:200 * i + 64]) for i in range(n)]
+    argv = ["run", "--backend", "gpu", "--json", "--draft", "3", "--max-tokens", "64", "--max-context", str(CONTEXT)]
+    for p in prompts:
+        argv += ["--prompt", p]
+    assert main(argv) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert len(rows) == n and all(r["finish"] in ("length", "stop") and not r["error"] for r in rows)
+    for r, p in zip(sorted(rows, key=lambda r: r["index"]), prompts):
+        solo = model.generate(tok.encode(p), 64, stop_tokens=model.eos_ids)
+        assert r["tokens"] == solo, f"prompt {r['index']} of {n}"

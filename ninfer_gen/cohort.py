@@ -1,5 +1,5 @@
 """cohort: which lane adapter runs a loaded Model's backend as a cohort — `cohort_lanes(model, lanes)`:
-ReferenceLanes over the reference backend, the GPU adapter (executor.gpu_lanes.GpuLanes) over the GPU
+ReferenceLanes over the reference backend, the GPU adapter (lanes.gpu.GpuLanes) over the GPU
 backend. One place for the bench, `run` with several prompts and the server to choose it; it computes
 nothing and imports no CUDA itself."""
 from __future__ import annotations
@@ -16,9 +16,9 @@ def cohort_lanes(model, lanes: int, *, accept_prob: float | None = None, warm: b
         if accept_prob is not None:
             raise ValueError("--accept-prob replaces the acceptance on the GPU lanes only: the reference lanes "
                              "compare every draft with the target")
-        from ninfer_gen.engine.lanes import ReferenceLanes
+        from ninfer_gen.lanes.reference import ReferenceLanes
         return ReferenceLanes.for_model(model, lanes, **options)
-    from ninfer_gen.executor.gpu_lanes import GpuLanes
+    from ninfer_gen.lanes.gpu import GpuLanes
     adapter = GpuLanes.for_model(model, lanes, accept_prob=accept_prob, **options)
     if warm:
         warm_up(adapter)
@@ -33,7 +33,7 @@ def warm_up(adapter) -> None:
     cache forgets the warm-up's checkpoints."""
     from ninfer_gen.engine.engine import Engine
     from ninfer_gen.engine.requests import Request
-    from ninfer_gen.engine.sampling import SamplingParams
+    from ninfer_gen.sampling import SamplingParams
 
     engine = Engine(adapter, lanes=1, max_queue=4)
     for draft in sorted({0, adapter.k}):

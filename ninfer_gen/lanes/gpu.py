@@ -1,18 +1,23 @@
-"""gpu_lanes: the cohort engine's LaneBackend on the GPU (engine.lanes states the contract) — up to C lanes
-of one GpuBackend decoding together.
+"""gpu: the cohort engine's LaneBackend on the GPU (lanes.contract states the contract) — up to C lanes
+of one GpuBackend decoding together. The one driver of the GPU's speculative rounds.
 
 Per engine round: every speculative lane runs in ONE round graph (compiler.round) of the smallest compiled
 cohort bucket that holds them — its other rows IDLE, i.e. padded everywhere (slot −1, no keys, trash-page
-KV writes), so they touch no state — and the plain (K = 0) lanes in one padded step bucket. A lane keeps
-its row from round to round while the bucket stays the same; when the bucket changes (lanes joined or
-left across a cohort size), the last round's pending fold (fused mode: the accepted records are folded at
-the start of the next round) runs eagerly first and the rows are compacted, so a fold always reads the
-ReplaySSM records of the rows that logged them (executor.round_rows keeps that bookkeeping).
+KV writes), so they touch no state; more lanes than the largest round bucket run in several rounds — and
+the plain (K = 0) lanes in one padded step bucket. A lane keeps its row from round to round while the bucket
+stays the same; when the bucket changes (lanes joined or left), the rounds in flight are collected, the
+last round's pending fold (fused mode: the accepted records are folded at the start of the next round) runs
+eagerly and the rows are compacted, so a fold always reads the ReplaySSM records of the rows that logged
+them (lanes.round_rows keeps that bookkeeping).
+
+Rounds in flight: while the lanes of the bucket stay the same, the host launches the next round before it
+reads the last one back (`depth` rounds queued, 2 by default), so its work overlaps the device's; a call
+returns the tokens of the rounds that completed. Each lane asks its own K ≤ the built K (the row's `k`):
+its round runs in the same graph, and acceptance keeps at most k drafts.
 
 The host keeps each speculative lane's round-state row (spec_round.ROUND_FIELDS: length, anchor, drafts,
-budget, stop tokens, sampling parameters, RNG counter) as a mirror: before a round the rows of the bucket
-are written from the mirrors (the budget the engine gives this round, RUNNING), after it they are read
-back — one host→device and one device→host copy of a few hundred bytes per lane, and the round's tokens.
+budget, stop tokens, sampling parameters, RNG counter) as a mirror, refreshed from every read-back; the
+bucket's rows are written from the mirrors only when the layout changes.
 Numbers: a lane's greedy tokens do not depend on the other rows (the kernels are batch-invariant: their
 reduction order never follows the rows), so a request's greedy output is the same alone or in any cohort.
 
@@ -25,7 +30,6 @@ Structured output (a grammar, engine.grammar): its mask depends on every token b
 runs host-driven rounds — the B = 1 verify, its rows masked on the device by the grammar's state after each
 draft (engine.lanes.masked_verify), acceptance, commit, then the next drafts — and masked plain steps. A
 host round reuses the ReplaySSM record rows, so the device rounds' pending fold is folded first.
-The adapter uses the round-state rows of the backend's DeviceRounds: do not stream through both at once.
 
 Prefix reuse (engine.reuse, as ReferenceLanes): checkpoints at prompt ends, chunk boundaries and normal
 answer ends, restored at `open`; the saved GDN states live in device memory, bounded by the backend's
@@ -38,12 +42,13 @@ from __future__ import annotations
 import torch
 
 from compiler.kernels import spec_round as sr
-from ninfer_gen.engine.lanes import LaneState, check_request, choose, masked_verify
-from ninfer_gen.engine.reuse import MtpTail, PrefixReuse
-from ninfer_gen.engine.sampling import Sampler, distribution
-from ninfer_gen.engine.speculative import Drafter, accept_greedy, accept_sampled, truncate
-from ninfer_gen.executor.device_rounds import _F, idle_rows, round_row
-from ninfer_gen.executor.round_rows import RoundRows
+from ninfer_gen.lanes.contract import Capabilities, LaneBackend, LaneState, check_request, choose, masked_verify
+from ninfer_gen.lanes.reuse import MtpTail, PrefixReuse
+from ninfer_gen.lanes.round_rows import FIELD, RoundRows, idle_rows, round_row
+from ninfer_gen.sampling import Sampler, distribution
+from ninfer_gen.speculative import Drafter, accept_greedy, accept_sampled, truncate
+
+ROUND_MODES = ("fused", "eager")
 
 ACCEPTANCE_OF = {True: "greedy", False: "sampled"}
 
@@ -61,20 +66,27 @@ class _Lane:
         self.last_hidden: torch.Tensor | None = None     # prefix reuse: the last committed slot's hidden row [1, H]
         self.matcher = lane.constraint.matcher() if lane.constraint is not None else None   # engine.grammar
         self.host = False                                # a grammar's speculative rounds: host-driven (below)
+        self.k = lane.k                                  # drafts its rounds may keep (≤ the built K)
 
 
-class GpuLanes:
+class GpuLanes(LaneBackend):
     """LaneBackend over a GpuBackend (executor.gpu_backend) built for `capacity` ≥ the engine's lanes.
     `accept_prob` (bench only, a backend built with accept_coin): every draft is kept by a coin of that
     probability instead of by the target (random weights accept nothing)."""
 
     def __init__(self, backend, *, accept_prob: float | None = None, capture: bool = True,
-                 prefix_cache: int | None = None, checkpoint_every: int = 4096):
-        """`prefix_cache`: checkpoints kept for prefix reuse (None: the backend's planned `prefix_states`; 0: off)."""
+                 prefix_cache: int | None = None, checkpoint_every: int = 4096, round_mode: str = "fused",
+                 in_flight: int = 2):
+        """`prefix_cache`: checkpoints kept for prefix reuse (None: the backend's planned `prefix_states`; 0: off).
+        `round_mode`: `fused` (the fold is the first step of the next round's graph) or `eager` (the fold runs
+        as its own graph after the host read the round; one round in flight) — REPLAYSSM.md compares them.
+        `in_flight`: fused rounds queued ahead of the host's read-back."""
         be = self.be = backend
-        self.capacity = be.slots.num_slots
-        self.max_context = be.max_context
-        self.prefill_chunk = be.profile.prefill_chunk
+        if round_mode not in ROUND_MODES:
+            raise ValueError(f"round mode {round_mode!r}: expected one of {', '.join(ROUND_MODES)}")
+        if in_flight < 1:
+            raise ValueError(f"in_flight must be ≥ 1 round, got {in_flight}")
+        self.round_mode = round_mode
         self.vocab_size = be.spec.model.vocab_size
         self.k = be.profile.draft if be.profile.speculative else 0
         self.T = self.k + 1
@@ -88,7 +100,13 @@ class GpuLanes:
             raise ValueError(f"a prefix cache of {n} checkpoints needs their GDN states in the memory plan: load the "
                              f"model with prefix_states={n} (it has {be.prefix_states})")
         self.reuse = PrefixReuse(be, n, checkpoint_every) if n else None      # n states: the plan's
-        self.rows = RoundRows(be) if self.k else None     # which lane is in which row; the pending fold
+        depth = 1 if round_mode == "eager" else in_flight
+        self.rows = RoundRows(be, depth) if self.k else None     # which lane is in which row; rounds in flight
+        self.caps = Capabilities(lanes=be.slots.num_slots, max_context=be.max_context,
+                                 prefill_chunk=be.profile.prefill_chunk, max_draft=self.k,
+                                 cohort_sizes=tuple(self.round_sizes), rounds_in_flight=depth if self.k else 1,
+                                 prefix_cache=n)
+        self._out: dict[int, list[int]] = {}             # tokens collected by a drain, not yet returned
         if capture:
             self.capture()
 
@@ -117,7 +135,7 @@ class GpuLanes:
         torch.cuda.synchronize(be.device)
 
     def _round(self, batch: int, acceptance: str):
-        rnd = self.be.exe.round(batch, acceptance, fold=True)
+        rnd = self.be.exe.round(batch, acceptance, fold=self.round_mode == "fused")
         if self.be.use_graphs and rnd.graph is None:
             self.be.exe.capture_round(rnd, lambda: idle_rows(self.be, self.rows.device, batch))
         return rnd
@@ -125,11 +143,7 @@ class GpuLanes:
     # ------------------------------------------------------------ the contract
     def validate(self, request) -> None:
         check_request(request, self.vocab_size)
-        if request.draft and not self.k:
-            raise ValueError(f"this GPU backend has no speculative rounds ({self.be.profile.describe()}): use draft 0")
-        if request.draft not in (0, self.k):
-            raise ValueError(f"this GPU backend was built for {self.k} drafts per round: ask for draft {self.k} or 0 "
-                             f"(not {request.draft})")
+        self.check_draft(request)
         if request.draft and len(request.stop) > sr.MAX_STOPS:
             raise ValueError(f"at most {sr.MAX_STOPS} stop tokens with drafts on the GPU, got {len(request.stop)}")
 
@@ -156,15 +170,15 @@ class GpuLanes:
         lane.anchor = token
         drafted = bool(lane.k) and self._room_for_round(seq.length)
         if drafted:
-            be._reserve(seq, min(seq.length + 2 * self.T, self.max_context))     # the chained drafts' MTP slots
+            be.reserve(seq, min(seq.length + 2 * self.T, self.max_context))     # the chained drafts' MTP slots
             drafts, priv.q = Drafter(be, lane.sampling, self.k, priv.sampler.gen).propose(
                 seq, hidden, lane.prompt[mtp_start + 1:] + [token], mtp_start)
             lane.drafts = drafts
             if priv.matcher is not None:
                 priv.host = True
             else:
-                priv.row = round_row(seq, token, drafts, 0, lane.sampling, lane.stop, self.accept_prob, priv.seed,
-                                     be.state.trash_page)
+                priv.row = round_row(seq, token, drafts, lane.k, lane.sampling, lane.stop, self.accept_prob,
+                                     priv.seed, be.state.trash_page)
         # drafting ran the MTP over the chunk, its last slot with this request's first token: only that slot
         # is left for a restoring lane; without drafting the whole chunk is
         self._checkpoint(lane, start, True, lambda: MtpTail.of(lane.length - 1, hidden[-1:]) if drafted
@@ -178,16 +192,20 @@ class GpuLanes:
                 if lane.private.row is not None:
                     self._leave_rounds(lane)
                 lane.private.host = False
-        hosted = [lane for lane in lanes if lane.private.host]
+        speculative = [lane for lane in lanes if lane.private.row is not None]
+        for lane in lanes:      # tokens a drain collected for a lane that leaves the rounds: they are its round
+            if lane.private.row is None and lane.lane in self._out:
+                out[lane.lane] = self._out.pop(lane.lane)
+        hosted = [lane for lane in lanes if lane.private.host and lane.lane not in out]
         if hosted:
+            self._settle()
             self.rows.flush()                            # host rounds reuse the record rows
             for lane in hosted:
                 try:
                     out[lane.lane] = self._host_round(lane)
                 except Exception as err:                 # a grammar or a round that failed: that lane's alone
                     out[lane.lane] = err
-        speculative = [lane for lane in lanes if lane.private.row is not None]
-        plain = [lane for lane in lanes if lane.private.row is None and not lane.private.host]
+        plain = [lane for lane in lanes if lane.private.row is None and not lane.private.host and lane.lane not in out]
         for group, run in ((speculative, self._speculative), (plain, self._steps)):
             if group:
                 try:
@@ -197,9 +215,12 @@ class GpuLanes:
         return out
 
     def release(self, lane: LaneState) -> None:
+        if self.rows is not None and lane in self.rows.layout:
+            self._settle()                               # no round in flight may touch the slot after this
+        self._out.pop(lane.lane, None)
         if lane.seq is not None and self.reuse is not None:
-            if self.rows is not None:
-                self.rows.fold(lane)                     # the last round's accepted tokens into the state first
+            if self.rows is not None and lane in self.rows.layout:
+                self.rows.flush()                        # the last round's accepted tokens into the state first
             # rounds ran the MTP over every committed slot, the last with the lane's last token (which a
             # restoring prompt may not share): that slot is left; plain steps at the context end ran none
             running = lane.private.row is not None or lane.private.host
@@ -230,44 +251,98 @@ class GpuLanes:
         return length + 2 * self.T - 2 <= self.max_context
 
     def _speculative(self, lanes: list[LaneState]) -> dict[int, list[int] | BaseException]:
-        be, T = self.be, self.T
+        """Every speculative lane's round: in the smallest round bucket that holds them all, or in several
+        rounds of the largest when they are more."""
+        biggest = self.round_sizes[-1]
+        if len(lanes) <= biggest:
+            return self._bucket_round(lanes, next(b for b in self.round_sizes if b >= len(lanes)))
         out: dict[int, list[int] | BaseException] = {}
-        ready = []
-        for lane in lanes:                               # this round's pages first: a lane that cannot grow fails alone
-            try:
-                be._reserve(lane.seq, min(lane.length + 2 * T, self.max_context))
-                ready.append(lane)
-            except Exception as err:
-                out[lane.lane] = err
-        if not ready:
-            return out
-        batch = next(b for b in self.round_sizes if b >= len(ready))
-        rows = self.rows
-        rows.place(ready, batch)
-        coin = self.accept_prob is not None
-        acceptance = "coin" if coin else ACCEPTANCE_OF[all(lane.sampling.greedy for lane in ready)]
-        back = rows.run(self._round(batch, acceptance))
+        for at in range(0, len(lanes), biggest):        # rows change between the groups: no rounds in flight
+            out.update(self._bucket_round(lanes[at:at + biggest], biggest))
+        return out
+
+    def _bucket_round(self, lanes: list[LaneState], batch: int) -> dict[int, list[int] | BaseException]:
+        be, T, rows = self.be, self.T, self.rows
+        out: dict[int, list[int] | BaseException] = {}
+        if not rows.steady(lanes, batch):
+            self._settle()
+            ready = []
+            for lane in lanes:                           # this round's pages first: a lane that cannot grow fails alone
+                try:
+                    be.reserve(lane.seq, min(lane.length + 2 * T, self.max_context))
+                    ready.append(lane)
+                except Exception as err:
+                    out[lane.lane] = err
+            if not ready:
+                return out
+            lanes, batch = ready, next(b for b in self.round_sizes if b >= len(ready))
+            rows.place(lanes, batch)
+            rows.write()
+        rnd = self._round(batch, self._acceptance(lanes))
+        self._launch(rnd, batch, lanes)
+        while len(rows.inflight) < rows.depth and self._launch(rnd, batch, lanes):
+            pass
+        if self.round_mode == "eager":                   # the fold waits for the host's read of the round
+            self._take(rows.collect())
+            rows.flush()
+        elif rows.inflight:
+            self._take(rows.collect())
+        for lane in lanes:
+            if lane.lane not in out:
+                tokens = self._out.pop(lane.lane, None)
+                out[lane.lane] = tokens if tokens else RuntimeError(f"the round emitted nothing for lane {lane.lane}")
+        return out
+
+    def _acceptance(self, lanes: list[LaneState]) -> str:
+        if self.accept_prob is not None:
+            return "coin"
+        return ACCEPTANCE_OF[all(lane.sampling.greedy for lane in lanes)]
+
+    def _launch(self, rnd, batch: int, lanes: list[LaneState]) -> bool:
+        """One more round of the placed lanes, when every lane's context has room for it (its verify and
+        chained drafts after the rounds already in flight); its pages are reserved first."""
+        rows, T = self.rows, self.T
+        ahead = len(rows.inflight) * T                   # committed by the rounds in flight, at most
+        if any(lane.length + ahead + 2 * T - 2 > self.max_context for lane in lanes):
+            return False
+        for lane in lanes:
+            self.be.reserve(lane.seq, min(lane.length + ahead + 2 * T, self.max_context))
+        rows.tables_changed()
+        hidden = None
         if self.reuse is not None:                       # the MTP pass's input rows, padded with the last committed
-            hidden = be.bucket("mtp", batch, T).inputs.tensors["hidden"].view(batch, T, -1)[:, T - 1].clone()
-        for r, lane in enumerate(rows.layout):
-            if lane is None:
+            hidden = self.be.bucket("mtp", batch, T).inputs.tensors["hidden"].view(batch, T, -1)[:, T - 1]
+        rows.launch(rnd, hidden)
+        return True
+
+    def _take(self, flight) -> None:
+        """A collected round's rows into the lanes' mirrors, lengths and stats; its tokens into `_out`."""
+        for r, lane in enumerate(flight.layout):
+            if lane is None or lane.seq is None:
                 continue
-            h = back[r].clone()
-            n = int(h[_F["emitted"]])
+            h = flight.rows[r].clone()
+            n = int(h[FIELD["emitted"]])
+            if n == 0:                                   # launched after the lane finished on the device
+                continue
             tokens = h[sr.OUT_AT:sr.OUT_AT + n].tolist()
             lane.private.row = h
-            if self.reuse is not None:
-                lane.private.last_hidden = hidden[r:r + 1]
-            lane.seq.table.length = int(h[_F["length"]])
-            lane.anchor = tokens[-1] if tokens else lane.anchor
+            if flight.hidden is not None:
+                lane.private.last_hidden = flight.hidden[r:r + 1]
+            lane.seq.table.length = int(h[FIELD["length"]])
+            lane.anchor = tokens[-1]
             lane.drafts = h[sr.DRAFTS_AT:sr.DRAFTS_AT + self.k].tolist()
-            lane.stats.drafted += self.k
-            lane.stats.accepted += int(h[_F["accepted"]])
-            out[lane.lane] = tokens if tokens else RuntimeError(f"the round emitted nothing for lane {lane.lane}")
-        return out
+            lane.stats.drafted += lane.private.k
+            lane.stats.accepted += int(h[FIELD["accepted"]])
+            self._out.setdefault(lane.lane, []).extend(tokens)
+
+    def _settle(self) -> None:
+        """Collect every round in flight (their tokens wait in `_out` for the next call)."""
+        if self.rows is not None:
+            for flight in self.rows.drain():
+                self._take(flight)
 
     def _leave_rounds(self, lane: LaneState) -> None:
         """The lane continues with plain steps: its pending fold is folded first."""
+        self._settle()
         self.rows.leave(lane)
         lane.private.row = None
         lane.private.q = None
@@ -278,13 +353,14 @@ class GpuLanes:
         """One constrained lane's round, host-driven (engine.speculative's math on the B = 1 buckets): verify
         [anchor, drafts] with each row masked by the grammar, accept, truncate, commit, draft the next round."""
         be, priv, seq, params = self.be, lane.private, lane.seq, lane.sampling
-        drafts, start = lane.drafts, lane.length
-        v_logits, v_hidden = be.verify(seq, [lane.anchor] + drafts)
-        v_logits = masked_verify(priv.matcher, drafts, v_logits)
+        start = lane.length
+        v_logits, v_hidden = be.verify(seq, [lane.anchor] + lane.drafts)       # the bucket verifies all K
+        drafts = lane.drafts[:priv.k]                                          # the lane keeps at most its k
+        v_logits = masked_verify(priv.matcher, drafts, v_logits[:len(drafts) + 1])
         if params.greedy:
             out = accept_greedy(drafts, v_logits)
         else:
-            out = accept_sampled(drafts, priv.q, distribution(v_logits, params), priv.sampler.gen)
+            out = accept_sampled(drafts, priv.q[:len(drafts)], distribution(v_logits, params), priv.sampler.gen)
         lane.stats.drafted += len(drafts)
         lane.stats.accepted += len(out) - 1
         out = truncate(out, lane.stop, lane.budget)
@@ -293,7 +369,7 @@ class GpuLanes:
         lane.anchor = out[-1]
         priv.last_hidden = v_hidden[len(out) - 1:len(out)].clone()
         if self._room_for_round(seq.length):          # the next round's drafts (the MTP over the committed slots)
-            be._reserve(seq, min(seq.length + 2 * self.T, self.max_context))
+            be.reserve(seq, min(seq.length + 2 * self.T, self.max_context))
             lane.drafts, priv.q = Drafter(be, params, self.k, priv.sampler.gen).propose(
                 seq, v_hidden[:len(out)], out, start)
         return out
@@ -307,7 +383,7 @@ class GpuLanes:
             half = self.step_sizes[-1]
             return {**self._steps(lanes[:half]), **self._steps(lanes[half:])}
         for lane in lanes:
-            be._reserve(lane.seq, lane.length + 1)
+            be.reserve(lane.seq, lane.length + 1)
         bucket = be.bucket("step", batch, 1)
         bucket.inputs.set([[lane.anchor] for lane in lanes], [lane.length for lane in lanes],
                           [lane.seq.table.pages for lane in lanes], [lane.slot for lane in lanes])

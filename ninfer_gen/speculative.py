@@ -1,4 +1,5 @@
-"""speculative: MTP speculative decoding, the round's math stated once for every backend.
+"""speculative: MTP speculative decoding, the round's math stated once for every backend (a leaf: the lane
+adapters in ninfer_gen.lanes drive it; the GPU's one-graph rounds run the same math in spec_round's kernels).
 
 A round for one sequence of committed length L, with the anchor a (the last token chosen, not yet run
 through the model) and K drafts d1..dK from the MTP head:
@@ -104,53 +105,3 @@ class Drafter:
             if j + 1 < self.k:
                 logits, h = self.backend.mtp(seq, h, [d], at + j)
         return drafts, (torch.stack(probs) if probs else None)
-
-
-def prompt_pass(backend, seq, prompt: list[int], params: SamplingParams, gen: torch.Generator):
-    """Prefill the prompt and choose the first token → (first token, every prompt row's hidden state for
-    the MTP's pass over the prompt)."""
-    logits, hidden = backend.prefill(seq, list(prompt), all_hidden=True)
-    first = int(logits[-1].argmax()) if params.greedy else draw(distribution(logits[-1:], params)[0], gen)
-    return first, hidden
-
-
-def speculative_stream(backend, prompt: list[int], max_new_tokens: int, k: int, params: SamplingParams,
-                       stop_ids: set[int] | None = None, stats: Stats | None = None):
-    """Yields new tokens, K drafts per round (the backend's `prefill`, `mtp`, `verify`, `commit`)."""
-    gen = torch.Generator()
-    if params.seed is not None:
-        gen.manual_seed(params.seed)
-    stats = stats if stats is not None else Stats()
-    drafter = Drafter(backend, params, k, gen)
-    seq = backend.new_sequence()
-    try:
-        anchor, hidden = prompt_pass(backend, seq, prompt, params, gen)
-        yield anchor
-        produced = 1
-        if produced >= max_new_tokens or (stop_ids and anchor in stop_ids) or backend.max_context - seq.length <= k:
-            return                          # (no room to verify K+1 positions: stop at the context limit)
-        drafts, draft_probs = drafter.propose(seq, hidden, list(prompt[1:]) + [anchor], 0)
-        while produced < max_new_tokens:
-            start = seq.length
-            v_logits, v_hidden = backend.verify(seq, [anchor] + drafts)
-            if params.greedy:
-                out = accept_greedy(drafts, v_logits)
-            else:
-                out = accept_sampled(drafts, draft_probs, distribution(v_logits, params), gen)
-            stats.rounds += 1
-            stats.drafted += k
-            stats.accepted += len(out) - 1
-            out = truncate(out, stop_ids, max_new_tokens - produced)
-            backend.commit(seq, len(out))
-            stats.emitted.append(len(out))
-            for t in out:
-                yield t
-            produced += len(out)
-            if produced >= max_new_tokens or (stop_ids and out[-1] in stop_ids):
-                return
-            if backend.max_context - seq.length <= k:    # the next verify (and the chained drafts before
-                return                                    # it) would run past the context: stop here
-            anchor = out[-1]
-            drafts, draft_probs = drafter.propose(seq, v_hidden[:len(out)], out, start)
-    finally:
-        backend.release(seq)

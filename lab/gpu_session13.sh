@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Session 13's device call (one engine, issue 30): the GPU tier's cohort, speculative, runtime and arch-path files,
+# then the 27B C1 bench through the engine (K = 3, 32K draft head, accept 0.8) and the cohort bench C1/C8.
+# PART=tests|bench|cohort|arch (default: all, in that order). Logs to $OUT as it goes.
+set -uo pipefail
+: "${OUT:?set OUT}"
+export PYTHONUNBUFFERED=1 PYTHONPATH=.:/tmp/site NINFER_BUILD_DIR=${NINFER_BUILD_DIR:-/tmp/ninfer-build}
+shown() { tr '\r' '\n' < "$1" | grep -v "it/s\]" | grep -v "kernel/s" | grep -v "^\s*$" | tail -"$2"; }
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import llguidance" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+part() { [ -z "${PART:-}" ] || [[ ",$PART," == *",$1,"* ]]; }
+if part tests; then
+  timeout ${TESTS_S:-330} python3 -m pytest -m gpu tests/gpu/test_cohort_gpu.py tests/gpu/test_speculative_gpu.py \
+    tests/gpu/test_arch_path_gpu.py tests/gpu/test_runtime_gpu.py -q -s -rf -p no:cacheprovider -x --durations=8 \
+    > $OUT/tier.log 2>&1
+  echo "tier: rc $?"; shown $OUT/tier.log 40
+fi
+if part bench; then
+  timeout ${BENCH_S:-300} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --draft 3 --accept-prob 0.8 \
+    --draft-vocab 32768 --output-tokens 512 --repeats 1 --prefill '' --per-k --json $OUT/bench_c1.json > $OUT/bench_c1.log 2>&1
+  echo "C1 bench: rc $?"; shown $OUT/bench_c1.log 40
+fi
+if part cohort; then
+  timeout ${COHORT_S:-300} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --concurrency 1,8 --draft 3 \
+    --accept-prob 0.8 --draft-vocab 32768 --output-tokens 256 --json $OUT/bench_cohort.json > $OUT/bench_cohort.log 2>&1
+  echo "cohort bench: rc $?"; shown $OUT/bench_cohort.log 30
+fi
+if part arch; then
+  timeout ${ARCH_S:-300} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --arch-path sm_86 \
+    --output-tokens 256 --repeats 1 --prefill '' --json $OUT/bench_sm86.json > $OUT/bench_sm86.log 2>&1
+  echo "sm_86 bench: rc $?"; shown $OUT/bench_sm86.log 30
+fi

@@ -1,0 +1,328 @@
+"""api: the composition root and public Python entry — `load()` with its `LoadOptions`, and the `Model` it
+returns. Chooses weights (checkpoint, spec + random, or the shipped small model) and the backend, and wires a
+model's lane adapter (ninfer_gen.cohort) under the engine: `Model.generate` / `stream` are a one-lane
+engine (ninfer_gen.engine), the same path as `run`, `bench` and `serve`. It computes nothing itself."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from compiler.options import CompileOptions
+from compiler.schema import SpecError
+from compiler.spec import ModelSpec, load_spec
+
+from ninfer_gen.weights.random_weights import random_weights
+from ninfer_gen.reference import ReferenceBackend
+from ninfer_gen.sampling import SamplingParams
+from ninfer_gen.speculative import Stats
+from ninfer_gen.engine.tokenizer import load_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]          # ninfer_gen/api.py → the repository
+DEFAULT_MODEL = REPO / "models" / "qwen3.8-small-py"
+TINY_SPEC = REPO / "model_specs" / "qwen3.8-tiny.yaml"
+BACKENDS = ("reference", "gpu")
+
+
+class Model:
+    def __init__(self, spec: ModelSpec, backend: ReferenceBackend, folder: Path | None = None,
+                 source: str = ""):
+        self.spec, self.backend, self.source = spec, backend, source
+        self.tokenizer = load_tokenizer(folder, spec.model.vocab_size)
+        self.eos_ids = _eos_ids(folder)
+        self._lanes = None                          # (options, the lane adapter): Model.lanes
+
+    def forward_logits(self, token_ids: list[int], chunk_size: int | None = None) -> np.ndarray:
+        """Logits [T, vocab] of a fresh sequence (chunked prefill)."""
+        seq = self.backend.new_sequence()
+        try:
+            logits, _ = self.backend.prefill(seq, list(token_ids), chunk_size, all_logits=True)
+        finally:
+            self.backend.release(seq)
+        return logits.float().cpu().numpy()
+
+    def mtp_logits(self, token_ids: list[int], chunk_size: int | None = None) -> np.ndarray:
+        """MTP predictions [T, vocab]: row i predicts token i+2 from hidden y_i and the true token
+        i+1; the last row uses the main model's own argmax as the next token (as drafting does)."""
+        if not self.spec.model.mtp.num_layers:
+            raise ValueError(f"model {self.spec.name} has no MTP layer")
+        ids = list(token_ids)
+        seq = self.backend.new_sequence()
+        try:
+            logits, hidden = self.backend.prefill(seq, ids, chunk_size)
+            next_ids = ids[1:] + [int(torch.argmax(logits[-1]))]
+            mtp, _ = self.backend.mtp(seq, hidden, next_ids, 0, chunk_size)
+        finally:
+            self.backend.release(seq)
+        return mtp.float().cpu().numpy()
+
+    def lanes(self, lanes: int = 1, **options):
+        """The model's lane adapter (ninfer_gen.cohort.cohort_lanes) of at least `lanes` lanes, made once and
+        kept: the GPU's rounds and buffers belong to one adapter at a time."""
+        from ninfer_gen.cohort import cohort_lanes
+
+        key = tuple(sorted(options.items()))
+        if self._lanes is not None:
+            made, adapter = self._lanes
+            if (not options or made == key) and adapter.capacity >= lanes:
+                return adapter
+        self._lanes = (key, cohort_lanes(self, lanes, **options))
+        return self._lanes[1]
+
+    def speculative(self, draft: int) -> bool:
+        """Whether `draft` > 0 drafts can run here; a ValueError says why not."""
+        if draft <= 0:
+            return False
+        if not self.spec.model.mtp.num_layers:
+            raise ValueError(f"model {self.spec.name} has no MTP layer to draft with: use --draft 0")
+        most = self.max_draft
+        if draft > most:
+            raise ValueError(f"this {type(self.backend).__name__} runs at most {most} drafts per round, not {draft} "
+                             "(a GPU backend is built for the spec's runtime.draft_tokens, or load(draft=K))")
+        return True
+
+    @property
+    def max_draft(self) -> int:
+        """The largest K a request may ask: the GPU backend's built K, any reasonable K on the reference."""
+        from ninfer_gen.lanes.reference import MAX_DRAFT
+
+        if not self.spec.model.mtp.num_layers:
+            return 0
+        if isinstance(self.backend, ReferenceBackend):
+            return MAX_DRAFT
+        profile = self.backend.profile                          # the GPU backend's runtime profile
+        return profile.draft if profile.speculative else 0
+
+    def stream(self, token_ids: list[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
+               stop_tokens: set[int] | None = None, draft: int = 0, stats: Stats | None = None) -> Iterator[int]:
+        """Yields new tokens as a one-lane engine makes them (prefill, then plain steps or, with `draft` K > 0,
+        speculative rounds of K MTP drafts); `stats` collects rounds, drafts and acceptance."""
+        from ninfer_gen.engine import Engine, Request
+
+        if max_new_tokens <= 0:
+            return
+        self.speculative(draft)
+        lanes = self.lanes(1) if self._lanes is not None else self.lanes(1, prefix_cache=0)   # no cache of its own
+        engine = Engine(lanes, lanes=1, max_queue=0)
+        handle = engine.submit(Request(list(token_ids), max_new_tokens, sampling, frozenset(stop_tokens or ()), draft))
+        try:
+            for event in handle:
+                yield from event.tokens
+                if event.finish == "error":
+                    raise RuntimeError(event.error)
+                if event.finish is not None and stats is not None:
+                    s = event.stats
+                    stats.rounds, stats.drafted, stats.accepted = s.rounds, s.drafted, s.accepted
+                    stats.emitted = [s.tokens_per_round] * s.rounds
+        finally:
+            if handle.final is None:                # the caller stopped reading: free the lane now
+                engine.cancel(handle.id)
+                engine.step()
+
+    def generate(self, token_ids: list[int], max_new_tokens: int, greedy: bool = True,
+                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 stop_tokens: set[int] | None = None, draft: int = 0) -> list[int]:
+        """The new tokens only. Stops early only at `stop_tokens` (none by default); `draft` K > 0
+        decodes speculatively with K MTP drafts per round."""
+        params = SamplingParams(0.0 if greedy else temperature, top_k, top_p, seed)
+        return list(self.stream(token_ids, max_new_tokens, params, stop_tokens, draft))
+
+
+def resolve_tokenizer(path=None):
+    """(tokenizer, vocabulary size) of a model folder, a GGUF, a spec, or the shipped small model."""
+    from ninfer_gen.weights.gguf_load import folder_of, is_gguf, open_gguf
+    if path and is_gguf(path):
+        g = open_gguf(path)
+        return load_tokenizer(folder_of(g), g.spec.model.vocab_size), g.spec.model.vocab_size
+    folder = Path(path) if path else (DEFAULT_MODEL if (DEFAULT_MODEL / "config.json").is_file() else None)
+    if folder is not None and folder.is_dir():
+        config = json.loads((folder / "config.json").read_text())
+        vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+        return load_tokenizer(folder, vocab), vocab
+    spec = load_spec(folder or TINY_SPEC)
+    return load_tokenizer(None, spec.model.vocab_size), spec.model.vocab_size
+
+
+def _eos_ids(folder: Path | None) -> set[int]:
+    if folder is None:
+        return set()
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        path = folder / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return ids
+
+
+def _resolve(path_or_spec, verify: bool = True, require_mtp: bool = False) -> tuple[ModelSpec, dict, Path | None, str]:
+    if path_or_spec is None:
+        if (DEFAULT_MODEL / "config.json").is_file():
+            path_or_spec = DEFAULT_MODEL
+        else:
+            spec = load_spec(TINY_SPEC)
+            return spec, random_weights(spec), None, f"{spec.name} (random weights, seed 0)"
+    if isinstance(path_or_spec, ModelSpec):
+        return path_or_spec, random_weights(path_or_spec), None, f"{path_or_spec.name} (random weights)"
+    path = Path(path_or_spec)
+    from ninfer_gen.weights.gguf_load import is_gguf, load_gguf
+    if is_gguf(path):                 # a llama.cpp GGUF: its own formats, dequantised for the reference
+        from ninfer_gen.weights.checkpoint import dequantized
+        g = load_gguf(path, require_mtp=require_mtp)
+        return g.spec, dequantized(g.weights), g.folder, g.source
+    if path.is_dir():
+        from ninfer_gen.weights.checkpoint import load_checkpoint
+        from ninfer_gen.weights.container import is_container, load_host
+
+        if is_container(path):
+            spec, tensors = load_host(path, verify=verify, require_mtp=require_mtp)
+            return spec, tensors, path, f"{path} (converted)"
+        spec, tensors = load_checkpoint(path, require_mtp=require_mtp)
+        return spec, tensors, path, str(path)
+    if path.suffix in (".yaml", ".yml"):
+        spec = load_spec(path)
+        return spec, random_weights(spec), None, f"{spec.name} (random weights, seed 0)"
+    raise SpecError("", f"{path}: expected an HF checkpoint directory, a converted container, a .gguf file or a model spec "
+                        ".yaml file")
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How `load()` builds a model: every choice in one validated object (`load(path, LoadOptions(...))`, or
+    its fields as keywords: `load(path, backend="gpu", cohorts=8)`)."""
+    backend: str = "reference"          # "reference": the graph interpreter in torch; "gpu": the compiled kernels
+    dtype: str = "float32"              # reference activations
+    quantize: bool = False              # reference: run the spec's recipe at load, then the dequantised weights
+    device: str | None = None           # reference: cpu or cuda (default: cuda when available)
+    kv_dtype: str | None = None         # default: the spec's (int8)
+    max_context: int | None = None      # tokens per sequence (default: the spec's)
+    random_weights: str = "host"        # a spec's random weights: drawn on the "host", or on the GPU ("device")
+    vram_budget: int | None = None      # GPU: bytes the memory plan may use (default 24 GiB, the RTX 3090)
+    use_graphs: bool = True             # GPU: replay CUDA graphs (False: launch eagerly, for debugging)
+    progress: bool = False              # progress bars for weights and kernels
+    compile_options: CompileOptions | None = None    # GPU: what the compiler builds (default: the shipped)
+    build_root: Any = None              # GPU: the kernel cache (default: build/)
+    all_logits: bool = False            # GPU: prefill buckets keep every row's logits (forward_logits at speed)
+    draft: int | None = None            # GPU: the largest K its rounds are built for (default: the spec's)
+    state_mode: str = "replayssm"       # GPU: "snapshot" builds rounds in the K+1-copies design (comparison)
+    verify: bool = True                 # a converted container: check its sha256 hashes
+    accept_coin: bool = False           # GPU, bench only: also build rounds whose acceptance is a coin
+    draft_vocab: Any = None             # GPU: token ids (or a draft_vocab.json) the MTP drafts from
+    cohorts: int = 1                    # GPU: the most sequences decoded together (the engine's lanes)
+    kv_pool_tokens: int | None = None   # GPU: one KV pool of that many tokens shared by the lanes
+    prefix_states: int = 0              # GPU: GDN states the prefix cache may keep in device memory
+    tp: int = 1                         # reference: this process is one of `tp` tensor-parallel ranks
+    arch_path: str | None = None        # GPU: run another arch's code path (e.g. "sm_86" PTX on an sm_90 card)
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend {self.backend!r} is not available (available: {', '.join(BACKENDS)})")
+        if self.tp > 1 and self.backend != "reference":
+            raise ValueError(f"--tp {self.tp} runs on the reference backend (gloo); the GPU runtime over NCCL is "
+                             "not built yet")
+        if self.random_weights not in ("host", "device"):
+            raise ValueError(f"random_weights must be 'host' or 'device', got {self.random_weights!r}")
+        if self.state_mode not in ("replayssm", "snapshot"):
+            raise ValueError(f"state_mode must be 'replayssm' or 'snapshot', got {self.state_mode!r}")
+        if self.cohorts < 1:
+            raise ValueError(f"cohorts must be ≥ 1, got {self.cohorts}")
+        if self.draft is not None and self.draft < 0:
+            raise ValueError(f"draft must be ≥ 0, got {self.draft}")
+        if self.arch_path is not None and self.backend != "gpu":
+            raise ValueError(f"arch_path {self.arch_path!r} chooses the GPU's code path: use it with backend 'gpu'")
+
+
+def load(path_or_spec=None, opts: LoadOptions | None = None, /, **fields) -> Model:
+    """Load a model. `path_or_spec`: an HF checkpoint directory, a container `ninfer-gen convert` wrote
+    (its sha256 hashes checked unless `verify=False`), a spec .yaml (seeded random weights), a ModelSpec,
+    or None for the small model shipped in the repository. `opts` (LoadOptions) and/or its fields as keywords
+    say how. With `draft` > 0 a checkpoint must have its MTP layer (else it loads without one).
+    On the GPU the weights always take the spec's recipe (quantised at load); with a spec and
+    random_weights="device" they are drawn on the GPU directly (any size, seconds; values differ from the
+    host draw of the same seed)."""
+    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(LoadOptions)})
+    if unknown:
+        raise ValueError(f"load() has no option {', '.join(map(repr, unknown))} (LoadOptions lists them)")
+    o = dataclasses.replace(opts or LoadOptions(), **fields)
+    if o.backend == "gpu":
+        return _load_gpu(path_or_spec, o)
+    draft, verify, quantize, tp = o.draft, o.verify, o.quantize, o.tp
+    spec, tensors, folder, source = _resolve(path_or_spec, verify, bool(draft))
+    if quantize:
+        from ninfer_gen.weights.checkpoint import dequantized, quantize_weights
+        from ninfer_gen.weights.container import is_container
+
+        from ninfer_gen.weights.gguf_load import is_gguf
+        stored = isinstance(path_or_spec, (str, Path)) and is_gguf(path_or_spec)    # a GGUF keeps its formats
+        if not (folder and is_container(folder)) and not stored:  # a container holds the recipe's formats already
+            tensors = dequantized(quantize_weights(spec, tensors))
+    device = o.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    rank_spec = spec
+    if tp > 1:
+        from compiler.shard import shard_spec, shard_weights
+        from ninfer_gen.parallel import rank_of
+
+        rank_spec, tensors = shard_spec(spec, tp), shard_weights(spec, tensors, tp, rank_of(tp))
+    ref = ReferenceBackend(rank_spec, tensors, device=device, dtype=o.dtype, kv_dtype=o.kv_dtype,
+                           max_context=o.max_context)
+    return Model(spec, ref, folder, source)
+
+
+def _load_gpu(path_or_spec, o: LoadOptions) -> Model:
+    if not torch.cuda.is_available():
+        raise RuntimeError("the GPU backend needs a CUDA device; none is visible (use backend='reference')")
+    from ninfer_gen.executor.device_weights import random_on_device
+    from ninfer_gen.executor.gpu_backend import GpuBackend
+    from ninfer_gen.executor.memory_plan import GiB
+
+    budget = o.vram_budget or int(24 * GiB)
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))   # the budget binds the allocator too
+    if o.random_weights == "device" and (isinstance(path_or_spec, ModelSpec) or
+                                         str(path_or_spec).endswith((".yaml", ".yml"))):
+        spec = path_or_spec if isinstance(path_or_spec, ModelSpec) else load_spec(path_or_spec)
+        weights = random_on_device(spec, seed=0, progress=o.progress)
+        folder, source = None, f"{spec.name} (random weights drawn on the GPU, seed 0)"
+    else:
+        spec, weights, folder, source = _device_weights(path_or_spec, o.progress, o.verify, bool(o.draft))
+    ids = o.draft_vocab
+    if ids is not None and not isinstance(ids, (list, tuple)):
+        from ninfer_gen.weights.draft_vocab import load as load_draft_vocab
+        ids = load_draft_vocab(ids, spec.model.vocab_size)
+    backend = GpuBackend(spec, weights, max_context=o.max_context, kv_dtype=o.kv_dtype, vram_budget=budget,
+                         draft_vocab=list(ids) if ids is not None else None,
+                         options=o.compile_options or CompileOptions(), build_root=o.build_root,
+                         all_logits=o.all_logits, use_graphs=o.use_graphs, progress=o.progress, draft=o.draft,
+                         round_mode="snapshot" if o.state_mode == "snapshot" else "fused",
+                         accept_coin=o.accept_coin, cohorts=o.cohorts, kv_pool_tokens=o.kv_pool_tokens,
+                         prefix_states=o.prefix_states, arch_path=o.arch_path)
+    return Model(spec, backend, folder, source)
+
+
+def _device_weights(path_or_spec, progress: bool, verify: bool, require_mtp: bool):
+    """GPU weights: a container's planes copied as stored, an HF checkpoint streamed and quantised on the
+    GPU one tensor at a time, or host tensors (random weights of a spec) quantised, then copied."""
+    from ninfer_gen.executor.device_weights import from_checkpoint, from_container, from_host
+    from ninfer_gen.weights.checkpoint import quantize_weights
+    from ninfer_gen.weights.container import is_container
+
+    path = DEFAULT_MODEL if path_or_spec is None and (DEFAULT_MODEL / "config.json").is_file() else path_or_spec
+    from ninfer_gen.weights.gguf_load import folder_of, is_gguf, iter_tensors, open_gguf
+    if isinstance(path, (str, Path)) and is_gguf(path):      # one tensor at a time, formats as stored
+        from ninfer_gen.executor.device_weights import from_stream
+        g = open_gguf(path, require_mtp=require_mtp)
+        return g.spec, from_stream(g.spec, iter_tensors(g, progress)), folder_of(g), f"{path} (GGUF)"
+    if isinstance(path, (str, Path)) and Path(path).is_dir():
+        path = Path(path)
+        if is_container(path):
+            weights = from_container(path, verify=verify, require_mtp=require_mtp, progress=progress)
+            return weights.spec, weights, path, f"{path} (converted)"
+        weights = from_checkpoint(path, require_mtp=require_mtp, progress=progress)
+        return weights.spec, weights, path, str(path)
+    spec, tensors, folder, source = _resolve(path_or_spec)
+    return spec, from_host(spec, quantize_weights(spec, tensors), progress=progress), folder, source
