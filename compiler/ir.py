@@ -1,7 +1,8 @@
-"""ir: the graph IR — typed variables, equations and graphs, their stable text form, and `typecheck`.
+"""ir: the graph IR — typed variables, equations and graphs, and their stable text form.
 
 A Graph is flat and single-assignment (layers unrolled). Its text is what golden tests compare and
-what the build cache key hashes. Primitive semantics live in `compiler.prims`, never here.
+what the build cache key hashes. Primitive semantics live in `compiler.prims`, never here; a leaf: it
+imports no other compiler module (`compiler.typecheck` checks a Graph against the primitives).
 """
 from __future__ import annotations
 
@@ -130,33 +131,3 @@ def format_graph(g: Graph) -> str:
     lines.append("  return " + ", ".join(f"{k}={name(v)}" for k, v in g.outputs.items()))
     lines.append("}")
     return "\n".join(lines)
-
-
-class TypeError_(TypeError):
-    pass
-
-
-def typecheck(g: Graph) -> None:
-    """Every input is defined before use, every output is defined once, and every equation's
-    output avals equal what its primitive's shape rule says."""
-    from .prims import PRIMS
-
-    defined = {v.uid for grp in (g.inputs, g.weights, g.state) for v in grp.values()}
-    for i, e in enumerate(g.eqns):
-        if e.prim not in PRIMS:
-            raise TypeError_(f"eqn {i}: unknown primitive {e.prim!r}")
-        for x in e.inputs:
-            if isinstance(x, Var) and x.uid not in defined:
-                raise TypeError_(f"eqn {i} ({e.prim}): input {x} used before it is defined")
-        avals = [x.aval if isinstance(x, Var) else x for x in e.inputs]
-        expected = PRIMS[e.prim].shape_rule(*avals, **e.params)
-        got = [o.aval for o in e.outputs]
-        if list(expected) != got:
-            raise TypeError_(f"eqn {i} ({e.prim}): outputs {got} but the shape rule gives {list(expected)}")
-        for o in e.outputs:
-            if o.uid in defined:
-                raise TypeError_(f"eqn {i} ({e.prim}): {o} assigned twice")
-            defined.add(o.uid)
-    for k, v in g.outputs.items():
-        if v.uid not in defined:
-            raise TypeError_(f"output {k} is never defined")

@@ -5,20 +5,14 @@ parsing of the `--ptxas-options=-v` report. Never loads a module or touches a GP
 """
 from __future__ import annotations
 
-import os
 import re
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-# A driver-side compute cache hit returns an empty ptxas log; the resource report needs a real compile.
-# This must be set before libnvrtc loads, so before the import below (set, never read: the report is
-# what the build cache records).
-os.environ["CUDA_CACHE_DISABLE"] = "1"
-
-from cuda.bindings import nvrtc  # noqa: E402
-from cuda.pathfinder import locate_nvidia_header_directory  # noqa: E402
+from cuda.bindings import nvrtc
+from cuda.pathfinder import locate_nvidia_header_directory
 
 
 class KernelCompileError(RuntimeError):
@@ -108,7 +102,10 @@ def compile_source(source: str, name: str, arch: str, options: list[str], *,
     # sm_XX gives a cubin for exactly that arch (what the runtime loads); compute_XX gives portable PTX.
     arch_opt = f"--gpu-architecture={'compute_' + arch[3:] if ptx else arch}"
     # -v: ptxas reports registers, shared memory, stack and spills per entry (parsed into `resources`).
-    opts = [arch_opt, *options] + ([] if ptx else ["--ptxas-options=-v"])
+    # --no-cache: NVRTC (12.9+) keeps compiles in a cache beside the driver's, and a hit returns the image
+    # with an empty log, so no report. Per compile, unlike CUDA_CACHE_DISABLE, which NVRTC reads once when
+    # its cache first initialises (`--enable-cache-trace` shows both) and which would be process-wide.
+    opts = [arch_opt, *options] + ([] if ptx else ["--ptxas-options=-v", "--no-cache"])
     t0 = time.perf_counter()
     prog = _check(nvrtc.nvrtcCreateProgram(source.encode(), f"{name}.cu".encode(), 0, [], []),
                   "nvrtcCreateProgram")

@@ -14,9 +14,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable
 
-from .ir import AVal, Eqn, Graph, Var, typecheck
+from .ir import AVal, Eqn, Graph, Var
 from .options import CompileOptions
 from .prims import PRIMS
+from .typecheck import typecheck
 
 Pass = Callable[[Graph], Graph]
 

@@ -14,7 +14,7 @@ conv history still takes the logged columns (its snapshots would be 3 columns ea
 from __future__ import annotations
 
 from ._torch import torch
-from .reference_ops import _gdn_recurrent, _l2norm, _read_slots, _valid, gdn_conv_output, gdn_gates
+from .reference_ops import gdn_conv_output, gdn_gates, gdn_sequential, l2norm, read_slots, valid_rows
 
 
 def bind_torch() -> None:
@@ -44,9 +44,9 @@ def _log(rec, rows: list[int], value) -> None:
 
 def gdn_conv_record(c, w, history, slots, rec):
     """The verify step's conv over [history ++ c]; history untouched; rec[r] = c[r] for valid rows."""
-    hist = _read_slots(history, slots).to(c.dtype)
+    hist = read_slots(history, slots).to(c.dtype)
     out, _ = gdn_conv_output(c, w, hist)
-    _log(rec, _valid(slots), c)
+    _log(rec, valid_rows(slots), c)
     return out
 
 
@@ -63,11 +63,11 @@ def gdn_recurrence_record(q, k, v, g, beta, state, slots, rec_k, rec_v, rec_g):
     (g, beta) of the valid rows."""
     B, T, hk, dk = q.shape
     grp = v.shape[2] // hk
-    qf = (_l2norm(q.float()) / dk ** 0.5).repeat_interleave(grp, dim=2).transpose(1, 2)
-    kf = _l2norm(k.float()).repeat_interleave(grp, dim=2).transpose(1, 2)
+    qf = (l2norm(q.float()) / dk ** 0.5).repeat_interleave(grp, dim=2).transpose(1, 2)
+    kf = l2norm(k.float()).repeat_interleave(grp, dim=2).transpose(1, 2)
     vf, gf, bf = v.float().transpose(1, 2), g.float().transpose(1, 2), beta.float().transpose(1, 2)
-    out, _ = _gdn_recurrent(qf, kf, vf, gf, bf, _read_slots(state, slots))
-    rows = _valid(slots)
+    out, _ = gdn_sequential(qf, kf, vf, gf, bf, read_slots(state, slots))
+    rows = valid_rows(slots)
     _log(rec_k, rows, k)
     _log(rec_v, rows, v)
     _log(rec_g, rows, torch.stack((g.float(), beta.float()), dim=-1))
@@ -86,10 +86,10 @@ def gdn_fold(state, slots, rec_k, rec_v, rec_g, commit):
     hk = rec_k.shape[2]
     grp = rec_v.shape[2] // hk
     for r, s, m in _folds(slots, commit, rec_k.shape[1]):
-        kf = _l2norm(rec_k[r:r + 1, :m].float()).repeat_interleave(grp, dim=2).transpose(1, 2)
+        kf = l2norm(rec_k[r:r + 1, :m].float()).repeat_interleave(grp, dim=2).transpose(1, 2)
         vf = rec_v[r:r + 1, :m].float().transpose(1, 2)
         gb = rec_g[r:r + 1, :m].transpose(1, 2)
-        _, s1 = _gdn_recurrent(None, kf, vf, gb[..., 0], gb[..., 1], state[s:s + 1])
+        _, s1 = gdn_sequential(None, kf, vf, gb[..., 0], gb[..., 1], state[s:s + 1])
         state[s] = s1[0]
 
 
@@ -98,16 +98,16 @@ def gdn_recurrence_snapshot(q, k, v, g, beta, state, slots, snaps):
     state after token t of each valid row (snaps [B, T, Hv, Dk, Dv] fp32)."""
     B, T, hk, dk = q.shape
     grp = v.shape[2] // hk
-    qf = (_l2norm(q.float()) / dk ** 0.5).repeat_interleave(grp, dim=2).transpose(1, 2)
-    kf = _l2norm(k.float()).repeat_interleave(grp, dim=2).transpose(1, 2)
+    qf = (l2norm(q.float()) / dk ** 0.5).repeat_interleave(grp, dim=2).transpose(1, 2)
+    kf = l2norm(k.float()).repeat_interleave(grp, dim=2).transpose(1, 2)
     vf, gf, bf = v.float().transpose(1, 2), g.float().transpose(1, 2), beta.float().transpose(1, 2)
-    s = _read_slots(state, slots)
+    s = read_slots(state, slots)
     outs = []
     for t in range(T):
-        o, s = _gdn_recurrent(qf[:, :, t:t + 1], kf[:, :, t:t + 1], vf[:, :, t:t + 1], gf[:, :, t:t + 1],
+        o, s = gdn_sequential(qf[:, :, t:t + 1], kf[:, :, t:t + 1], vf[:, :, t:t + 1], gf[:, :, t:t + 1],
                               bf[:, :, t:t + 1], s)
         outs.append(o)
-        for r in _valid(slots):
+        for r in valid_rows(slots):
             snaps[r, t] = s[r]
     return torch.cat(outs, dim=2).transpose(1, 2).to(v.dtype)
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import model
-from .ir import Graph, typecheck
+from .ir import Graph
 from .ops import TraceOps
 from .spec import DRAFT_HEAD, ModelSpec, draft_head_info, tensor_table
+from .typecheck import typecheck
 
 ENTRIES = ("prefill", "step", "verify", "commit", "mtp")
 _ACT_DTYPE_OF_FORMAT = {"bf16": "bf16", "fp32": "f32"}

@@ -1,6 +1,8 @@
-"""Shared pytest setup: the `gpu` marker skips cleanly on machines without a usable CUDA driver; torch's
-OpenMP threads sleep instead of spinning when idle (OMP_WAIT_POLICY=PASSIVE, set before torch loads: on a
-busy 2-core machine spinning threads stall each other — the same bits, up to 10× slower decode)."""
+"""Shared pytest setup: the `gpu` marker skips cleanly on machines without a usable CUDA driver; the
+`slow_gpu` marker (statistical GPU cases, minutes each) skips unless `-m` names it or NINFER_SLOW_GPU=1, so
+`pytest -m gpu` stays within its 5-minute budget; torch's OpenMP threads sleep instead of spinning when idle
+(OMP_WAIT_POLICY=PASSIVE, set before torch loads: on a busy 2-core machine spinning threads stall each
+other — the same bits, up to 10× slower decode)."""
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -16,7 +18,27 @@ def _gpu_available() -> bool:
         return False
 
 
+@pytest.fixture
+def one_thread():
+    """torch on one CPU thread for the test: a bit-for-bit comparison of two torch CPU computations holds
+    the bits our code decides only when both run on the same thread split (tests/rounding.py says why)."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _slow_gpu_asked(config) -> bool:
+    return "slow_gpu" in (config.getoption("markexpr") or "") or os.environ.get("NINFER_SLOW_GPU") == "1"
+
+
 def pytest_collection_modifyitems(config, items):
+    if not _slow_gpu_asked(config):
+        slow = pytest.mark.skip(reason="slow statistical GPU case: run with -m slow_gpu or NINFER_SLOW_GPU=1")
+        for item in items:
+            if "slow_gpu" in item.keywords:
+                item.add_marker(slow)
     if _gpu_available():
         return
     skip = pytest.mark.skip(reason="no CUDA GPU on this machine")

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from compiler.ir import AVal, Eqn, TypeError_, Var, typecheck
+from compiler.ir import AVal, Eqn, Var
+from compiler.typecheck import TypeError_, typecheck
 from compiler.spec import load_spec
 from compiler.trace import StatePools, trace
 

@@ -162,12 +162,12 @@ def test_plan_bindings_are_checked_against_the_family_parameters():
 
 
 def test_compiler_never_reaches_the_runtime_or_the_environment():
-    """The compiler sits below everything: no module under compiler/ imports ninfer_gen, and none reads
-    os.environ (options come in as CompileOptions; nvrtc.py only sets CUDA_CACHE_DISABLE for NVRTC)."""
+    """The compiler sits below everything: no module under compiler/ imports ninfer_gen, and none reads or
+    writes os.environ (options come in as CompileOptions; NVRTC's cache is bypassed per compile by an option)."""
     import re
 
     for path in (Path(__file__).parent.parent / "compiler").rglob("*.py"):
         text = path.read_text()
         assert not re.search(r"^\s*(from|import)\s+ninfer_gen", text, re.M), f"{path} imports the runtime"
-        reads = re.findall(r"os\.environ(?:\.get|\.setdefault|\[[^\]]+\](?!\s*=)|\s*\)|\.copy)", text)
-        assert not reads and "getenv" not in text, f"{path} reads the environment: {reads}"
+        uses = re.findall(r"os\.environ\S*|\b(?:get|put|unset)env\b", text)
+        assert not uses, f"{path} reads or writes the environment: {uses}"

@@ -40,9 +40,12 @@ def _inputs(entry, batch, tokens):
     return inp
 
 
+@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("entry,batch,tokens", [("step", 2, 1), ("step", 2, 4), ("prefill", 1, 20), ("mtp", 2, 2)])
 def test_fused_graph_is_bit_identical(entry, batch, tokens):
-    """Every pass but the norm fold (tested below to a tolerance: it reassociates) keeps the bits."""
+    """Every pass but the norm fold (tested below to a tolerance: it reassociates) keeps the bits: the fused
+    references make the unfused ones' torch calls in their order. On one thread, so the bits are ours and
+    not a thread split's."""
     g = trace(SPEC, entry, batch, tokens, POOLS)
     fused = run_pipeline(g, CompileOptions(norm_fold=False))
     if entry != "mtp":               # the layer's q/k norm + RoPE + KV append became one equation

@@ -4,7 +4,11 @@ against the straightforward forms they replaced — the plain interpreter walk a
 commit 2532462, kept below as the oracle — on the shipped small model: prefill chunks (the chunked GDN
 form), decode steps across a KV page boundary, a verify and commit (ReplaySSM records and folds), the
 MTP head, a two-row step with a padding row and slots out of order; with fp32 KV, INT8 KV and bf16
-activations. Logits, hidden states and every state tensor must be equal bit for bit.
+activations. Logits, hidden states and every state tensor must agree to rounding (tests/rounding.py): the
+two forms make the same torch calls on the same values, but their buffers sit at other addresses, and
+torch's threaded CPU matmul does not keep its bits across addresses or thread splits (measured: equal at
+one thread, up to 7.5e-7 of the largest magnitude at 2 threads). Where the bits are ours alone — the kept
+weight constants, elementwise on small tensors — they are compared bit for bit.
 
 Speed is not asserted here: `python -m lab.reference_speed` prints it.
 """
@@ -20,6 +24,7 @@ from compiler.interpret import Program
 from compiler.ir import Lit
 from compiler.prims import PRIMS
 from ninfer_gen.reference import ReferenceBackend
+from rounding import assert_same_to_rounding
 
 PROMPT = ("def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n\n"
           "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
@@ -94,8 +99,8 @@ def gdn_recurrence(q, k, v, g, beta, state, slots):
     B, T, hk, dk = q.shape
     hv = v.shape[2]
     grp = hv // hk
-    qf = (ref._l2norm(q.float()) / dk ** 0.5).repeat_interleave(grp, dim=2).transpose(1, 2)
-    kf = ref._l2norm(k.float()).repeat_interleave(grp, dim=2).transpose(1, 2)
+    qf = (ref.l2norm(q.float()) / dk ** 0.5).repeat_interleave(grp, dim=2).transpose(1, 2)
+    kf = ref.l2norm(k.float()).repeat_interleave(grp, dim=2).transpose(1, 2)
     vf, gf, bf = v.float().transpose(1, 2), g.float().transpose(1, 2), beta.float().transpose(1, 2)
     if state is None:
         s0 = vf.new_zeros(B, hv, dk, v.shape[3])
@@ -172,8 +177,8 @@ def gdn_conv_fold(history, slots, rec, commit):
 def gdn_recurrence_record(q, k, v, g, beta, state, slots, rec_k, rec_v, rec_g):
     B, T, hk, dk = q.shape
     grp = v.shape[2] // hk
-    qf = (ref._l2norm(q.float()) / dk ** 0.5).repeat_interleave(grp, dim=2).transpose(1, 2)
-    kf = ref._l2norm(k.float()).repeat_interleave(grp, dim=2).transpose(1, 2)
+    qf = (ref.l2norm(q.float()) / dk ** 0.5).repeat_interleave(grp, dim=2).transpose(1, 2)
+    kf = ref.l2norm(k.float()).repeat_interleave(grp, dim=2).transpose(1, 2)
     vf, gf, bf = v.float().transpose(1, 2), g.float().transpose(1, 2), beta.float().transpose(1, 2)
     out, _ = _gdn_recurrent(qf, kf, vf, gf, bf, state[slots.long().clamp(min=0)])
     rows = _valid(slots)
@@ -190,7 +195,7 @@ def gdn_fold(state, slots, rec_k, rec_v, rec_g, commit):
         if m <= 0:
             continue
         s = int(slots[r])
-        kf = ref._l2norm(rec_k[r:r + 1, :m].float()).repeat_interleave(grp, dim=2).transpose(1, 2)
+        kf = ref.l2norm(rec_k[r:r + 1, :m].float()).repeat_interleave(grp, dim=2).transpose(1, 2)
         vf = rec_v[r:r + 1, :m].float().transpose(1, 2)
         gb = rec_g[r:r + 1, :m].transpose(1, 2)
         _, s1 = _gdn_recurrent(torch.zeros_like(kf), kf, vf, gb[..., 0], gb[..., 1], state[s:s + 1])
@@ -234,6 +239,7 @@ def shipped():
 
 
 def _same(a, b, what):
+    """Bit for bit: for results our code decides alone (elementwise torch on small tensors, one thread)."""
     assert a.dtype == b.dtype and a.shape == b.shape, what
     assert torch.equal(a, b), f"{what}: differs by {(a.double() - b.double()).abs().max().item():.3g}"
 
@@ -291,18 +297,18 @@ def _padded_step(be, ids):
 
 
 @pytest.mark.parametrize("dtype,kv,prompt", [("float32", None, 59), ("float32", "int8", 59), ("bfloat16", None, 10)])
-def test_fast_reference_equals_the_plain_one_bit_for_bit(shipped, dtype, kv, prompt):
+def test_fast_reference_equals_the_plain_one_to_rounding(shipped, dtype, kv, prompt):
     model, weights = shipped
     ids = model.tokenizer.encode(PROMPT)
     assert len(ids) >= 64
     fast = ReferenceBackend(model.spec, weights, dtype=dtype, kv_dtype=kv, max_context=256)
     plain = PlainBackend(model.spec, weights, dtype=dtype, kv_dtype=kv, max_context=256)
     for (label, a), (_, b) in zip(_session(fast, ids, prompt), _session(plain, ids, prompt), strict=True):
-        _same(a, b, label)
+        assert_same_to_rounding(a, b, label)
     for (label, a), (_, b) in zip(_padded_step(fast, ids), _padded_step(plain, ids), strict=True):
-        _same(a, b, label)
+        assert_same_to_rounding(a, b, label)
     for name in fast.state:
-        _same(fast.state[name], plain.state[name], f"state {name}")
+        assert_same_to_rounding(fast.state[name], plain.state[name], f"state {name}")
 
 
 def test_program_runs_a_graph_as_the_plain_walk_does(shipped):
@@ -319,10 +325,10 @@ def test_program_runs_a_graph_as_the_plain_walk_does(shipped):
     after = {k: v.clone() for k, v in be.state.items()}
     be.state.update({k: v.clone() for k, v in before.items()})
     want = plain_run_graph(graph, inputs, be.weights, be.state)
-    for k in got:
-        _same(got[k], want[k], k)
+    for k in got:                                   # the same torch calls from other buffers: to rounding
+        assert_same_to_rounding(got[k], want[k], k)
     for k in after:
-        _same(after[k], be.state[k], k)
+        assert_same_to_rounding(after[k], be.state[k], k)
     be.release(seq)
     with pytest.raises(KeyError, match="no input bound for slots"):
         Program(graph).run({k: v for k, v in inputs.items() if k != "slots"}, be.weights, be.state)

@@ -49,6 +49,7 @@ def _gdn(state: dict) -> dict:
     return {k: v.clone() for k, v in state.items() if k.startswith("gdn.")}
 
 
+@pytest.mark.usefixtures("one_thread")              # fold == replay bit for bit is our code's: one thread split
 @pytest.mark.parametrize("fused", [False, True])
 def test_verify_keeps_state_and_fold_equals_sequential_steps(weights, fused):
     prep = (lambda g: run_pipeline(g)) if fused else (lambda g: g)

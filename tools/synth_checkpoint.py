@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from compiler.spec import ModelSpec, load_spec, tensor_table
-from ninfer_gen.weights.random_weights import _draw
+from ninfer_gen.weights.random_weights import draw_tensor
 from ninfer_gen.weights.safetensors_io import ShardWriter
 
 INDEX = "model.safetensors.index.json"
@@ -67,7 +67,7 @@ def draw(spec: ModelSpec, name: str, shape: tuple[int, ...], seed: int, device) 
     gen = torch.Generator(device=device).manual_seed(_seed(seed, name))
     if name.startswith("model.visual."):
         return (torch.randn(shape, generator=gen, device=device) * 0.02).to(torch.bfloat16)
-    w = _draw(name, shape, gen)
+    w = draw_tensor(name, shape, gen)
     if name == ("embed_tokens.weight" if spec.model.tie_word_embeddings else "lm_head.weight"):
         w = w * 2.0                                # logit std ≈ 2 on normed hidden states, as random_weights
     return w.to(torch.bfloat16)

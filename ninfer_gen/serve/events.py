@@ -1,6 +1,6 @@
 """events: what `parsing.OutputParser` reports — reasoning and content text, tool calls as they stream
 (start, argument deltas, end or invalid) — the markup tags, and the helpers that merge events
-(`coalesce`, `collect`) and hold back a tag split across deltas (`_held`)."""
+(`coalesce`, `collect`) and hold back a tag split across deltas (`held`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -112,7 +112,7 @@ def prompt_opens_thinking(prompt: str) -> bool:
     return prompt.rstrip().endswith(THINK_OPEN)
 
 
-def _held(text: str, *tags: str) -> int:
+def held(text: str, *tags: str) -> int:
     """Length of the longest end of `text` that could be the start of one of `tags`."""
     best = 0
     for tag in tags:

@@ -34,8 +34,8 @@ from __future__ import annotations
 # the events and helpers are part of this module's interface (re-exported from serve.events)
 from .events import (CALL_CLOSE, CALL_OPEN, FUNCTION_OPEN, THINK_CLOSE, THINK_OPEN, ContentDelta,  # noqa: F401
                      ParsedOutput, ReasoningDelta, ToolCall, ToolCallArgumentsDelta, ToolCallEnd, ToolCallInvalid,
-                     ToolCallStart, _held, coalesce, collect, prompt_opens_thinking)
-from .toolcalls import _JsonCall, _XmlCall, _schema_types
+                     ToolCallStart, coalesce, collect, held, prompt_opens_thinking)
+from .toolcalls import JsonCall, XmlCall, schema_types
 
 __all__ = ["ContentDelta", "OutputParser", "ParsedOutput", "ReasoningDelta", "ToolCall", "ToolCallArgumentsDelta",
            "ToolCallEnd", "ToolCallInvalid", "ToolCallStart", "coalesce", "collect", "parse_output",
@@ -55,7 +55,7 @@ class OutputParser:
                  tools=None):
         self.thinking = thinking
         self.parse_tool_calls = parse_tool_calls
-        self._types = _schema_types(tools)
+        self._types = schema_types(tools)
         self._mode = (_REASONING if starts_in_reasoning else _START) if thinking else _CONTENT
         self._lstrip = self._mode == _REASONING       # drop the whitespace that opens a section
         self._buf = ""
@@ -87,32 +87,34 @@ class OutputParser:
             self._done = True
         return self._take()
 
+    # -- what the tool-call recognisers report to (toolcalls.CallSink) --------------------------
+
+    def emit(self, event) -> None:
+        self._events.append(event)
+
+    def start_call(self, name: str) -> int:
+        index, self._calls = self._calls, self._calls + 1
+        self.emit(ToolCallStart(index, name))
+        return index
+
     # -- internals -----------------------------------------------------------------------------
 
     def _take(self) -> list:
         events, self._events = self._events, []
         return events
 
-    def _emit(self, event) -> None:
-        self._events.append(event)
-
-    def _start_call(self, name: str) -> int:
-        index, self._calls = self._calls, self._calls + 1
-        self._emit(ToolCallStart(index, name))
-        return index
-
     def _text(self, kind, text: str) -> None:
         if self._lstrip:
             text = text.lstrip()
         if text:
             self._lstrip = False
-            self._emit(kind(text))
+            self.emit(kind(text))
 
     def _invalid(self, reason: str) -> None:
         index = getattr(self._call, "index", None)
         raw = "".join(self._raw)
-        self._emit(ToolCallInvalid(index, reason, raw))
-        self._emit(ContentDelta(raw))
+        self.emit(ToolCallInvalid(index, reason, raw))
+        self.emit(ContentDelta(raw))
         self._raw, self._call, self._lstrip = [], None, False
         self._mode = _CALL_RAW
 
@@ -147,12 +149,12 @@ class OutputParser:
         if mode == _CALL_RAW:
             at = buf.find(CALL_CLOSE)
             if at >= 0:
-                self._emit(ContentDelta(buf[:at + len(CALL_CLOSE)]))
+                self.emit(ContentDelta(buf[:at + len(CALL_CLOSE)]))
                 self._buf, self._mode = buf[at + len(CALL_CLOSE):], _CONTENT
                 return True
-            keep = 0 if final else _held(buf, CALL_CLOSE)
+            keep = 0 if final else held(buf, CALL_CLOSE)
             if len(buf) > keep:
-                self._emit(ContentDelta(buf[:len(buf) - keep]))
+                self.emit(ContentDelta(buf[:len(buf) - keep]))
             self._buf = buf[len(buf) - keep:]
             return False
         if mode == _CALL_OPENED:
@@ -160,12 +162,12 @@ class OutputParser:
             self._raw.append(buf[:len(buf) - len(head)])
             self._buf = head
             if head.startswith("{"):
-                self._call, self._mode = _JsonCall(self), _CALL
+                self._call, self._mode = JsonCall(self), _CALL
                 return True
             if head.startswith(FUNCTION_OPEN):
                 self._raw.append(FUNCTION_OPEN)
                 self._buf = head[len(FUNCTION_OPEN):]
-                self._call, self._mode = _XmlCall(self, self._types), _CALL
+                self._call, self._mode = XmlCall(self, self._types), _CALL
                 return True
             if not final and FUNCTION_OPEN.startswith(head):
                 return False
@@ -192,7 +194,7 @@ class OutputParser:
             self._text(kind, buf)
             self._buf = ""
             return
-        head = buf[:len(buf) - _held(buf, tag)]
+        head = buf[:len(buf) - held(buf, tag)]
         text = head.rstrip()
         self._text(kind, text)
         self._buf = buf[len(text):]

@@ -1,19 +1,27 @@
 """toolcalls: the two Qwen tool-call markups inside `<tool_call>…</tool_call>`, each an incremental
-recogniser the output parser feeds character runs: JSON (`_JsonCall`, validated character by character,
-the arguments streamed as the model's own JSON text) and XML (`_XmlCall`, parameters typed by the tools'
-schemas, string parameters streamed)."""
+recogniser the output parser feeds character runs: JSON (`JsonCall`, validated character by character,
+the arguments streamed as the model's own JSON text) and XML (`XmlCall`, parameters typed by the tools'
+schemas, string parameters streamed). A recogniser reports to a `CallSink` (the parser); it never imports
+the parser."""
 from __future__ import annotations
 
 import json
 import re
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .events import (CALL_CLOSE, FUNCTION_CLOSE, MAX_NAME_CHARS, PARAMETER_CLOSE, PARAMETER_OPEN, ToolCall,
-                     ToolCallArgumentsDelta, ToolCallEnd, _held)
+                     ToolCallArgumentsDelta, ToolCallEnd, held)
 
-if TYPE_CHECKING:
-    from .parsing import OutputParser
+
+class CallSink(Protocol):
+    """Where a recogniser reports (`parsing.OutputParser`): a call's start, which gives its index, and its
+    argument deltas and end."""
+
+    def start_call(self, name: str) -> int: ...
+
+    def emit(self, event) -> None: ...
+
 # ---------------------------------------------------------------------------------- JSON tool calls
 
 _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?\Z")
@@ -28,13 +36,13 @@ _LITERALS = {"t": "true", "f": "false", "n": "null"}
 _VALUE, _KEY_OR_END, _KEY, _COLON, _AFTER, _VALUE_OR_END, _STRING, _NUMBER_S, _LITERAL, _END = range(10)
 
 
-class _JsonCall:
+class JsonCall:
     """One `<tool_call>` body in JSON form: validates it character by character (a JSON automaton),
     watches the members of the top object for "name" and "arguments", and streams the arguments. Keeps
     only what it needs (keys, the name, numbers being read, the arguments' text), so a long call costs
     time in proportion to its length however finely it is fed."""
 
-    def __init__(self, parser: OutputParser):
+    def __init__(self, parser: CallSink):
         self.parser = parser
         self.length = 0                    # characters of the body consumed
         self.stack: list[str] = []
@@ -207,33 +215,33 @@ class _JsonCall:
             if hi > lo:
                 self.args_pending.append(text[lo - base:hi - base])
         if self.name is not None and self.index is None:
-            self.index = self.parser._start_call(self.name)
+            self.index = self.parser.start_call(self.name)
         if self.index is not None and self.args_pending:
             piece = "".join(self.args_pending)
             self.args_pending.clear()
             self.args_text.append(piece)
-            self.parser._emit(ToolCallArgumentsDelta(self.index, piece))
+            self.parser.emit(ToolCallArgumentsDelta(self.index, piece))
         if closed:
             error = self._finish()
         return used, error, closed and error is None
 
     def _finish(self) -> str | None:
         if self.args_start is None:
-            self.parser._emit(ToolCallArgumentsDelta(self.index, "{}"))
+            self.parser.emit(ToolCallArgumentsDelta(self.index, "{}"))
             self.args_text.append("{}")
         text = "".join(self.args_text)
         try:
             arguments = json.loads(text)
         except (ValueError, RecursionError):
             return "the tool call's arguments are not valid JSON"
-        self.parser._emit(ToolCallEnd(self.index, ToolCall(self.name, arguments, text)))
+        self.parser.emit(ToolCallEnd(self.index, ToolCall(self.name, arguments, text)))
         return None
 
 
 # ----------------------------------------------------------------------------------- XML tool calls
 
 
-def _schema_types(tools) -> dict[str, dict[str, str]]:
+def schema_types(tools) -> dict[str, dict[str, str]]:
     """function name → parameter name → JSON schema type, from OpenAI-style or plain tool schemas."""
     out: dict[str, dict[str, str]] = {}
     for tool in tools or ():
@@ -287,10 +295,10 @@ def _typed(value: str, kind: str | None):
         return value
 
 
-class _XmlCall:
+class XmlCall:
     """One `<tool_call>` body in XML form, after `<function=`: the name, the parameters one by one."""
 
-    def __init__(self, parser: OutputParser, types: dict[str, dict[str, str]]):
+    def __init__(self, parser: CallSink, types: dict[str, dict[str, str]]):
         self.parser = parser
         self.types = types
         self.state = "name"
@@ -306,7 +314,7 @@ class _XmlCall:
 
     def _send(self, text: str) -> None:
         self.args_text.append(text)
-        self.parser._emit(ToolCallArgumentsDelta(self.index, text))
+        self.parser.emit(ToolCallArgumentsDelta(self.index, text))
 
     def _take(self, piece: str) -> str:
         """A consumed piece of a parameter's value, less the newline that opens it."""
@@ -335,7 +343,7 @@ class _XmlCall:
                 pos += end + 1
                 if self.state == "name":
                     self.name, self.state = head.strip(), "between"
-                    self.index = self.parser._start_call(self.name)
+                    self.index = self.parser.start_call(self.name)
                 else:
                     self.param, self.value, self.lead, self.sent = head.strip(), [], None, 0
                     self.state = "value"
@@ -347,7 +355,7 @@ class _XmlCall:
             if self.state == "value":
                 end = rest.find(PARAMETER_CLOSE)
                 if end < 0:
-                    keep = _held(rest, "\n" + PARAMETER_CLOSE, PARAMETER_CLOSE)
+                    keep = held(rest, "\n" + PARAMETER_CLOSE, PARAMETER_CLOSE)
                     piece = self._take(rest[:len(rest) - keep])
                     pos += len(rest) - keep
                     if self.streaming and piece:
@@ -386,7 +394,7 @@ class _XmlCall:
             # after </function>: only `</tool_call>` may follow
             if stripped.startswith(CALL_CLOSE):
                 pos += len(CALL_CLOSE)
-                self.parser._emit(ToolCallEnd(self.index, ToolCall(self.name, self.arguments, "".join(self.args_text))))
+                self.parser.emit(ToolCallEnd(self.index, ToolCall(self.name, self.arguments, "".join(self.args_text))))
                 return pos, None, True
             if not stripped or CALL_CLOSE.startswith(stripped):
                 return pos, None, False

@@ -1,6 +1,7 @@
 """random_weights: seeded random weights for any spec at O(1) scale (MODEL.md: logits not flat,
 GDN decay moderate), so a spec with no checkpoint still gives a meaningful, non-trivial model.
-`_draw` draws on its generator's device (tools/synth_checkpoint.py draws full-size checkpoints on a GPU)."""
+`draw_tensor` draws one of them on its generator's device (tools/synth_checkpoint.py draws full-size
+checkpoints on a GPU; the GPU backend draws the small tensors of a streamed random model)."""
 from __future__ import annotations
 
 import math
@@ -10,7 +11,8 @@ import torch
 from compiler.spec import ModelSpec, tensor_table
 
 
-def _draw(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+def draw_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """Tensor `name` of `shape` as `random_weights` draws it (before the head's ×2), on `gen`'s device."""
     def normal(std):
         return torch.randn(shape, generator=gen, device=gen.device) * std
 
@@ -31,7 +33,7 @@ def _draw(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tens
 
 def random_weights(spec: ModelSpec, seed: int = 0) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    out = {t.name: _draw(t.name, t.shape, gen) for t in tensor_table(spec)}
+    out = {t.name: draw_tensor(t.name, t.shape, gen) for t in tensor_table(spec)}
     head = "embed_tokens.weight" if spec.model.tie_word_embeddings else "lm_head.weight"
     out[head] = out[head] * 2.0  # logit std ≈ 2 on normed hidden states
     return out
