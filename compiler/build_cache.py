@@ -1,4 +1,6 @@
 """build_cache: `build/<sm_XX>/<family>/<name>-<hash12>/` folders and the parallel `build_kernels` driver.
+PTX-only builds (an arch path, run on a newer device through the driver's JIT) live apart, in
+`build/<sm_XX>-ptx/...`, under their own hash.
 
 Owns cache lookup (a hit does no NVRTC work), the process pool, the progress bar and the summary.
 The compile itself happens in compiler.build_worker; `no_jit=True` turns any miss into an error.
@@ -60,18 +62,19 @@ class BuildSummary:
         return {b.key.name: b for b in self.built}
 
 
-def kernel_dir(root: Path, key: KernelKey, digest: str) -> Path:
-    return Path(root) / key.arch / key.family / f"{key.name}-{digest}"
+def kernel_dir(root: Path, key: KernelKey, digest: str, ptx_only: bool = False) -> Path:
+    return Path(root) / (key.arch + ("-ptx" if ptx_only else "")) / key.family / f"{key.name}-{digest}"
 
 
-def _job(rendered: codegen.Rendered, out: Path, ptx: bool) -> dict:
+def _job(rendered: codegen.Rendered, out: Path, ptx: bool, ptx_only: bool = False) -> dict:
     key = rendered.key
     meta = {"name": key.name, "family": key.family, "key": key.fields(), "hash": rendered.hash,
             "arch": key.arch, "template": rendered.template, "nvrtc_version": nvrtc.version(),
-            "nvrtc_options": list(rendered.options)}
+            "nvrtc_options": list(rendered.options), "image": "ptx" if ptx_only else "cubin",
+            "gpu_architecture": codegen.image_arch(key, ptx_only)}
     return {"name": key.name, "arch": key.compile_arch, "source": rendered.source, "options": list(rendered.options),
             "include_options": nvrtc.include_options(codegen.TEMPLATE_DIR), "out_dir": str(out),
-            "ptx": ptx, "meta": meta}
+            "ptx": ptx and not ptx_only, "ptx_only": ptx_only, "meta": meta}
 
 
 class _Worker:
@@ -135,8 +138,11 @@ def _run_jobs(jobs: list[dict], n_jobs: int, progress: bool) -> None:
 
 
 def build_kernels(keys, arch: str | None = None, jobs: int | None = None, *, root: Path | str = DEFAULT_ROOT,
-                  ptx: bool = False, no_jit: bool = False, progress: bool = True) -> BuildSummary:
-    """Render, look up and compile `keys` (re-targeted to `arch` when given); returns a BuildSummary."""
+                  ptx: bool = False, ptx_only: bool = False, no_jit: bool = False,
+                  progress: bool = True) -> BuildSummary:
+    """Render, look up and compile `keys` (re-targeted to `arch` when given); returns a BuildSummary.
+    `ptx`: compute_XX PTX beside each cubin; `ptx_only`: PTX and no cubin, in `<sm_XX>-ptx/` (no ptxas
+    report: registers and spills read 0 there, the driver's JIT decides them on the device)."""
     t0 = time.perf_counter()
     if arch is not None:
         arch = parse_arch(arch)
@@ -145,15 +151,15 @@ def build_kernels(keys, arch: str | None = None, jobs: int | None = None, *, roo
     version = nvrtc.version()
     summary, pending, dirs = BuildSummary(kernels=len(keys)), [], {}
     for key in keys:
-        rendered = codegen.render(key, version)
-        out = kernel_dir(Path(root), key, rendered.hash)
+        rendered = codegen.render(key, version, ptx_only=ptx_only)
+        out = kernel_dir(Path(root), key, rendered.hash, ptx_only)
         dirs[key.name] = (key, out)
-        if (out / "meta.json").is_file() and (not ptx or (out / "kernel.ptx").is_file()):
+        if (out / "meta.json").is_file() and (not (ptx or ptx_only) or (out / "kernel.ptx").is_file()):
             summary.cached += 1
             continue
         if no_jit:
             raise KernelCacheMiss(f"{key.name} is not built (expected {out}); run `ninfer-gen build` first")
-        pending.append(_job(rendered, out, ptx))
+        pending.append(_job(rendered, out, ptx, ptx_only))
     n_jobs = max(1, min(jobs or os.cpu_count() or 1, len(pending) or 1))
     _run_jobs(pending, n_jobs, progress)
     summary.compiled = len(pending)
@@ -166,6 +172,6 @@ def build_kernels(keys, arch: str | None = None, jobs: int | None = None, *, roo
     return summary
 
 
-def find_built(key: KernelKey, root: Path | str = DEFAULT_ROOT) -> BuiltKernel:
+def find_built(key: KernelKey, root: Path | str = DEFAULT_ROOT, ptx_only: bool = False) -> BuiltKernel:
     """The cached build of one key, never compiling (the serving path)."""
-    return build_kernels([key], root=root, no_jit=True, progress=False).built[0]
+    return build_kernels([key], root=root, ptx_only=ptx_only, no_jit=True, progress=False).built[0]

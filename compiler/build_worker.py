@@ -16,7 +16,7 @@ from . import nvrtc
 
 
 def compile_job(job: dict) -> dict:
-    """`job`: name, arch, source, options, include_options, out_dir, ptx, meta. Returns the meta dict."""
+    """`job`: name, arch, source, options, include_options, out_dir, ptx, ptx_only, meta. Returns the meta dict."""
     out = Path(job["out_dir"])
     if (out / "meta.json").is_file():       # built before (or by another process after the parent looked)
         if job["ptx"] and not (out / "kernel.ptx").is_file():
@@ -37,19 +37,24 @@ def compile_job(job: dict) -> dict:
 
 
 def _compile_into(tmp: Path, job: dict, out: Path) -> dict:
-    """Writes kernel.cu, kernel.cubin (+ kernel.ptx), nvrtc.log and meta.json into `tmp`. A failed
-    compile keeps its source and log in `<out>.failed/` and raises with that path."""
+    """Writes kernel.cu, kernel.cubin (+ kernel.ptx; or kernel.ptx alone for `ptx_only`), nvrtc.log and
+    meta.json into `tmp`. A failed compile keeps its source and log in `<out>.failed/` and raises with that path."""
     (tmp / "kernel.cu").write_text(job["source"])
     opts = [*job["options"], *job["include_options"]]
+    ptx_only = job.get("ptx_only", False)
     try:
-        res = nvrtc.compile_source(job["source"], job["name"], job["arch"], opts, source_path=str(out / "kernel.cu"))
+        res = nvrtc.compile_source(job["source"], job["name"], job["arch"], opts, ptx=ptx_only,
+                                   source_path=str(out / "kernel.cu"))
     except nvrtc.KernelCompileError as err:
         failed = out.parent / f"{out.name}.failed"
         shutil.rmtree(failed, ignore_errors=True)
         (tmp / "nvrtc.log").write_text(err.log)
         os.replace(tmp, failed)
         raise nvrtc.KernelCompileError(err.name, str(failed / "kernel.cu"), err.log) from None
-    (tmp / "kernel.cubin").write_bytes(res.image)
+    if ptx_only:
+        (tmp / "kernel.ptx").write_bytes(res.image.rstrip(b"\0"))
+    else:
+        (tmp / "kernel.cubin").write_bytes(res.image)
     log = res.log
     if job["ptx"]:
         ptx = nvrtc.compile_source(job["source"], job["name"], job["arch"], opts, ptx=True)
@@ -59,7 +64,7 @@ def _compile_into(tmp: Path, job: dict, out: Path) -> dict:
     r = res.resources.get(job["name"], nvrtc.Resources())
     meta = dict(job["meta"], compile_seconds=round(res.seconds, 4), registers=r.registers,
                 smem_bytes=r.smem_bytes, stack_bytes=r.stack_bytes, spill_stores=r.spill_stores,
-                spill_loads=r.spill_loads, has_ptx=bool(job["ptx"]))
+                spill_loads=r.spill_loads, has_ptx=bool(job["ptx"] or ptx_only))
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
     return meta
 

@@ -85,19 +85,26 @@ def key_json(key: KernelKey) -> str:
     return json.dumps({"family": key.family, **key.fields()}, sort_keys=True)
 
 
-def kernel_hash(key: KernelKey, options: list[str], nvrtc_version: str) -> str:
+def image_arch(key: KernelKey, ptx_only: bool = False) -> str:
+    """What NVRTC's `--gpu-architecture` is for a build: the key's arch (a cubin, PTX beside it), or its
+    compute_XX for a PTX-only build (an arch path run on a newer device, JIT-compiled by the driver)."""
+    return "compute_" + key.compile_arch[3:] if ptx_only else key.arch
+
+
+def kernel_hash(key: KernelKey, options: list[str], nvrtc_version: str, ptx_only: bool = False) -> str:
     h = hashlib.sha256()
-    for part in (key_json(key), _text_hash_inputs(key), "\0".join(options), nvrtc_version, key.arch):
+    for part in (key_json(key), _text_hash_inputs(key), "\0".join(options), nvrtc_version, image_arch(key, ptx_only)):
         h.update(part.encode())
         h.update(b"\0\1")
     return h.hexdigest()[:12]
 
 
-def render(key: KernelKey, nvrtc_version: str) -> Rendered:
-    """Key → source. The banner and `KERNEL_NAME` come from here; the template sees only key fields."""
+def render(key: KernelKey, nvrtc_version: str, ptx_only: bool = False) -> Rendered:
+    """Key → source. The banner and `KERNEL_NAME` come from here; the template sees only key fields.
+    `ptx_only`: the hash is the PTX-only build's (same source, another folder: build_cache.kernel_dir)."""
     key.check_arch()
     options = nvrtc_options()
-    digest = kernel_hash(key, options, nvrtc_version)
+    digest = kernel_hash(key, options, nvrtc_version, ptx_only)
     body = _env(_search_path(key)).get_template(template_name(key)).render(**key.fields())
     path = template_path(key)
     banner = (f"// kernel: {key.name}\n// key: {key_json(key)}\n// hash: {digest}\n"

@@ -68,6 +68,24 @@ def supports_pdl(arch: str) -> bool:
     return int(parse_arch(arch)[3:]) >= 90
 
 
+def arch_path_target(device_arch: str, path: str | None = None) -> Target:
+    """The target whose code a device of `device_arch` (`sm_XX`) runs: its own (`path` None), or the card or arch
+    `path` names (`sm_86`, `rtx3090`), whose kernels run there as compute_XX PTX that the driver JIT-compiles —
+    tile choices, PDL and gemm_wg all follow the path's arch, so the sm_86 path on an H200 is the code a 3090
+    runs. PTX runs on its own compute capability and newer: a path above the device's is a TargetError."""
+    if path is None:
+        return lookup(parse_arch(device_arch))
+    target = lookup(path)
+    m = re.fullmatch(r"(?:sm_?)?(\d{2,3})", device_arch.strip().lower())
+    if m is None:
+        raise TargetError(f"device arch {device_arch!r}: expected sm_XX")
+    if target.cc > int(m.group(1)):
+        raise TargetError(f"arch path {target.arch} ({target.name}) cannot run on this {m.group(1)[:-1]}."
+                          f"{m.group(1)[-1]} device: {target.ptx_arch} PTX needs compute capability "
+                          f"{target.cc // 10}.{target.cc % 10} or newer; choose sm_{m.group(1)} or an older arch")
+    return target
+
+
 def lookup(name: str) -> Target:
     """A target by card name (`rtx3090`) or by arch (`sm_86`, taking that arch's reference card's numbers)."""
     key = name.strip().lower()

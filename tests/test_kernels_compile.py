@@ -176,8 +176,8 @@ def test_compile_error_names_the_rendered_file(tmp_path, monkeypatch):
     key = rmsnorm.Key(128, 1, False, "bf16", 1e-6, "sm_86")
     real = codegen.render
 
-    def broken(k, v):
-        r = real(k, v)
+    def broken(k, v, **kw):
+        r = real(k, v, **kw)
         return replace(r, source=r.source + "\nthis is not C++;\n")
     monkeypatch.setattr(codegen, "render", broken)
     with pytest.raises(KernelCompileError) as err:

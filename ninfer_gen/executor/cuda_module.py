@@ -1,5 +1,6 @@
 """cuda_module: loads built kernels (cubin, or PTX as a fallback) on torch's primary context and
-launches them on torch's current stream, so launches are captured by `torch.cuda.graph`.
+launches them on torch's current stream, so launches are captured by `torch.cuda.graph`. An arch path
+older than the device (`KernelCache(jit_ptx=True)`) loads PTX only, which the driver JIT-compiles.
 
 Arguments are packed once per `Launcher` (device addresses as uint64, ints as int32, floats as fp32).
 Kernels built for sm_90 or newer are launched with programmatic stream serialisation (programmatic
@@ -52,6 +53,8 @@ class Kernel:
     name: str
     module: object
     function: object
+    registers: int = 0             # per thread, as loaded on this device (for PTX: what the driver's JIT chose)
+    local_bytes: int = 0           # local memory per thread (stack frame and spills)
 
     @classmethod
     def load(cls, image: bytes | str | Path, entry: str, dynamic_smem: int = 0) -> "Kernel":
@@ -60,18 +63,32 @@ class Kernel:
         if isinstance(image, (str, Path)):
             path = Path(image)
             image = path.read_bytes() + (b"\0" if path.suffix == ".ptx" else b"")
-        module = check(cu.cuModuleLoadData(image), f"cuModuleLoadData({entry})")
+        try:
+            module = check(cu.cuModuleLoadData(image), f"cuModuleLoadData({entry})")
+        except CudaError as err:
+            if "UNSUPPORTED_PTX_VERSION" in str(err):        # CUDA.md: newer NVRTC's PTX, older driver
+                raise CudaError(f"{err}: this driver cannot JIT PTX from NVRTC {_nvrtc_version()}; build with "
+                                "an NVRTC no newer than the driver's CUDA version (13.0 for driver 580)") from None
+            raise
         fn = check(cu.cuModuleGetFunction(module, entry.encode()), f"cuModuleGetFunction({entry})")
         if dynamic_smem > _STATIC_SMEM_LIMIT:
             attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             check(cu.cuFuncSetAttribute(fn, attr, dynamic_smem), f"cuFuncSetAttribute({entry})")
-        return cls(entry, module, fn)
+        attrs = cu.CUfunction_attribute
+        regs, local = (check(cu.cuFuncGetAttribute(a, fn), f"cuFuncGetAttribute({entry})")
+                       for a in (attrs.CU_FUNC_ATTRIBUTE_NUM_REGS, attrs.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES))
+        return cls(entry, module, fn, regs, local)
 
     def bind(self, params, args, launch, pdl: bool = False) -> "Launcher":
         return Launcher(self, params, args, launch, pdl)
 
     def __call__(self, params, args, launch, stream: int | None = None) -> None:
         self.bind(params, args, launch).launch(stream)
+
+
+def _nvrtc_version() -> str:
+    from compiler.nvrtc import version
+    return version()
 
 
 def _value(arg):
@@ -120,28 +137,44 @@ class Launcher:
 
 
 class KernelCache:
-    """Kernels by key for one build root: compiles on a miss (unless no_jit) and loads each once."""
+    """Kernels by key for one build root: compiles on a miss (unless no_jit) and loads each once.
+    `jit_ptx`: every kernel is built as PTX only (`build/<sm_XX>-ptx/`) and JIT-compiled by the driver,
+    all of them as they are built (so no request waits for the JIT): an arch path older than the device
+    (compiler.targets.arch_path_target). The `ptx` arguments below load the PTX beside a cubin instead."""
 
-    def __init__(self, root=None, jobs: int | None = None, no_jit: bool = False, progress: bool = False):
+    def __init__(self, root=None, jobs: int | None = None, no_jit: bool = False, progress: bool = False,
+                 jit_ptx: bool = False):
         """`progress`: show the build's progress bar when kernels must be compiled (first runs)."""
         from compiler.build_cache import DEFAULT_ROOT
         self.root, self.jobs, self.no_jit, self.progress = Path(root or DEFAULT_ROOT), jobs, no_jit, progress
+        self.jit_ptx = jit_ptx
         self._built: dict = {}
         self._loaded: dict = {}
 
     def build(self, keys, ptx: bool = False) -> None:
         from compiler.build_cache import build_kernels
+        ptx = ptx or self.jit_ptx
         todo = [k for k in dict.fromkeys(keys) if (k.name, ptx) not in self._built]
         if todo:
-            summary = build_kernels(todo, jobs=self.jobs, root=self.root, ptx=ptx, no_jit=self.no_jit,
-                                    progress=self.progress)
+            summary = build_kernels(todo, jobs=self.jobs, root=self.root, ptx=ptx, ptx_only=self.jit_ptx,
+                                    no_jit=self.no_jit, progress=self.progress)
             self._built.update({(b.key.name, ptx): b for b in summary.built})
+            if self.jit_ptx:
+                for key in todo:
+                    self.get(key)
 
     def spilled(self) -> list[str]:
-        """Names of built kernels whose ptxas report shows spills."""
+        """Names of built kernels whose ptxas report shows spills. A PTX-only build has no report (none for
+        `jit_ptx`): the JIT's local memory (`loaded()`) mixes stack frames with spills — qk_rope_kv's sinf
+        reduction keeps a 32-byte frame on sm_90 — and the same source's sm_86 cubins are spill-checked in CI."""
         return [b.key.name for b in self._built.values() if b.meta["spill_stores"] or b.meta["spill_loads"]]
 
+    def loaded(self) -> list[Kernel]:
+        """The kernels loaded so far, with the registers and local memory this device gave them."""
+        return list(self._loaded.values())
+
     def get(self, key, ptx: bool = False) -> Kernel:
+        ptx = ptx or self.jit_ptx
         if (key.name, ptx) not in self._loaded:
             self.build([key], ptx)
             built = self._built[(key.name, ptx)]
@@ -152,8 +185,8 @@ class KernelCache:
 
     def bind(self, key, args, ptx: bool = False, programmatic: bool = True) -> Launcher:
         """A launcher for `key` with `args` in the family's parameter order and its launch config;
-        `programmatic` (only where the arch supports it) lets it start before its predecessor ends,
-        else it starts after all earlier work in its stream has finished."""
+        `programmatic` (only where the key's arch supports it: never on the sm_86 path) lets it start
+        before its predecessor ends, else it starts after all earlier work in its stream has finished."""
         from compiler.kernels import module_of
         mod = module_of(key)
         return self.get(key, ptx).bind(mod.params(key), args, mod.launch(key), programmatic and supports_pdl(key.arch))
