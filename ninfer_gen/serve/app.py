@@ -9,6 +9,7 @@ when a generation runs past the request timeout (`x-should-retry: false`: the SD
 it), 500 with the message for an unexpected internal error — which fails that request only. Every HTTP
 response is counted in the metrics by endpoint and status. The engine's background loop runs while the
 app lives (started at startup unless already running, stopped at shutdown when the app started it).
+The chat page (serve.ui) is at `GET /` unless `ui=False`; like /health, it is not behind the key.
 
 Not here (yet): structured output, prefix reuse."""
 from __future__ import annotations
@@ -23,6 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ninfer_gen.serve import anthropic_api, openai_api, responses_api
+from ninfer_gen.serve import ui as ui_page
 from ninfer_gen.serve.core import DEFAULT_TIMEOUT_S, ENDPOINT, APIError, ServeState
 from ninfer_gen.serve.metrics import endpoint_label
 
@@ -40,11 +42,12 @@ def _render(request: HTTPRequest, err: APIError) -> JSONResponse:
 
 def create_app(engine, model, *, served_model_name: str, api_key: str | None = None, chat=None,
                model_folder: str | Path | None = None, draft: int = 0,
-               request_timeout: float | None = DEFAULT_TIMEOUT_S) -> FastAPI:
+               request_timeout: float | None = DEFAULT_TIMEOUT_S, ui: bool = True) -> FastAPI:
     """The server over a cohort `engine` (engine.Engine) and the loaded `model` it runs (its tokenizer and
     EOS ids). `chat`: a serve.chat.ChatFormat, else read from `model_folder` (else the model's own folder
     when the engine knows it; none: the chat endpoints answer 400). `draft`: MTP drafts per round.
-    `request_timeout`: seconds a generation may run from its submission (None or 0: no limit)."""
+    `request_timeout`: seconds a generation may run from its submission (None or 0: no limit). `ui`: serve the
+    chat page at `GET /`."""
     if chat is None:
         from ninfer_gen.serve.chat import load_chat_format
 
@@ -140,4 +143,6 @@ def create_app(engine, model, *, served_model_name: str, api_key: str | None = N
     app.include_router(openai_api.router(state))
     app.include_router(anthropic_api.router(state))
     app.include_router(responses_api.router(state))
+    if ui:
+        app.include_router(ui_page.router())
     return app

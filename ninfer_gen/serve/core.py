@@ -20,7 +20,7 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from ninfer_gen.engine.engine import Engine
 from ninfer_gen.engine.requests import EngineFull, Request
-from ninfer_gen.engine.sampling import SamplingParams
+from ninfer_gen.sampling import SamplingParams
 from ninfer_gen.serve.metrics import Metrics
 
 POLL_S = 0.005                      # how often a waiting handler looks at its request's events
@@ -178,6 +178,7 @@ class Generation:
         self.state, self.prompt, self.stop = state, prompt, stop
         self.prompt_tokens = len(prompt)
         self.cached_tokens = 0                     # of them, restored from the prefix cache (known at the end)
+        self.stats = None                          # the engine's RequestStats (known at the end)
         self.completion_tokens = 0
         self.endpoint = ENDPOINT.get()
         try:
@@ -292,6 +293,7 @@ class Generation:
                     self._done = True
                     if event.stats is not None:
                         self.cached_tokens = event.stats.cached_tokens
+                        self.stats = event.stats
                     if event.finish == "error":
                         self._end("error")
                         raise RuntimeError(f"the engine failed the request: {event.error}")

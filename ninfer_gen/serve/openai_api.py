@@ -3,8 +3,8 @@ streamed (SSE `chat.completion.chunk` / `text_completion` objects, then `data: [
 validation (a 400 naming the field for what is malformed or not supported here), the conversion to a
 prompt (the checkpoint's chat template, tools, `chat_template_kwargs.enable_thinking`) and to an engine
 request, and the responses in OpenAI's shapes — reasoning as `reasoning_content`, Qwen tool-call markup
-as `tool_calls` (arguments streamed as the model writes them), usage, ids, finish_reason
-stop / length / tool_calls.
+as `tool_calls` (arguments streamed as the model writes them), usage (with a field of ours, `usage.ninfer`:
+the engine's TTFT, decode speed, MTP rounds and acceptance), ids, finish_reason stop / length / tool_calls.
 
 `ChatBuilder` turns parser events (serve.parsing) into the message or the stream's deltas; it is pure and
 tested on canned model output. Structured output (response_format json_schema / json_object, tool_choice
@@ -143,9 +143,15 @@ def _enable_thinking(body: dict) -> bool | None:
 
 
 def _usage(gen: Generation) -> dict:
-    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,
-            "total_tokens": gen.prompt_tokens + gen.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
+    usage = {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,
+             "total_tokens": gen.prompt_tokens + gen.completion_tokens,
+             "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
+    if gen.stats is not None:     # ours, beside OpenAI's fields (SDKs keep unknown ones): the chat page's stats
+        s = gen.stats
+        usage["ninfer"] = {"ttft_s": s.ttft_s, "decode_tok_s": round(s.decode_tok_s, 2), "rounds": s.rounds,
+                           "drafted": s.drafted, "accepted": s.accepted, "acceptance": round(s.acceptance, 4),
+                           "tokens_per_round": round(s.tokens_per_round, 3)}
+    return usage
 
 
 def _finish(reason: str, tool_calls: bool = False) -> str:
