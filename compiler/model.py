@@ -73,6 +73,8 @@ def gdn_mixer(ops: Ops, spec: ModelSpec, W, p: str, h, batch: Batch, layer: int)
                                       *(rec(f"rec.{layer}.{part}") for part in ("k", "v", "g")))
     o = ops.gated_rmsnorm(ops.reshape(o, N, g.num_value_heads, g.value_head_dim), z,
                           W(f"{p}norm.weight"), a.rms_norm_eps)
+    if g.out_head_order == "tiled":      # out_proj's columns take the value heads tiled over the key heads
+        o = ops.transpose(ops.reshape(o, N, g.num_key_heads, g.group, g.value_head_dim), (0, 2, 1, 3))
     return row_parallel(ops, spec, ops.linear(ops.reshape(o, N, g.value_dim), W(f"{p}out_proj.weight")))
 
 

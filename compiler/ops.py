@@ -53,6 +53,9 @@ class Ops:
     def concat(self, xs, axis):
         return self._one("concat", *xs, axis=axis)
 
+    def transpose(self, x, perm):
+        return self._one("transpose", x, perm=tuple(perm))
+
     def positions(self, pos, tokens):
         return self._one("positions", pos, tokens=tokens)
 

@@ -116,6 +116,12 @@ def _concat(*xs, axis):
     return [AVal(tuple(base), xs[0].dtype)]
 
 
+@_prim("transpose", ref.transpose)
+def _transpose(x, *, perm):
+    _check(sorted(perm) == list(range(len(x.shape))), lambda: f"transpose: {perm} is not a permutation of {x}'s axes")
+    return [AVal(tuple(x.shape[i] for i in perm), x.dtype)]
+
+
 @_prim("positions", ref.positions)
 def _positions(pos, *, tokens):
     _check(pos.dtype == "i32" and len(pos.shape) == 1, lambda: f"positions: start must be i32[B], got {pos}")

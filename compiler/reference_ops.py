@@ -8,7 +8,9 @@ padding and are skipped.
 These references are the oracle, and also the CPU backend: they move state through views and plain
 copies (no gather of a whole state slot to read it, no scatter to write it back), keep per-call
 constants (RoPE angles) and never change the arithmetic — the same torch operations on the same
-shapes, hence the same bits (tests/test_reference_speed.py holds them to the straightforward forms).
+shapes (tests/test_reference_speed.py holds them to the straightforward forms, to rounding: torch's threaded
+matmul does not keep its bits across buffers). The helpers `valid_rows`, `read_slots`, `l2norm` and
+`gdn_sequential` are public because the ReplaySSM references (`reference_replayssm`) share them.
 """
 from __future__ import annotations
 
@@ -100,6 +102,10 @@ def concat(*xs, axis):
     return torch.cat(xs, dim=axis)
 
 
+def transpose(x, *, perm):
+    return x.permute(perm).contiguous()
+
+
 def positions(pos, *, tokens):
     t = torch.arange(tokens, device=pos.device, dtype=torch.int32)
     return (pos.reshape(-1, 1).int() + t).reshape(-1)
@@ -134,12 +140,12 @@ def rope(x, pos, *, rotary_dim, theta):
     return torch.cat((rot * cos + rotated * sin, rest), dim=-1)
 
 
-def _valid(ids) -> list[int]:
+def valid_rows(ids) -> list[int]:
     """The rows whose slot or position is ≥ 0 (the others are padding)."""
     return [r for r, i in enumerate(ids.tolist()) if i >= 0]
 
 
-def _read_slots(state, slots):
+def read_slots(state, slots):
     """state[slot of each row] for reading, padding rows reading slot 0: a view when the slots are
     consecutive (one row, or a cohort in slot order), else a gathered copy."""
     idx = [max(s, 0) for s in slots.tolist()]
@@ -170,7 +176,7 @@ def gdn_conv(c, w, history, slots):
     """Depthwise causal conv over [history ++ c] then SiLU; history keeps the last K-1 pre-conv columns."""
     B, T, C = c.shape
     K = w.shape[-1]
-    hist = c.new_zeros(B, C, K - 1) if history is None else _read_slots(history, slots).to(c.dtype)
+    hist = c.new_zeros(B, C, K - 1) if history is None else read_slots(history, slots).to(c.dtype)
     out, full = gdn_conv_output(c, w, hist)
     if history is not None:
         _write_slots(history, slots, full[:, :, -(K - 1):].to(history.dtype))
@@ -183,7 +189,7 @@ def gdn_gates(a, b, a_log, dt_bias):
     return g, beta
 
 
-def _l2norm(x, eps=1e-6):
+def l2norm(x, eps=1e-6):
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
@@ -192,21 +198,21 @@ def gdn_recurrence(q, k, v, g, beta, state, slots):
     B, T, hk, dk = q.shape
     hv = v.shape[2]
     grp = hv // hk
-    qf = (_l2norm(q.float()) / dk ** 0.5).repeat_interleave(grp, dim=2).transpose(1, 2)
-    kf = _l2norm(k.float()).repeat_interleave(grp, dim=2).transpose(1, 2)
+    qf = (l2norm(q.float()) / dk ** 0.5).repeat_interleave(grp, dim=2).transpose(1, 2)
+    kf = l2norm(k.float()).repeat_interleave(grp, dim=2).transpose(1, 2)
     vf, gf, bf = v.float().transpose(1, 2), g.float().transpose(1, 2), beta.float().transpose(1, 2)
     if state is None:
         s0 = vf.new_zeros(B, hv, dk, v.shape[3])
     else:
-        s0 = _read_slots(state, slots)
-    step = _gdn_recurrent if T <= 8 else _gdn_chunked
+        s0 = read_slots(state, slots)
+    step = gdn_sequential if T <= 8 else _gdn_chunked
     out, s1 = step(qf, kf, vf, gf, bf, s0)
     if state is not None:
         _write_slots(state, slots, s1)
     return out.transpose(1, 2).to(v.dtype)
 
 
-def _gdn_recurrent(q, k, v, g, beta, s):
+def gdn_sequential(q, k, v, g, beta, s):
     """The gated delta rule token by token: (outputs [B, H, T, dv], final state). `q` None: the state only
     (a fold), no outputs."""
     outs = []
@@ -288,7 +294,7 @@ def kv_append(k, v, block_table, pos, *cache, page_size):
     tables, starts = block_table.tolist(), pos.tolist()
     for which, x in enumerate((k, v)):
         parts = quantize_kv(x) if len(cache) == 2 else (x.to(cache[0].dtype),)
-        for b in _valid(pos):
+        for b in valid_rows(pos):
             for page, lo, hi, t in _page_runs(tables[b], starts[b], starts[b] + T, page_size):
                 for store, part in zip(cache, parts):
                     store[page, which, :, lo:hi] = part[b, t:t + hi - lo].transpose(0, 1)
@@ -309,7 +315,7 @@ def paged_attention(q, block_table, pos, *cache, page_size, scale):
     B, T, hq, _ = q.shape
     out = torch.zeros_like(q)
     tables, starts = block_table.tolist(), pos.tolist()
-    for b in _valid(pos):
+    for b in valid_rows(pos):
         length = starts[b] + T
         k, v = (_read_kv(cache, tables[b], length, page_size, w).to(q.dtype) for w in (0, 1))
         grp = hq // k.shape[1]

@@ -44,6 +44,9 @@ def shard_spec(spec: ModelSpec, tp: int) -> ModelSpec:
     if tp == 1:
         return spec
     a, at, g = spec.model, spec.model.attention, spec.model.linear_attention
+    if g.out_head_order != "grouped":       # a rank's value heads would not be contiguous out_proj columns
+        raise SpecError("parallel.tp", f"{spec.name}: out_proj columns in {g.out_head_order} head order (a GGUF "
+                                       "file's) do not shard; tensor parallelism needs grouped order")
     heads, kv = _blocks(at.num_kv_heads, at.num_heads, tp, "attention", "query heads")
     values, keys = _blocks(g.num_key_heads, g.num_value_heads, tp, "GDN", "value heads")
     for n, what in ((a.intermediate_size, "MLP columns"), (a.vocab_size, "vocabulary rows of the LM head")):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from .spec import ModelSpec, TensorInfo, format_of, tensor_table
 
 FORMAT_BITS = {"q4g64": 4 + 16 / 64, "q5g64": 5 + 16 / 64, "q6g64": 6 + 16 / 64, "w8g32": 8 + 16 / 32,
+               "q4_k": 144 * 8 / 256, "q5_k": 176 * 8 / 256, "q6_k": 210 * 8 / 256,   # compiler.kquant
                "bf16": 16, "fp32": 32}
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
@@ -16,7 +17,8 @@ import yaml
 from .schema import SpecError, build, require
 
 LayerKind = Literal["linear_attention", "full_attention"]
-WeightFormat = Literal["q4g64", "q5g64", "q6g64", "w8g32", "bf16", "fp32"]
+# q4_k / q5_k / q6_k: llama.cpp's k-quants as a GGUF file stores them (compiler.kquant); no quantiser.
+WeightFormat = Literal["q4g64", "q5g64", "q6g64", "w8g32", "q4_k", "q5_k", "q6_k", "bf16", "fp32"]
 FLOAT_FORMATS = ("bf16", "fp32")
 
 
@@ -51,12 +53,18 @@ class AttentionSpec:
 
 @dataclass(frozen=True)
 class LinearAttentionSpec:
-    """Gated DeltaNet: value head h uses query/key head h // (num_value_heads // num_key_heads)."""
+    """Gated DeltaNet: value head h uses query/key head h // (num_value_heads // num_key_heads).
+
+    `out_head_order` is the order of the value heads along out_proj's input columns: `grouped` (HF, the
+    heads' own order) or `tiled` (llama.cpp's GGUF files: head j·num_key_heads + kh is grouped head
+    kh·group + j). A k-quant super-block (256 columns) spans several heads, so such a file's columns
+    cannot be put back in place: the model permutes its activations instead (compiler.model)."""
     num_key_heads: int
     num_value_heads: int
     key_head_dim: int
     value_head_dim: int
     conv_kernel: int
+    out_head_order: Literal["grouped", "tiled"] = "grouped"
 
     def __post_init__(self):
         for name in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim", "conv_kernel"):
@@ -135,8 +143,16 @@ class ArchSpec:
 
 
 @dataclass(frozen=True)
+class TensorFormat:
+    """One tensor's format where it differs from its role's (a GGUF file mixes formats within a role)."""
+    name: str
+    format: WeightFormat
+
+
+@dataclass(frozen=True)
 class QuantRecipe:
-    """Weight format per tensor role (MODEL.md §8). Matrices may use any format; vectors stay float."""
+    """Weight format per tensor role (MODEL.md §8), and per tensor in `tensors` where one differs from its
+    role's (canonical names). Matrices may use any format; vectors stay float."""
     embed: WeightFormat = "w8g32"
     lm_head: WeightFormat = "w8g32"
     attn_q: WeightFormat = "q4g64"
@@ -153,10 +169,18 @@ class QuantRecipe:
     norm: WeightFormat = "bf16"
     conv: WeightFormat = "bf16"
     gdn_decay: WeightFormat = "fp32"
+    tensors: tuple[TensorFormat, ...] = ()
 
     def __post_init__(self):
         for name in ("norm", "conv", "gdn_decay"):
             require(getattr(self, name) in FLOAT_FORMATS, name, "expected bf16 or fp32 (vectors stay float)")
+        names = [t.name for t in self.tensors]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        require(not dup, "tensors", f"each tensor may be listed once, {', '.join(dup)} is listed more often")
+
+    @cached_property
+    def by_tensor(self) -> dict[str, str]:
+        return {t.name: t.format for t in self.tensors}
 
 
 @dataclass(frozen=True)
@@ -369,4 +393,10 @@ def tensor_table(spec: ModelSpec) -> list[TensorInfo]:
 
 
 def format_of(spec: ModelSpec, info: TensorInfo) -> str:
-    return getattr(spec.quantization, info.role)
+    """A tensor's weight format: its own entry in the recipe's `tensors`, else its role's. The draft head
+    (rows of the LM head) takes the LM head's."""
+    q = spec.quantization
+    name = info.name
+    if name == DRAFT_HEAD:
+        name = "embed_tokens.weight" if spec.model.tie_word_embeddings else "lm_head.weight"
+    return q.by_tensor.get(name) or getattr(q, info.role)

@@ -5,6 +5,7 @@ the embedding), the planes of each format and their sizes. Layouts themselves: k
 from __future__ import annotations
 
 from .kernels.weight_layout import FORMATS, padded_rows
+from .kquant import KFORMATS, QK_K
 from .model import lm_head_name
 from .spec import ModelSpec, TensorInfo, tensor_table
 
@@ -36,7 +37,10 @@ def packed_matrices(spec: ModelSpec) -> list[tuple[str, list[TensorInfo]]]:
 
 
 def plane_bytes(fmt: str, n: int, k: int) -> dict[str, int]:
-    """Bytes of each packed plane of an [n, k] matrix (what weight_layout.pack_for_device produces)."""
+    """Bytes of each packed plane of an [n, k] matrix (what weight_layout.pack_for_device produces; a
+    k-quant's `lo` is its super-blocks as stored, rows padded like every format's)."""
+    if fmt in KFORMATS:
+        return {"lo": padded_rows(n) * (k // QK_K) * KFORMATS[fmt].block_bytes, "hi": 0, "scales": 0}
     bits, group = FORMATS[fmt]
     n_pad = padded_rows(n)
     lo = n_pad * k * (2 if fmt == "bf16" else 1 if fmt == "w8g32" else 0.5)
@@ -46,5 +50,7 @@ def plane_bytes(fmt: str, n: int, k: int) -> dict[str, int]:
 
 
 def planes_of(fmt: str) -> tuple[str, ...]:
-    """The planes a packed matrix of `fmt` has (q4g64: lo and scales; q5g64/q6g64 also hi; bf16: lo)."""
-    return tuple(p for p, n in plane_bytes(fmt, 16, FORMATS[fmt][1]).items() if n)
+    """The planes a packed matrix of `fmt` has (q4g64: lo and scales; q5g64/q6g64 also hi; bf16 and the
+    k-quants: lo)."""
+    k = QK_K if fmt in KFORMATS else FORMATS[fmt][1]
+    return tuple(p for p, n in plane_bytes(fmt, 16, k).items() if n)

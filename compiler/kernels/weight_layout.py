@@ -18,6 +18,8 @@ Planes (all little-endian bytes; `lo` is [tiles, units, V, 32 lanes, 16 B], V = 
          8·(s&1) + 2·(e>>1) + 16·(e&1)
   w8g32  lo: words 2s, 2s+1 hold elements 0-3, 4-7 of step s; element e%4 in byte (0, 2, 1, 3)[e%4]
   bf16   lo: uint4 s of the lane holds the four bf16x2 A registers of step s
+  q4_k / q5_k / q6_k (GGUF k-quants, compiler.kquant): lo = each row's super-blocks as stored, row-major
+         (`pack_kquant_for_device`; no fragment order, no separate scales)
 Scales: [tiles, units, 8, 2] fp16 = (row g, row g+8) per lane group. `gate_up=True` interleaves a
 fused [gate; up] weight so each tile holds 8 gate rows then the same 8 up rows (SiLU·mul epilogue).
 """
@@ -237,6 +239,29 @@ def unpack_from_device(packed: dict, fmt: str, n: int, k: int, gate_up: bool = F
     if inv is not None:
         codes, sc = codes[inv], sc[inv]
     return QTensor(fmt, codes.contiguous(), sc.contiguous())
+
+
+def pack_kquant_for_device(w, gate_up: bool = False) -> dict[str, torch.Tensor]:
+    """A k-quant matrix (compiler.kquant.KQTensor) → {"lo": its rows of super-blocks as stored, rows
+    zero-padded to a multiple of 16 (zero blocks decode to 0) and, with `gate_up`, interleaved like every
+    format's; "hi"/"scales" empty}. The kernels read the blocks as the file stores them."""
+    rows = w.blocks
+    if gate_up:
+        rows = rows[_gate_up_perm(rows.shape[0], rows.device)]
+    rows = torch.nn.functional.pad(rows, (0, 0, 0, padded_rows(rows.shape[0]) - rows.shape[0]))
+    empty = _empty(rows.device, torch.uint8)
+    return {"lo": rows.contiguous().flatten(), "hi": empty, "scales": _empty(rows.device, torch.float16)}
+
+
+def unpack_kquant_from_device(packed: dict, fmt: str, n: int, k: int, gate_up: bool = False):
+    """Exact inverse of `pack_kquant_for_device`: the KQTensor."""
+    from ..kquant import KQTensor, QK_K, get_kformat
+
+    row_bytes = k // QK_K * get_kformat(fmt).block_bytes
+    rows = packed["lo"].view(padded_rows(n), row_bytes)[:n]
+    if gate_up:
+        rows = rows[torch.argsort(_gate_up_perm(n, rows.device))]
+    return KQTensor(fmt, rows.contiguous(), k)
 
 
 def dequantize(w) -> torch.Tensor:

@@ -7,6 +7,7 @@
 - norms and conv weights bf16 (conv as [C, width]), GDN `A_log` / `dt_bias` fp32.
 
 Sources: an HF checkpoint streamed one tensor at a time and quantised on the device (`from_checkpoint`),
+tensors already in their formats streamed one at a time (`from_stream`: a GGUF file's),
 a converted container whose planes are copied as stored (`from_container`), host tensors in the spec's
 formats (`from_host`), or `random_on_device`, which draws the whole weight set on the GPU directly in its
 quantised formats (seeded) so the 27B shape can be benchmarked without a checkpoint. Every source but
@@ -20,12 +21,13 @@ from dataclasses import dataclass, field
 import torch
 
 from compiler.kernels.weight_layout import group_of, pack_for_device
+from compiler.kquant import KQTensor
 from compiler.quant import QTensor
 from compiler.spec import ModelSpec, format_of, tensor_table
 from compiler.weights import NON_MATRIX_ROLES, lm_head_name, packed_matrices, plane_bytes, planes_of
 
 from ninfer_gen.weights.planes import PlanePacker, device_format, split_key
-from ninfer_gen.weights.random_weights import _draw
+from ninfer_gen.weights.random_weights import draw_tensor
 
 # code standard deviation of a uniform draw over each format's code range (random weights at O(1) scale)
 _CODE_STD = {"q4g64": 16 / math.sqrt(12), "q5g64": 32 / math.sqrt(12), "q6g64": 64 / math.sqrt(12),
@@ -121,6 +123,8 @@ def _progress(items, desc: str, show: bool):
 def _to(value, device):
     if isinstance(value, QTensor):
         return QTensor(value.fmt, value.codes.to(device), value.scales.to(device))
+    if isinstance(value, KQTensor):
+        return KQTensor(value.fmt, value.blocks.to(device), value.k)
     return value.to(device)
 
 
@@ -130,6 +134,19 @@ def from_host(spec: ModelSpec, tensors: dict, device="cuda", progress: bool = Fa
     packer = PlanePacker(spec, dw.put)
     for info in _progress(tensor_table(spec), "packing weights", progress):
         packer.add(info.name, _to(tensors[info.name], device))
+    packer.finish()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return dw.complete()
+
+
+def from_stream(spec: ModelSpec, items, device="cuda") -> DeviceWeights:
+    """(canonical name, value in the spec's formats) pairs packed on `device` as they come, one tensor in
+    host memory at a time (a GGUF file's tensors: weights.gguf_load.iter_tensors)."""
+    dw = DeviceWeights(spec)
+    packer = PlanePacker(spec, dw.put)
+    for name, value in items:
+        packer.add(name, _to(value, device))
     packer.finish()
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
@@ -208,5 +225,5 @@ def random_on_device(spec: ModelSpec, seed: int = 0, device="cuda", progress: bo
             else:
                 dw.embed_codes = torch.randn(v, h, generator=gen, device=device).to(torch.bfloat16)
         elif info.role in NON_MATRIX_ROLES:
-            dw.tensors[info.name] = _small_tensor(info.name, _draw(info.name, info.shape, host_gen), device)
+            dw.tensors[info.name] = _small_tensor(info.name, draw_tensor(info.name, info.shape, host_gen), device)
     return dw

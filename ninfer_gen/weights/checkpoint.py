@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from compiler.kquant import KFORMATS, KQTensor
+from compiler.kquant import dequantize as dequantize_kquant
 from compiler.quant import QTensor, convert, dequantize
 from compiler.schema import SpecError
 from compiler.spec import FLOAT_FORMATS, MTPSpec, ModelSpec, format_of, spec_from_hf_config, tensor_table
@@ -210,14 +212,24 @@ def load_checkpoint(path: str | Path, spec: ModelSpec | None = None,
     return ckpt.spec, {name: tensors[name] for name in ckpt.entries}
 
 
-def quantize_weights(spec: ModelSpec, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | QTensor]:
-    """Each tensor in the format its role gets from the spec's recipe: QTensor or a bf16/fp32 tensor."""
+def quantize_weights(spec: ModelSpec, tensors: dict) -> dict[str, torch.Tensor | QTensor | KQTensor]:
+    """Each tensor in the format the spec's recipe gives it: QTensor, KQTensor or a bf16/fp32 tensor. A
+    tensor already in that format (a GGUF file's blocks) passes as it is; k-quants have no quantiser."""
     roles = {t.name: t for t in tensor_table(spec)}
-    out: dict[str, torch.Tensor | QTensor] = {}
+    out: dict[str, torch.Tensor | QTensor | KQTensor] = {}
     for name, w in tensors.items():
         if name not in roles:
             raise CheckpointError(f"tensor {name!r} is not in the tensor table of spec {spec.name!r}")
         fmt = format_of(spec, roles[name])
+        if isinstance(w, (QTensor, KQTensor)):
+            if w.fmt != fmt:
+                raise CheckpointError(f"tensor {name!r} is stored as {w.fmt} but spec {spec.name!r} gives it "
+                                      f"{fmt}: requantising is not supported")
+            out[name] = w
+            continue
+        if fmt in KFORMATS:
+            raise CheckpointError(f"tensor {name!r}: the recipe gives it {fmt}, a k-quant format with no "
+                                  "quantiser here (k-quant weights come from a GGUF file)")
         if fmt not in FLOAT_FORMATS and w.dim() != 2:
             raise CheckpointError(f"tensor {name!r} of shape {list(w.shape)} cannot take the quantised format "
                                   f"{fmt!r} (role {roles[name].role}): only 2-D matrices are quantised")
@@ -228,7 +240,12 @@ def quantize_weights(spec: ModelSpec, tensors: dict[str, torch.Tensor]) -> dict[
     return out
 
 
-def dequantized(tensors: dict[str, torch.Tensor | QTensor]) -> dict[str, torch.Tensor]:
-    """Float32 tensors for the reference backend, QTensors dequantised."""
-    return {name: dequantize(w) if isinstance(w, QTensor) else w.to(torch.float32)
-            for name, w in tensors.items()}
+def _float32(w) -> torch.Tensor:
+    if isinstance(w, QTensor):
+        return dequantize(w)
+    return dequantize_kquant(w) if isinstance(w, KQTensor) else w.to(torch.float32)
+
+
+def dequantized(tensors: dict) -> dict[str, torch.Tensor]:
+    """Float32 tensors for the reference backend, QTensors and KQTensors dequantised."""
+    return {name: _float32(w) for name, w in tensors.items()}

@@ -153,7 +153,8 @@ def open_container(path, spec: ModelSpec | None = None, require_mtp: bool = Fals
     return Container(path, spec, manifest, _entries(path, spec, manifest))
 
 
-def _file_hash(path: Path) -> str:
+def file_hash(path: Path) -> str:
+    """sha256 of a file (hex), read in 1 MiB pieces: what the manifest records for each copied file."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
@@ -166,7 +167,7 @@ def verify_files(box: Container) -> None:
     for name, want in (box.manifest.get("files") or {}).items():
         if not (box.path / name).is_file():
             raise CheckpointError(f"{box.path}: {name} is listed in the manifest but missing")
-        if _file_hash(box.path / name) != want:
+        if file_hash(box.path / name) != want:
             raise CheckpointError(f"{box.path / name}: sha256 does not match the manifest: the file was modified")
 
 

@@ -15,7 +15,10 @@ from typing import Callable
 
 import torch
 
-from compiler.kernels.weight_layout import FORMATS, group_of, pack_for_device, padded_rows, unpack_from_device
+from compiler.kernels.weight_layout import (FORMATS, group_of, pack_for_device, pack_kquant_for_device, padded_rows,
+                                            unpack_from_device, unpack_kquant_from_device)
+from compiler.kquant import KFORMATS, QK_K, KQTensor
+from compiler.kquant import dequantize as dequantize_kquant
 from compiler.quant import FLOAT_FORMATS, QTensor, dequantize
 from compiler.spec import ModelSpec, format_of, tensor_table
 from compiler.weights import NON_MATRIX_ROLES, packed_matrices, plane_bytes
@@ -58,6 +61,8 @@ def plane_table(spec: ModelSpec) -> list[tuple[str, str, tuple[int, ...]]]:
             v, h = info.shape
             if fmt in FLOAT_FORMATS:
                 out.append((key(EMBED, "rows"), _DTYPE[fmt], (v, h)))
+            elif fmt in KFORMATS:                            # the rows' super-blocks as stored
+                out.append((key(EMBED, "rows"), "U8", (v, h // QK_K * KFORMATS[fmt].block_bytes)))
             else:
                 out += [(key(EMBED, "rows"), "I8", (v, h)), (key(EMBED, "row_scales"), "F16", (v, h // group_of(fmt)))]
     for info in table:
@@ -72,6 +77,12 @@ PACK_TEMP_BYTES = {"cpu": 16 << 20, "cuda": 1 << 30}
 
 
 def _pack(parts: list) -> dict[str, torch.Tensor]:
+    formats = {p.fmt if isinstance(p, (QTensor, KQTensor)) else "float" for p in parts}
+    if len(formats) > 1:            # gate and up are one fused matrix on the device
+        raise CheckpointError(f"a fused gate/up matrix needs one format for both halves, got {' and '.join(sorted(formats))}")
+    if isinstance(parts[0], KQTensor):
+        w = parts[0] if len(parts) == 1 else KQTensor(parts[0].fmt, torch.cat([p.blocks for p in parts]), parts[0].k)
+        return pack_kquant_for_device(w, gate_up=len(parts) == 2)
     first = parts[0].codes if isinstance(parts[0], QTensor) else parts[0]
     budget = PACK_TEMP_BYTES.get(first.device.type, PACK_TEMP_BYTES["cpu"])
     chunk_rows = max(16, budget // (40 * first.shape[1]) // 16 * 16)
@@ -105,7 +116,9 @@ class PlanePacker:
         self._seen.add(name)
         info = self._roles[name]
         if name == EMBED:
-            if isinstance(value, QTensor):
+            if isinstance(value, KQTensor):
+                self.emit(key(EMBED, "rows"), value.blocks.contiguous())
+            elif isinstance(value, QTensor):
                 self.emit(key(EMBED, "rows"), value.codes.contiguous())
                 self.emit(key(EMBED, "row_scales"), value.scales.contiguous())
             else:
@@ -138,16 +151,22 @@ def canonical_tensors(spec: ModelSpec, planes: dict[str, torch.Tensor]) -> dict[
         fmt = device_format(format_of(spec, infos[0]))
         n, k = sum(i.shape[0] for i in infos), infos[0].shape[1]
         packed = {p: planes.get(key(name, p), torch.zeros(0)) for p in ("lo", "hi", "scales")}
-        w = unpack_from_device(packed, fmt, n, k, gate_up=len(infos) == 2)
-        w = dequantize(w) if isinstance(w, QTensor) else w.to(torch.float32)
+        if fmt in KFORMATS:
+            w = dequantize_kquant(unpack_kquant_from_device(packed, fmt, n, k, gate_up=len(infos) == 2))
+        else:
+            w = unpack_from_device(packed, fmt, n, k, gate_up=len(infos) == 2)
+            w = dequantize(w) if isinstance(w, QTensor) else w.to(torch.float32)
         for info, part in zip(infos, torch.split(w, [i.shape[0] for i in infos])):
             out[info.name] = part.contiguous()
     for info in tensor_table(spec):
         if info.name == EMBED:
             rows = planes[key(EMBED, "rows")]
             fmt = format_of(spec, info)
-            out[EMBED] = rows.to(torch.float32) if fmt in FLOAT_FORMATS else \
-                dequantize(QTensor(fmt, rows, planes[key(EMBED, "row_scales")]))
+            if fmt in KFORMATS:
+                out[EMBED] = dequantize_kquant(KQTensor(fmt, rows, info.shape[1]))
+            else:
+                out[EMBED] = rows.to(torch.float32) if fmt in FLOAT_FORMATS else \
+                    dequantize(QTensor(fmt, rows, planes[key(EMBED, "row_scales")]))
         elif info.role in NON_MATRIX_ROLES:
             out[info.name] = planes[key(info.name, "tensor")].to(torch.float32)
     return {t.name: out[t.name] for t in tensor_table(spec)}
