@@ -7,11 +7,11 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.:/tmp/site NINFER_BUILD_DIR=${NINFER_BUILD_DIR:-/tmp/ninfer-build}
 shown() { tr '\r' '\n' < "$1" | grep -v "it/s\]" | grep -v "kernel/s" | grep -v "^\s*$" | tail -"$2"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-python3 -c "import llguidance" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+python3 -c "import llguidance, gguf" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 part() { [ -z "${PART:-}" ] || [[ ",$PART," == *",$1,"* ]]; }
 if part tests; then
   timeout ${TESTS_S:-330} python3 -m pytest -m gpu tests/gpu/test_cohort_gpu.py tests/gpu/test_speculative_gpu.py \
-    tests/gpu/test_arch_path_gpu.py tests/gpu/test_runtime_gpu.py -q -s -rf -p no:cacheprovider -x --durations=8 \
+    tests/gpu/test_arch_path_gpu.py tests/gpu/test_runtime_gpu.py tests/gpu/test_gguf_gpu.py -q -s -rf -p no:cacheprovider --durations=12 \
     > $OUT/tier.log 2>&1
   echo "tier: rc $?"; shown $OUT/tier.log 40
 fi
