@@ -112,16 +112,19 @@ def compile_source(source: str, name: str, arch: str, options: list[str], *,
     try:
         err = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])[0]
         size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-        buf = b" " * size
+        # NVRTC writes into the buffer: a bytearray of our own. `b" " * 1` is CPython's shared one-byte object,
+        # and an empty log (size 1, "\0") written into it turned every b" " of the process into b"\0".
+        buf = bytearray(size)
         _check(nvrtc.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog")
-        log = buf.rstrip(b"\0").decode(errors="replace")
+        log = bytes(buf).rstrip(b"\0").decode(errors="replace")
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise KernelCompileError(name, source_path, log)
         getsize, get = (nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX) if ptx else \
             (nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN)
         size = _check(getsize(prog), "get image size")
-        image = b" " * size
-        _check(get(prog, image), "get image")
+        out = bytearray(size)
+        _check(get(prog, out), "get image")
+        image = bytes(out)
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
     seconds = time.perf_counter() - t0

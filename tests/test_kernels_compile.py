@@ -238,3 +238,14 @@ def test_every_tiny_key_has_a_reference_on_cpu():
         if key.family == "attn_combine":
             continue
         assert make_case(key, "cpu").reference(), key.name
+
+
+def test_an_empty_nvrtc_log_leaves_python_bytes_alone():
+    """NVRTC writes its log and image into buffers we hand it: an empty log (one "\\0") once went into CPython's
+    shared one-byte b" ", and every b" " of the process became b"\\0" (safetensors headers were padded with
+    zeros after a PTX build). The buffers are our own now."""
+    from compiler import nvrtc
+
+    res = nvrtc.compile_source('extern "C" __global__ void k() {}', "k", "sm_86", [], ptx=True)
+    assert res.log == "" and res.image.startswith(b"//")
+    assert b" " * 3 == bytes([32, 32, 32]) and bytes(" ", "ascii") == b"\x20"
