@@ -247,7 +247,6 @@ class Engine:
             if isinstance(out, BaseException):
                 self._fail(live, out)
                 continue
-            live.lane.stats.rounds += 1
             live.lane.stats.emitted.append(len(out))
             self._emit(live, out)
 

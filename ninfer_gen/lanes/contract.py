@@ -38,7 +38,8 @@ LaneBackend — what an adapter provides:
                       a stop token only last. A backend with rounds in flight may return the tokens of the
                       rounds that completed since the last call (one or more rounds; still 1 ≤ n ≤ budget: its
                       device rows carry the budget and the stop tokens), so `lane.length` lags the device. Afterwards: lane.length = L + n, lane.anchor = the last token,
-                      lane.stats.drafted += k, lane.stats.accepted += drafts kept (before truncation).
+                      lane.stats.rounds += 1 per round (or step) run, lane.stats.drafted += k,
+                      lane.stats.accepted += drafts kept (before truncation).
                       A lane whose round failed maps to its exception (the engine releases it; its state is
                       void); an exception raised by `round` itself fails every lane of the call.
                       Lanes are independent: a lane's tokens must not depend on which other lanes run.
@@ -79,7 +80,7 @@ class LaneState:
     drafts: list[int] = field(default_factory=list)    # the drafts of the lane's current round (adapter)
     budget: int = 0                    # most tokens this round may emit (the engine sets it per round)
     tokens: list[int] = field(default_factory=list)    # output so far (the engine appends)
-    stats: Stats = field(default_factory=Stats)        # drafted/accepted: adapter; rounds/emitted: engine
+    stats: Stats = field(default_factory=Stats)        # rounds/drafted/accepted: adapter; emitted: engine
     private: Any = None                # the adapter's per-lane data
     constraint: Any = None             # the request's grammar (engine.grammar.Grammar), None: free text
 

@@ -67,6 +67,7 @@ class _Lane:
         self.matcher = lane.constraint.matcher() if lane.constraint is not None else None   # engine.grammar
         self.host = False                                # a grammar's speculative rounds: host-driven (below)
         self.k = lane.k                                  # drafts its rounds may keep (≤ the built K)
+        self.budget = 0                                  # tokens its row may still emit when the rows are written
 
 
 class GpuLanes(LaneBackend):
@@ -267,7 +268,12 @@ class GpuLanes(LaneBackend):
         if not rows.steady(lanes, batch):
             self._settle()
             ready = []
-            for lane in lanes:                           # this round's pages first: a lane that cannot grow fails alone
+            for lane in lanes:
+                held = self._out.get(lane.lane, [])      # collected, not yet returned: the device counts them
+                lane.private.budget = lane.budget - len(held)
+                if held and (lane.private.budget <= 0 or held[-1] in lane.stop):
+                    out[lane.lane] = self._out.pop(lane.lane)      # the lane ended there: no more rounds
+            for lane in (lane for lane in lanes if lane.lane not in out):   # pages first: a lane that cannot grow fails alone
                 try:
                     be.reserve(lane.seq, min(lane.length + 2 * T, self.max_context))
                     ready.append(lane)
@@ -330,6 +336,7 @@ class GpuLanes(LaneBackend):
             lane.seq.table.length = int(h[FIELD["length"]])
             lane.anchor = tokens[-1]
             lane.drafts = h[sr.DRAFTS_AT:sr.DRAFTS_AT + self.k].tolist()
+            lane.stats.rounds += 1
             lane.stats.drafted += lane.private.k
             lane.stats.accepted += int(h[FIELD["accepted"]])
             self._out.setdefault(lane.lane, []).extend(tokens)
@@ -361,6 +368,7 @@ class GpuLanes(LaneBackend):
             out = accept_greedy(drafts, v_logits)
         else:
             out = accept_sampled(drafts, priv.q[:len(drafts)], distribution(v_logits, params), priv.sampler.gen)
+        lane.stats.rounds += 1
         lane.stats.drafted += len(drafts)
         lane.stats.accepted += len(out) - 1
         out = truncate(out, lane.stop, lane.budget)
@@ -394,6 +402,7 @@ class GpuLanes(LaneBackend):
         out: dict[int, list[int] | BaseException] = {}
         for r, lane in enumerate(lanes):
             lane.seq.table.length += 1
+            lane.stats.rounds += 1
             try:
                 lane.anchor = best[r] if free[r] else choose(lane, logits[r])
                 out[lane.lane] = [lane.anchor]

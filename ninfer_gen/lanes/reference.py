@@ -136,6 +136,7 @@ class ReferenceLanes(LaneBackend):
     # ------------------------------------------------------------ one lane's round
     def _step(self, lane: LaneState) -> list[int]:
         logits, _ = self.backend.run("step", [lane.seq], [[lane.anchor]])
+        lane.stats.rounds += 1
         lane.anchor = choose(lane, logits[-1])
         return [lane.anchor]
 
@@ -147,6 +148,7 @@ class ReferenceLanes(LaneBackend):
         rows = logits.reshape(len(lanes), -1, logits.shape[-1])[:, -1]
         out: dict[int, list[int] | BaseException] = {}
         for lane, row in zip(lanes, rows):
+            lane.stats.rounds += 1
             try:
                 lane.anchor = choose(lane, row)
                 out[lane.lane] = [lane.anchor]
@@ -174,6 +176,7 @@ class ReferenceLanes(LaneBackend):
         else:
             probs = priv.draft_probs[:k] if drafts else None
             out = accept_sampled(drafts, probs, distribution(v_logits, params), priv.sampler.gen)
+        lane.stats.rounds += 1
         lane.stats.drafted += len(drafts)
         lane.stats.accepted += len(out) - 1
         out = truncate(out, lane.stop, lane.budget)

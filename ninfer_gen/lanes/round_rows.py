@@ -128,8 +128,9 @@ class RoundRows:
                 lane.private.q = None
 
     def write(self) -> None:
-        """The bucket's rows from the lanes' mirrors (placed lanes RUNNING with the budget the engine gives
-        them now — the device counts it down from here — the rest IDLE) and their block tables."""
+        """The bucket's rows from the lanes' mirrors (placed lanes RUNNING with `private.budget`: what the engine
+        gives them now less the tokens collected but not yet returned — the device counts it down from here —,
+        the rest IDLE) and their block tables."""
         be, batch = self.be, len(self.layout)
         host = torch.zeros((batch, sr.ROW_WORDS), dtype=torch.int32)
         host[:, FIELD["state"]] = sr.IDLE
@@ -138,7 +139,7 @@ class RoundRows:
             if lane is None:
                 continue
             host[r].copy_(lane.private.row)
-            host[r, FIELD["budget"]] = lane.budget
+            host[r, FIELD["budget"]] = lane.private.budget
             host[r, FIELD["k"]] = lane.private.k
             host[r, FIELD["state"]] = sr.RUNNING
         self.device[:batch].copy_(host)
