@@ -7,11 +7,11 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.:/tmp/site NINFER_BUILD_DIR=${NINFER_BUILD_DIR:-/tmp/ninfer-build}
 shown() { tr '\r' '\n' < "$1" | grep -v "it/s\]" | grep -v "kernel/s" | grep -v "^\s*$" | tail -"$2"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-python3 -c "import llguidance, gguf" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -1
 part() { [ -z "${PART:-}" ] || [[ ",$PART," == *",$1,"* ]]; }
 if part tests; then
-  timeout ${TESTS_S:-330} python3 -m pytest -m gpu tests/gpu/test_cohort_gpu.py tests/gpu/test_speculative_gpu.py \
-    tests/gpu/test_arch_path_gpu.py tests/gpu/test_runtime_gpu.py tests/gpu/test_gguf_gpu.py -q -s -rf -p no:cacheprovider --durations=12 \
+  timeout ${TESTS_S:-330} python3 -m pytest -m gpu ${TIER:-tests/gpu/test_cohort_gpu.py tests/gpu/test_speculative_gpu.py \
+    tests/gpu/test_arch_path_gpu.py tests/gpu/test_runtime_gpu.py tests/gpu/test_gguf_gpu.py} -q -s -rf -p no:cacheprovider --durations=12 \
     > $OUT/tier.log 2>&1
   echo "tier: rc $?"; shown $OUT/tier.log 40
 fi
@@ -29,4 +29,17 @@ if part arch; then
   timeout ${ARCH_S:-300} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --arch-path sm_86 \
     --output-tokens 256 --repeats 1 --prefill '' --json $OUT/bench_sm86.json > $OUT/bench_sm86.log 2>&1
   echo "sm_86 bench: rc $?"; shown $OUT/bench_sm86.log 30
+fi
+if part serve; then                  # serve with no flags but the weights: its start-up lines and /v1/models
+  timeout ${SERVE_S:-170} python3 -m ninfer_gen.cli serve --weights model_specs/qwen3.8-27b.yaml > $OUT/serve.log 2>&1 &
+  python3 - <<'PY' > $OUT/models.json
+import json, time, urllib.request
+for _ in range(160):
+    try:
+        print(json.dumps(json.load(urllib.request.urlopen("http://127.0.0.1:8000/v1/models", timeout=2)))); break
+    except Exception:
+        time.sleep(1)
+PY
+  echo "serve:"; grep -a "memory plan\|serving\|error" $OUT/serve.log | head -5; cat $OUT/models.json
+  kill %1 2>/dev/null; wait
 fi
