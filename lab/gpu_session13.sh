@@ -20,10 +20,13 @@ if part bench; then
     --draft-vocab 32768 --output-tokens 512 --repeats 1 --prefill '' --per-k --json $OUT/bench_c1.json > $OUT/bench_c1.log 2>&1
   echo "C1 bench: rc $?"; shown $OUT/bench_c1.log 40
 fi
-if part cohort; then
-  timeout ${COHORT_S:-300} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --concurrency 1,8 --draft 3 \
-    --accept-prob 0.8 --draft-vocab 32768 --output-tokens 256 --json $OUT/bench_cohort.json > $OUT/bench_cohort.log 2>&1
-  echo "cohort bench: rc $?"; shown $OUT/bench_cohort.log 30
+if part cohort; then                 # C1 and C8, fixed K, adaptive and plain, at each accept probability in PS
+  for p in ${PS:-0.8}; do
+    timeout ${COHORT_S:-300} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --concurrency ${CONC:-1,8} \
+      --draft 3 --accept-prob $p --draft-vocab 32768 --output-tokens ${TOKENS:-256} --adaptive \
+      --json $OUT/bench_cohort_$p.json > $OUT/bench_cohort_$p.log 2>&1
+    echo "cohort bench p=$p: rc $?"; shown $OUT/bench_cohort_$p.log 24
+  done
 fi
 if part arch; then
   timeout ${ARCH_S:-300} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --arch-path sm_86 \

@@ -99,16 +99,18 @@ class Model:
         return profile.draft if profile.speculative else 0
 
     def stream(self, token_ids: list[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
-               stop_tokens: set[int] | None = None, draft: int = 0, stats: Stats | None = None) -> Iterator[int]:
+               stop_tokens: set[int] | None = None, draft: int = 0, stats: Stats | None = None,
+               adaptive_draft: bool = False) -> Iterator[int]:
         """Yields new tokens as a one-lane engine makes them (prefill, then plain steps or, with `draft` K > 0,
-        speculative rounds of K MTP drafts); `stats` collects rounds, drafts and acceptance."""
+        speculative rounds of K MTP drafts; `adaptive_draft`: plain steps once drafts stop paying, engine.Engine);
+        `stats` collects rounds, drafts and acceptance."""
         from ninfer_gen.engine import Engine, Request
 
         if max_new_tokens <= 0:
             return
         self.speculative(draft)
         lanes = self.lanes(1) if self._lanes is not None else self.lanes(1, prefix_cache=0)   # no cache of its own
-        engine = Engine(lanes, lanes=1, max_queue=0)
+        engine = Engine(lanes, lanes=1, max_queue=0, adaptive_draft=adaptive_draft)
         handle = engine.submit(Request(list(token_ids), max_new_tokens, sampling, frozenset(stop_tokens or ()), draft))
         try:
             for event in handle:

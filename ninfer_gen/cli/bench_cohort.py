@@ -73,6 +73,8 @@ def add_arguments(p) -> None:
     from ninfer_gen.cli.bench_agent import add_arguments as add_agent_arguments
     add_agent_arguments(p)                  # --workload agent and its options
     p.add_argument("--no-plain", action="store_true", help="cohort bench: skip the runs without drafts")
+    p.add_argument("--adaptive", action="store_true", help="cohort bench: also run with the engine's adaptive draft "
+                   "length (each lane K or plain steps by its tokens per round against the measured round cost)")
     p.add_argument("--long-prompt", type=int, nargs="?", const=0, default=None, metavar="N",
                    help="cohort bench: --running-lanes requests decode, then one N-token prompt arrives: its TTFT "
                    "and the running lanes' gaps between tokens before, during and after its prefill (N default: "
@@ -114,16 +116,17 @@ def _prompts(model, count: int, tokens: int) -> list[list[int]]:
     return [random_ids(tokens, model.spec.model.vocab_size, 1000 + i) for i in range(count)]
 
 
-def cohort_run(lanes, prompts: list[list[int]], c: int, k: int, args, memory: Memory) -> dict:
-    """C requests at once (after an untimed warm-up at C): one row of the table."""
+def cohort_run(lanes, prompts: list[list[int]], c: int, k: int, args, memory: Memory, adaptive: bool = False) -> dict:
+    """C requests at once (after an untimed warm-up at C): one row of the table. `adaptive`: the engine's
+    adaptive draft length (a lane whose drafts do not pay drops to plain steps)."""
     from ninfer_gen.engine import Engine, Request
 
-    engine = Engine(lanes, lanes=c, max_queue=c, prefill_budget=args.prefill_budget)
+    engine = Engine(lanes, lanes=c, max_queue=c, prefill_budget=args.prefill_budget, adaptive_draft=adaptive)
     warm = [engine.submit(Request(p, min(args.output_tokens, 2 * k + 4), draft=k)) for p in prompts[c:2 * c]]
     engine.run_until_idle()
     Driver(engine, memory).finals(warm)
     memory.reset()
-    rounds_before = engine.stats()["rounds"]
+    rounds_before, by_k_before = engine.stats()["rounds"], engine.stats()["lane_rounds_by_k"]
     d = Driver(engine, memory)
     t0 = time.perf_counter()
     handles = [d.submit(Request(p, args.output_tokens, draft=k)) for p in prompts[:c]]
@@ -143,7 +146,9 @@ def cohort_run(lanes, prompts: list[list[int]], c: int, k: int, args, memory: Me
             "ttft_ms": {"mean": statistics.fmean(ttft), "p50": statistics.median(ttft), "max": max(ttft)},
             "acceptance": sum(s.accepted for s in stats) / drafted if drafted else None,
             "tokens_per_round": sum(s.tokens - 1 for s in stats) / rounds if rounds else None,
-            "engine_rounds": engine.stats()["rounds"] - rounds_before, "memory": memory.figures()}
+            "engine_rounds": engine.stats()["rounds"] - rounds_before, "memory": memory.figures(),
+            "lane_rounds_by_k": {j: n - by_k_before.get(j, 0) for j, n in engine.stats()["lane_rounds_by_k"].items()
+                                 if n > by_k_before.get(j, 0)}}
 
 
 def _sizes(args, sweep: list[int], n: int, k: int) -> tuple[int, int, int]:
@@ -178,9 +183,12 @@ def run(args) -> dict:
               "output_tokens": args.output_tokens, "prefill_budget": args.prefill_budget or adapter.prefill_chunk,
               "max_context": adapter.max_context, "load_s": time.perf_counter() - t0, "runs": {}}
     prompts = _prompts(model, 2 * max(lanes, 1), args.prompt_tokens)
-    kinds = ([("mtp", k)] if k else []) + ([] if k and args.no_plain else [("plain", 0)])
+    kinds = ([("mtp", k)] if k else []) + ([("adaptive", k)] if k and args.adaptive else []) + \
+        ([] if k and args.no_plain else [("plain", 0)])
+    result["round_cost"] = dict(adapter.caps.round_cost)
     for name, draft in kinds if sweep else []:
-        result["runs"][name] = [cohort_run(adapter, prompts, c, draft, args, memory) for c in sweep]
+        result["runs"][name] = [cohort_run(adapter, prompts, c, draft, args, memory, name == "adaptive")
+                                for c in sweep]
     if n:
         from ninfer_gen.cli.bench_interference import interference
         result["interference"] = interference(adapter, prompts, n, k, args, memory, model.spec.model.vocab_size)
@@ -196,7 +204,9 @@ def table(r: dict) -> str:
              f"prefill budget {r['prefill_budget']} tokens per step"]
     head = (f"{'C':>3} {'e2e tok/s':>10} {'decode tok/s':>13} {'TTFT mean / p50 / max ms':>26} {'accept':>7} "
             f"{'tok/round':>9} {'peak alloc / device GiB' if gpu else 'peak RSS MiB':>23}")
-    titles = {"mtp": f"with MTP, K = {r['draft']}{coin}:", "plain": "plain decode (draft 0):"}
+    titles = {"mtp": f"with MTP, K = {r['draft']}{coin}:", "plain": "plain decode (draft 0):",
+              "adaptive": f"adaptive draft length, K = {r['draft']} or 0 per lane{coin} (round cost in plain steps: "
+                          + ", ".join(f"C{b} {x:.2f}" for b, x in r.get("round_cost", {}).items()) + "):"}
     for name, rows in r["runs"].items():
         lines += [titles[name], head]
         for x in rows:
@@ -207,10 +217,15 @@ def table(r: dict) -> str:
             ttft = f"{t['mean']:,.0f} / {t['p50']:,.0f} / {t['max']:,.0f}"
             lines.append(f"{x['concurrency']:>3} {x['e2e_tok_s']:10.1f} {decode} {ttft:>26} {accept} {per_round} "
                          f"{memory_text(x['memory']):>23}")
-    if len(r["runs"]) == 2:
-        lines.append("MTP / plain, end to end: " + ", ".join(
-            f"C={a['concurrency']} {a['e2e_tok_s'] / b['e2e_tok_s']:.2f}×"
-            for a, b in zip(r["runs"]["mtp"], r["runs"]["plain"])))
+            if name == "adaptive":
+                share = x.get("lane_rounds_by_k", {})
+                total = sum(share.values()) or 1
+                lines.append(f"    lane rounds by K: " + ", ".join(f"K={j} {n / total:.0%}" for j, n in sorted(share.items())))
+    for name in ("mtp", "adaptive"):
+        if name in r["runs"] and "plain" in r["runs"]:
+            lines.append(f"{'MTP' if name == 'mtp' else 'adaptive'} / plain, end to end: " + ", ".join(
+                f"C={a['concurrency']} {a['e2e_tok_s'] / b['e2e_tok_s']:.2f}×"
+                for a, b in zip(r["runs"][name], r["runs"]["plain"])))
     if "interference" in r:
         from ninfer_gen.cli.bench_interference import table_lines
         lines += table_lines(r["interference"])
@@ -219,7 +234,7 @@ def table(r: dict) -> str:
 
 def plot(r: dict, path: Path) -> None:
     """tok/s against concurrency, end to end and decode, with and without MTP."""
-    labels = {"mtp": f"MTP K={r['draft']}", "plain": "no MTP"}
+    labels = {"mtp": f"MTP K={r['draft']}", "plain": "no MTP", "adaptive": f"adaptive K={r['draft']}/0"}
     lines = []
     for name, rows in r["runs"].items():
         cs = [x["concurrency"] for x in rows]

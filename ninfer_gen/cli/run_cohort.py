@@ -44,7 +44,7 @@ def run_cohort(model, args, prompts: list[str], params, draft: int) -> int:
     from ninfer_gen.engine import Engine, Request
 
     lanes = cohort_size(args, prompts)
-    engine = Engine(model.lanes(lanes), lanes=lanes, max_queue=len(prompts))
+    engine = Engine(model.lanes(lanes), lanes=lanes, max_queue=len(prompts), adaptive_draft=not args.fixed_draft)
     handles = [engine.submit(Request(x, args.max_tokens, params, eos, draft)) for x in ids]
     while engine.step():
         for handle, out in zip(handles, outs):

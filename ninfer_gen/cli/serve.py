@@ -31,6 +31,9 @@ def add_serve_parser(sub) -> None:
                    f"and answered 504 (streamed: an error event) (default {DEFAULT_TIMEOUT_S:g}; 0: no limit)")
     s.add_argument("--draft", type=int, default=None, help="MTP speculative decoding with K drafts per round "
                    "(default: the spec's runtime.draft_tokens where the model has an MTP layer; 0: plain decode)")
+    s.add_argument("--fixed-draft", action="store_true", help="keep K drafts per round for every request (default: "
+                   "adaptive — a lane whose drafts do not pay for their rounds, by the round cost measured at start-up, "
+                   "drops to plain steps; lossless either way)")
     s.add_argument("--kv-pool-tokens", type=int, default=None, metavar="N", help="gpu: one KV pool of N tokens "
                    "the lanes share (default: every lane's whole context when it fits the budget, else the "
                    "largest pool that does)")
@@ -155,7 +158,7 @@ def build_server(args):
     if args.tp > 1:
         from ninfer_gen.engine.replicated import ReplicatedLanes
         lanes = ReplicatedLanes(lanes)
-    engine = Engine(lanes, lanes=args.lanes, max_queue=args.max_queue)
+    engine = Engine(lanes, lanes=args.lanes, max_queue=args.max_queue, adaptive_draft=not args.fixed_draft)
     app = create_app(engine, model, served_model_name=args.served_model_name or model.spec.name,
                      api_key=args.api_key, model_folder=args.weights if args.weights and not
                      str(args.weights).endswith((".yaml", ".yml")) else None, draft=args.draft,

@@ -21,6 +21,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 
 from ninfer_gen.lanes.contract import LaneBackend, LaneState
+from ninfer_gen.engine.draft_policy import DraftPolicy
 from ninfer_gen.engine.requests import EngineFull, Event, Handle, Request, RequestStats
 
 @dataclass(eq=False)
@@ -39,10 +40,11 @@ class _Live:
 class Engine:
     """`lanes` requests run at once (≤ the backend's state slots); `max_queue` more may wait for a lane;
     `prefill_budget` prompt tokens run per step (default: the backend's prefill chunk); `clock` stamps
-    the per-request statistics (a fake one makes them deterministic)."""
+    the per-request statistics (a fake one makes them deterministic); `adaptive_draft`: a lane whose drafts do
+    not pay for their rounds (engine.draft_policy, on the backend's measured round costs) drops to plain steps."""
 
     def __init__(self, backend: LaneBackend, *, lanes: int = 8, max_queue: int = 64, prefill_budget: int | None = None,
-                 clock=time.monotonic):
+                 clock=time.monotonic, adaptive_draft: bool = False):
         if not 1 <= lanes <= backend.capacity:
             raise ValueError(f"lanes must be between 1 and the backend's {backend.capacity} state slots, got {lanes}")
         if max_queue < 0:
@@ -51,6 +53,8 @@ class Engine:
         if self.prefill_budget < 1:
             raise ValueError(f"prefill_budget must be ≥ 1 token, got {prefill_budget}")
         self.backend, self.max_queue, self.clock = backend, max_queue, clock
+        costs = dict(backend.caps.round_cost)
+        self.policy = DraftPolicy(costs) if adaptive_draft and costs else None
         self._lanes: list[_Live | None] = [None] * lanes
         self._waiting: deque[_Live] = deque()
         self._live: dict[str, _Live] = {}
@@ -118,6 +122,7 @@ class Engine:
                     "prefix_hit_tokens": c["prefix_hit_tokens"],
                     "rounds": c["rounds"], "lane_rounds": c["lane_rounds"], "drafted": c["drafted"],
                     "accepted": c["accepted"], "acceptance": c["accepted"] / c["drafted"] if c["drafted"] else 0.0,
+                    "lane_rounds_by_k": {int(name[1:]): n for name, n in sorted(c.items()) if name[:1] == "k"},
                     **self.backend.usage()}
 
     # ------------------------------------------------------------ scheduling
@@ -229,6 +234,11 @@ class Engine:
     def _round(self, ready: list[_Live]) -> None:
         for live in ready:
             live.lane.budget = min(live.request.max_tokens - len(live.lane.tokens), live.lane.room)
+        if self.policy is not None:
+            self._choose_drafts([live.lane for live in ready])
+        with self._lock:
+            for live in ready:
+                self._count[f"k{live.lane.k}"] += 1
         before = {live: (live.lane.stats.drafted, live.lane.stats.accepted) for live in ready}
         try:
             results = self.backend.round([live.lane for live in ready])
@@ -249,6 +259,14 @@ class Engine:
                 continue
             live.lane.stats.emitted.append(len(out))
             self._emit(live, out)
+
+    def _choose_drafts(self, lanes: list[LaneState]) -> None:
+        """Adaptive draft length: a drafting lane whose rounds return fewer tokens than a round costs in plain
+        steps (at this cohort's size) drops to K = 0 for the rest of its request."""
+        drafting = [lane for lane in lanes if lane.k]
+        for lane in drafting:
+            if not self.policy.keep_drafting(lane.stats.rounds, lane.stats.accepted, len(drafting)):
+                lane.k = 0
 
     @staticmethod
     def _checked(lane: LaneState, out) -> list[int] | BaseException:

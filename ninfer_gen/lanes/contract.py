@@ -43,6 +43,8 @@ LaneBackend — what an adapter provides:
                       A lane whose round failed maps to its exception (the engine releases it; its state is
                       void); an exception raised by `round` itself fails every lane of the call.
                       Lanes are independent: a lane's tokens must not depend on which other lanes run.
+                      A lane's `k` may drop to 0 between rounds (adaptive draft length, engine.draft_policy):
+                      it continues with plain steps.
   release(lane)       give back the lane's sequence (state slot and KV pages) in any state, even mid-round;
                       `lane.finish` says why (engine.requests.FINISH_REASONS): a normal end may leave a prefix checkpoint
   usage() -> dict     {"slots": n, "slots_in_use": n, "pages": n, "pages_in_use": n}
@@ -109,6 +111,8 @@ class Capabilities:
     cohort_sizes: tuple[int, ...] = ()  # batch sizes of its compiled round buckets (GPU); () = any (reference)
     rounds_in_flight: int = 1           # rounds it keeps queued ahead of the host's read-back
     prefix_cache: int = 0               # prefix checkpoints it keeps (0: no prefix reuse)
+    round_cost: tuple[tuple[int, float], ...] = ()   # (cohort bucket, a round's time / a plain step's), measured
+                                                     # at start-up; () = not measured (no adaptive draft length)
 
 
 class LaneBackend(ABC):

@@ -39,6 +39,8 @@ lane's pending fold is folded before its answer is saved.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from compiler.kernels import spec_round as sr
@@ -49,6 +51,19 @@ from ninfer_gen.sampling import Sampler, distribution
 from ninfer_gen.speculative import Drafter, accept_greedy, accept_sampled, truncate
 
 ROUND_MODES = ("fused", "eager")
+
+
+def _replay_ms(run, n: int) -> float:
+    """Median device time (ms) of `run()` (a graph replay), n times back to back after one warm-up."""
+    run()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
+    events[0].record()
+    for e in events[1:]:
+        run()
+        e.record()
+    torch.cuda.synchronize()
+    times = sorted(a.elapsed_time(b) for a, b in zip(events, events[1:]))
+    return times[len(times) // 2]
 
 ACCEPTANCE_OF = {True: "greedy", False: "sampled"}
 
@@ -110,6 +125,8 @@ class GpuLanes(LaneBackend):
         self._out: dict[int, list[int]] = {}             # tokens collected by a drain, not yet returned
         if capture:
             self.capture()
+            if self.k and be.use_graphs:
+                self.caps = dataclasses.replace(self.caps, round_cost=self.measure_round_costs())
 
     @classmethod
     def for_model(cls, model, lanes: int, **kw) -> "GpuLanes":
@@ -134,6 +151,24 @@ class GpuLanes(LaneBackend):
                 self._round(b, acceptance)
             be.bucket("commit", b, self.T).inputs.set([], [], [], [])      # nothing to fold
         torch.cuda.synchronize(be.device)
+
+    def measure_round_costs(self, replays: int = 12) -> tuple[tuple[int, float], ...]:
+        """(bucket, a greedy round's device time / a plain step's) for every round bucket with a step bucket of
+        the same lanes: graph replays timed with CUDA events, every row padded (no state is touched; the
+        weights stream as in a real round, which is what a round costs)."""
+        be, costs = self.be, []
+        for b in self.round_sizes:
+            if b not in self.step_sizes:
+                continue
+            rnd, step = self._round(b, "coin" if self.accept_prob is not None else "greedy"), be.bucket("step", b, 1)
+            step.inputs.set([], [], [], [])
+            restore = idle_rows(be, self.rows.device, b)
+            try:
+                times = [_replay_ms(lambda: rnd.run(True), replays), _replay_ms(lambda: step.run(True), replays)]
+            finally:
+                restore()
+            costs.append((b, times[0] / times[1]))
+        return tuple(costs)
 
     def _round(self, batch: int, acceptance: str):
         rnd = self.be.exe.round(batch, acceptance, fold=self.round_mode == "fused")
@@ -189,8 +224,8 @@ class GpuLanes(LaneBackend):
     def round(self, lanes: list[LaneState]) -> dict[int, list[int] | BaseException]:
         out: dict[int, list[int] | BaseException] = {}
         for lane in lanes:
-            if not self._room_for_round(lane.length):    # no room for K+1 more positions: plain steps from here
-                if lane.private.row is not None:
+            if not lane.k or not self._room_for_round(lane.length):   # K dropped to 0 (adaptive), or no room for
+                if lane.private.row is not None:                      # K+1 more positions: plain steps from here
                     self._leave_rounds(lane)
                 lane.private.host = False
         speculative = [lane for lane in lanes if lane.private.row is not None]

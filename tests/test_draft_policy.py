@@ -1,0 +1,64 @@
+"""Adaptive draft length (engine.draft_policy): the decision from a lane's own tokens per round against the
+backend's measured round cost, and the engine dropping lanes to plain steps losslessly."""
+import dataclasses
+import random
+
+import pytest
+
+from compiler.spec import load_spec
+from ninfer_gen.api import TINY_SPEC
+from ninfer_gen.engine import Engine, Request
+from ninfer_gen.engine.draft_policy import DraftPolicy
+from ninfer_gen.lanes.reference import ReferenceLanes
+from ninfer_gen.reference import ReferenceBackend
+from ninfer_gen.weights.random_weights import random_weights
+
+
+def test_the_policy_keeps_drafting_while_rounds_pay_for_themselves():
+    p = DraftPolicy({1: 1.3, 8: 2.5}, min_rounds=8, margin=0.0)
+    assert p.keep_drafting(rounds=3, accepted=0, lanes=1)            # too early to judge
+    assert p.keep_drafting(rounds=10, accepted=3, lanes=1)           # 1.3 tokens per round = the cost: keep
+    assert not p.keep_drafting(rounds=10, accepted=2, lanes=1)       # 1.2 < 1.3
+    assert not p.keep_drafting(rounds=10, accepted=14, lanes=5)      # 2.4 < the 8-lane bucket's 2.5
+    assert p.keep_drafting(rounds=10, accepted=15, lanes=8)
+    assert p.keep_drafting(rounds=10, accepted=0, lanes=9)           # no measured bucket holds 9: no opinion
+    assert not DraftPolicy({1: 1.0}, margin=0.1).keep_drafting(10, 0, 1)       # 1.0 < 1.0 × (1 + 0.1)
+    assert DraftPolicy({1: 1.0}, margin=0.1).keep_drafting(10, 2, 1)
+
+
+@pytest.fixture(scope="module")
+def backend():
+    spec = load_spec(TINY_SPEC)
+    return ReferenceBackend(spec, random_weights(spec), device="cpu", max_sequences=4, max_context=512)
+
+
+def _run(lanes, reqs, adaptive: bool):
+    engine = Engine(lanes, lanes=4, max_queue=len(reqs), adaptive_draft=adaptive)
+    handles = [engine.submit(r) for r in reqs]
+    engine.run_until_idle()
+    return [h.result() for h in handles], [h.tokens for h in handles], engine.stats()
+
+
+@pytest.mark.parametrize("cost, dropped", [(50.0, True), (0.5, False)])
+def test_lanes_whose_drafts_do_not_pay_drop_to_plain_steps_losslessly(backend, cost, dropped):
+    """Random weights keep almost no draft (about 1 token per round): against a round that costs 50 steps every
+    drafting lane drops to K = 0 after 8 rounds, against one that costs half a step none does; either way each greedy
+    request's tokens equal plain decoding's."""
+    rng = random.Random(4)
+    reqs = [Request([rng.randrange(1, 400) for _ in range(rng.randint(3, 12))], 24, draft=3) for _ in range(4)]
+    lanes = ReferenceLanes(backend)
+    lanes.caps = dataclasses.replace(lanes.caps, round_cost=((4, cost),))
+    finals, tokens, stats = _run(lanes, reqs, adaptive=True)
+    _, plain, _ = _run(ReferenceLanes(backend), [dataclasses.replace(r, draft=0) for r in reqs], adaptive=False)
+    assert tokens == plain and all(f.finish == "length" for f in finals)
+    by_k = stats["lane_rounds_by_k"]
+    assert (by_k.get(0, 0) > 0) == dropped and by_k[3] > 0
+    if dropped:
+        assert all(f.stats.drafted == 3 * 8 for f in finals)        # judged after its 8th round, then plain
+
+
+def test_without_measured_costs_nothing_changes(backend):
+    rng = random.Random(5)
+    reqs = [Request([rng.randrange(1, 400) for _ in range(5)], 16, draft=2)]
+    finals, _, stats = _run(ReferenceLanes(backend), reqs, adaptive=True)
+    assert set(stats["lane_rounds_by_k"]) == {2} and finals[0].stats.drafted == 2 * finals[0].stats.rounds
