@@ -206,7 +206,8 @@ def table(r: dict) -> str:
             f"{'tok/round':>9} {'peak alloc / device GiB' if gpu else 'peak RSS MiB':>23}")
     titles = {"mtp": f"with MTP, K = {r['draft']}{coin}:", "plain": "plain decode (draft 0):",
               "adaptive": f"adaptive draft length, K = {r['draft']} or 0 per lane{coin} (round cost in plain steps: "
-                          + ", ".join(f"C{b} {x:.2f}" for b, x in r.get("round_cost", {}).items()) + "):"}
+                          + (", ".join(f"C{b} {x:.2f}" for b, x in r.get("round_cost", {}).items())
+                             or "not measured on this backend: K throughout") + "):"}
     for name, rows in r["runs"].items():
         lines += [titles[name], head]
         for x in rows:
