@@ -154,9 +154,11 @@ def _lens(key, g, ctx):
     return lens
 
 
-def _rope_kv(key: qk_rope_kv.Key, g, theta: float = 1e7) -> Case:
+def _rope_kv(key: qk_rope_kv.Key, g, theta: float = 1e7, ctx: int | None = None) -> Case:
     b, t, rows, dev = key.b, key.t, key.b * key.t, g.device
     lens = torch.randint(t, _max_len(key) + 1, (b,), generator=g, device=dev)
+    if ctx is not None:                       # every row's tokens end at ctx: positions ctx − t … ctx − 1
+        lens.fill_(min(ctx, key.max_pages * key.page))
     table, n_pages = _table(b, key.max_pages, lens, key.page, g)
     pages = _pages(n_pages, key.hkv, key.page, key.d, key.kv_dtype, g)
     pages0 = {n: p.clone() for n, p in pages.items()}

@@ -266,9 +266,14 @@ def _bench_arguments(p) -> None:
                    "reference backend; default 1)")
     from ninfer_gen.cli.bench_cohort import add_arguments as add_cohort_arguments
     add_cohort_arguments(p)
+    from ninfer_gen.cli.bench_long import add_arguments as add_long_arguments
+    add_long_arguments(p)
 
 
 def cmd_bench(args) -> int:
+    if args.long_context:
+        from ninfer_gen.cli.bench_long import cmd_bench_long
+        return cmd_bench_long(args)
     if args.tp > 1:
         from ninfer_gen.cli.ranks import in_rank, launch_command, reference_backend
         if not (args.concurrency or args.workload or args.long_prompt is not None):

@@ -39,10 +39,24 @@ class MemoryPlan:
     page_size: int
     prefix_states: int = 0             # prefix-cache checkpoints' saved GDN states (engine.reuse)
     prefix_bytes: int = 0
+    kv_pool_tokens: int | None = None  # a KV pool shared by the lanes (None: each lane its whole context)
 
     @property
     def kv_pages(self) -> int:
         return self.kv_pool // (self.kv_bytes_per_token * self.page_size)
+
+    @property
+    def used_kv_pages(self) -> int:
+        """Pages the GPU backend allocates: the lanes' contexts (or the shared pool), at most the pool, plus
+        the trash page padded rows write to (executor.device_state)."""
+        need = kv_pool_pages(self.cohort, self.max_context, self.page_size, self.kv_pool_tokens)
+        return min(self.kv_pages, need) + 1
+
+    @property
+    def peak(self) -> int:
+        """The planned device peak: every fixed part (the context headroom included) and the KV pages the
+        backend allocates — not the whole leftover `kv_pool` could take."""
+        return self.total - self.kv_pool + self.used_kv_pages * self.page_size * self.kv_bytes_per_token
 
     @property
     def kv_tokens(self) -> int:
@@ -63,7 +77,8 @@ class MemoryPlan:
                 (f"KV pool ({self.kv_pages} pages = {self.kv_tokens} tokens)", self.kv_pool)]
 
     def to_json(self) -> dict:
-        return {**asdict(self), "kv_pages": self.kv_pages, "kv_tokens": self.kv_tokens, "total": self.total}
+        return {**asdict(self), "kv_pages": self.kv_pages, "kv_tokens": self.kv_tokens, "total": self.total,
+                "used_kv_pages": self.used_kv_pages, "peak": self.peak}
 
 
 def activation_bytes(spec: ModelSpec, cohort: int, draft: int) -> int:
@@ -109,7 +124,7 @@ def plan_memory(spec: ModelSpec, cohort: int, max_context: int, budget: int, dra
     left = budget - sum(fixed.values())
     plan = MemoryPlan(budget, cohort, draft, max_context, kv_dtype, kv_pool=max(0, left),
                       kv_bytes_per_token=per_token, page_size=spec.runtime.page_size, prefix_states=prefix_states,
-                      **fixed)
+                      kv_pool_tokens=kv_pool_tokens, **fixed)
     need_pages = kv_pool_pages(cohort, max_context, plan.page_size, kv_pool_tokens)
     if left <= 0 or plan.kv_pages < need_pages:
         parts = ", ".join(f"{name} {size / GiB:.2f} GiB" for name, size in plan.rows()[:-1])

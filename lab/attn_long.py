@@ -1,0 +1,176 @@
+"""attn_long: the INT8 paged attention of a decode step (T = 1) and of a verify (T = K + 1) at long context (issue
+31) — attn_decode + attn_combine at the 27B's shape (24 query / 4 KV heads × 256), one lane of 4K / 32K / 128K
+tokens in a shuffled pool, keyed as the runtime's 128K profile builds them (a 2,048-page block table). Per
+case: µs (median of CUDA-event timings; inputs rotated over copies bigger than 2 × L2), the bytes it must move
+(K and V codes with their scales, q, the gate, the output; the split partials apart, as overhead), GB/s and the
+fraction of a read-only stream and of a copy measured in the same run — alone and chained back to back (how it
+runs inside a step) — and the decode kernel without its combine. `--splits` tries other split counts than the
+target's choice. Writes JSON (--out), prints a table last. `--dry-run` (any machine, no GPU): the keys, launch
+grids and byte counts only.
+
+  python -m lab.attn_long --out attn_long.json [--contexts 4096,32768,131072] [--t 1,4] [--splits 66,132,264]
+  python -m lab.attn_long --dry-run [--arch sm_90]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from compiler.kernels import attn_combine, attn_decode
+from compiler.targets import lookup
+
+HQ, HKV, D, PAGE = 24, 4, 256, 64           # the 27B's attention layers (MODEL.md §4)
+
+
+def int_list(text: str, option: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"error: {option}: expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise SystemExit(f"error: {option}: expected positive integers, got {text!r}")
+    return values
+
+
+def keys(args, target) -> list[tuple[attn_decode.Key, int]]:
+    """(key, context) per case: every T at every context, with the target's splits and each --splits."""
+    out = []
+    for ctx in args.contexts:
+        if ctx > args.max_pages * PAGE:
+            raise SystemExit(f"error: context {ctx} exceeds the block table of {args.max_pages} pages "
+                             f"({args.max_pages * PAGE} tokens): raise --max-pages")
+        for t in args.t:
+            base = attn_decode.make_key(HQ, HKV, D, 1, t, "int8", args.max_pages, target)
+            variants = [base] + [replace(base, splits=s) for s in args.splits if s != base.splits]
+            out += [(k, ctx) for k in variants]
+    return out
+
+
+def attn_bytes(key: attn_decode.Key, ctx: int) -> dict[str, int]:
+    """What one call must move for a row of `ctx` keys: K and V codes + fp16 scales (one per 64 values), q,
+    the gate half of gate_src, the bf16 output (`useful`, what lab.cases_seq counts); the fp32 split partials
+    written by attn_decode and read back by attn_combine (`partials`)."""
+    rows = key.b * key.t * key.hq
+    kv = 2 * key.b * ctx * key.hkv * (key.d + 2 * (key.d // 64))        # K and V: codes + fp16 scales
+    out = {"kv": kv, "q": rows * key.d * 2, "gate": rows * key.d * 2, "out": rows * key.d * 2}
+    out["useful"] = sum(out.values())
+    pages = -(-ctx // key.page)
+    pps = max(-(-pages // key.splits), 1)                # templates/common/paged.cuh
+    out["active_splits"] = -(-pages // pps)
+    out["partials"] = 2 * rows * out["active_splits"] * (key.d * 4 + 8) if key.splits > 1 else 0
+    return out
+
+
+def dry_run(args) -> list[dict]:
+    target = lookup(args.arch or "sm_90")
+    rows = []
+    for key, ctx in keys(args, target):
+        moved = attn_bytes(key, ctx)
+        launch = attn_decode.launch(key)
+        rows.append({"name": key.name, "context": ctx, "t": key.t, "splits": key.splits, "grid": launch.grid,
+                     "combine": attn_combine.for_decode(key).name if key.splits > 1 else None, **moved})
+    return rows
+
+
+def measure(args) -> dict:
+    import torch
+
+    from lab.kernel_lab import DEVICE, KERNELS, time_chain, time_launches
+    from lab.cases import make_case
+    from ninfer_gen.cli.bench import copy_bandwidth
+    from ninfer_gen.cli.read_stream import read_bandwidth
+
+    major, minor = torch.cuda.get_device_capability()
+    target = lookup(args.arch or f"sm_{major}{minor}")
+    read_gbs, copy_gbs = read_bandwidth(args.iters), copy_bandwidth(args.iters)
+    cases = keys(args, target)
+    KERNELS.build([k for key, _ in cases for k in ([key, attn_combine.for_decode(key)] if key.splits > 1 else [key])])
+    rows = []
+    for key, ctx in cases:
+        moved = attn_bytes(key, ctx)
+        row = {"name": key.name, "context": ctx, "t": key.t, "splits": key.splits, **moved}
+        try:
+            first = make_case(key, DEVICE, 0, ctx=ctx)
+            assert first.bytes == moved["useful"], (first.bytes, moved["useful"])
+            copies = max(1, min(32, -(-2 * target.l2_bytes // first.bytes)))
+            built = [first] + [make_case(key, DEVICE, i, ctx=ctx) for i in range(1, copies)]
+            runs = [[KERNELS.bind(k, a) for k, a in c.launches] for c in built]
+            us = statistics.median(time_launches(runs, args.iters))
+            chain = time_chain(runs, args.iters)
+            alone = statistics.median(time_launches([r[:1] for r in runs], args.iters))
+        except Exception as err:                       # one failing case must not hide the others
+            rows.append(row | {"error": f"{type(err).__name__}: {err}"})
+            print(f"  {key.name} @ {ctx}: FAILED {type(err).__name__}: {err}", flush=True)
+            continue
+        gbs = moved["useful"] / us / 1e3
+        row |= {"us": us, "us_chain": chain, "us_decode_only": alone, "GBps": gbs, "read_fraction": gbs / read_gbs,
+                "copy_fraction": gbs / copy_gbs, "read_fraction_chain": moved["useful"] / chain / 1e3 / read_gbs,
+                "combine_share": max(0.0, 1 - alone / us)}
+        rows.append(row)
+        print(f"  {key.name} @ {ctx}: {us:.1f} us, chained {chain:.1f} us", flush=True)
+        del runs, built, first
+        torch.cuda.empty_cache()
+    return {"device": torch.cuda.get_device_name(), "target": target.name, "read_GBps": read_gbs,
+            "copy_GBps": copy_gbs, "iters": args.iters, "results": rows}
+
+
+def table(r: dict) -> str:
+    lines = [f"device {r['device']}; read stream {r['read_GBps']:,.0f} GB/s, copy {r['copy_GBps']:,.0f} GB/s "
+             f"(median of {r['iters']})",
+             f"{'context':>8} {'T':>2} {'splits':>6} {'us':>8} {'MB':>7} {'GB/s':>7} {'read%':>6} {'chain us':>9} "
+             f"{'read%':>6} {'combine':>8}"]
+    for x in r["results"]:
+        head = f"{x['context']:>8,} {x['t']:>2} {x['splits']:>6}"
+        if "error" in x:
+            lines.append(f"{head} FAILED: {x['error'][:90]}")
+            continue
+        lines.append(f"{head} {x['us']:>8.1f} {x['useful'] / 1e6:>7.1f} {x['GBps']:>7,.0f} "
+                     f"{100 * x['read_fraction']:>6.1f} {x['us_chain']:>9.1f} {100 * x['read_fraction_chain']:>6.1f} "
+                     f"{100 * x['combine_share']:>7.1f}%")
+    return "\n".join(lines)
+
+
+def dry_table(rows: list[dict]) -> str:
+    lines = [f"{'kernel':<58} {'context':>8} {'grid':>14} {'KV MB':>8} {'MB':>7} {'partials MB':>11} {'active':>6}"]
+    for x in rows:
+        lines.append(f"{x['name']:<58} {x['context']:>8,} {str(x['grid']):>14} {x['kv'] / 1e6:>8.2f} "
+                     f"{x['useful'] / 1e6:>7.2f} {x['partials'] / 1e6:>11.3f} {x['active_splits']:>6}")
+    return "\n".join(lines)
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", default="4096,32768,131072", help="keys per row (default 4096,32768,131072)")
+    ap.add_argument("--t", default="1,4", help="query tokens per row: 1 = decode, K + 1 = verify (default 1,4)")
+    ap.add_argument("--splits", default="", help="split counts to try beside the target's choice, e.g. 66,132,264")
+    ap.add_argument("--max-pages", type=int, default=2048, help="block-table width of the keys (default 2048: "
+                    "the runtime's 128K profile)")
+    ap.add_argument("--arch", default=None, help="sm_XX of the keys (default: the GPU's; sm_90 for --dry-run)")
+    ap.add_argument("--iters", type=int, default=50, help="timings per case (median)")
+    ap.add_argument("--out", default="attn_long.json", help="JSON results")
+    ap.add_argument("--dry-run", action="store_true", help="keys, launches and byte counts only: no GPU")
+    args = ap.parse_args(argv)
+    args.contexts, args.t = int_list(args.contexts, "--contexts"), int_list(args.t, "--t")
+    args.splits = int_list(args.splits, "--splits") if args.splits else []
+    if args.max_pages < 1 or args.iters < 1:
+        raise SystemExit("error: --max-pages and --iters must be ≥ 1")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse(argv)
+    if args.dry_run:
+        print(dry_table(dry_run(args)))
+        return
+    t0 = time.time()
+    result = measure(args) | {"seconds": time.time() - t0}
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"\n{table(result)}\n(JSON: {args.out})")
+
+
+if __name__ == "__main__":
+    main()

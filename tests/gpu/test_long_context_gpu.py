@@ -1,0 +1,82 @@
+"""GPU tier at long context (issue 31): the paged kernels keyed as the 128K profile builds them (a 2,048-page
+block table) against their references at positions past 32,768 and 100,000 — qk_rope_kv (RoPE + the INT8
+append), attn_decode + attn_combine for a decode row and a verify's 4 rows, attn_prefill for a chunk at the
+end of 128K — at the 27B's attention shape; and greedy decoding with K = 3 drafts equal to plain greedy token
+for token after real random-token prompts of 40,000 and 100,000 tokens (the tiny spec made to hold 131,072
+positions; the one-graph fused rounds). Run: pytest -m gpu tests/gpu/test_long_context_gpu.py -q -s"""
+import pytest
+import torch
+import yaml
+
+from compiler.kernels import attn_combine, attn_decode, attn_prefill, qk_rope_kv
+from compiler.spec import spec_from_dict
+from harness import TARGET
+from lab.cases import make_case
+
+pytestmark = pytest.mark.gpu
+CONTEXT, MAX_PAGES = 131072, 2048
+HQ, HKV, D = 24, 4, 256                        # the 27B's attention layers
+
+
+@pytest.fixture(scope="module")
+def h():
+    import harness
+    return harness
+
+
+def _check(h, key, ctx):
+    h.build([key] + ([attn_combine.for_decode(key)] if key.family == "attn_decode" and key.splits > 1 else []))
+    case = make_case(key, "cuda", ctx % 97, ctx=ctx)
+    h.run(case)
+    h.compare(case, f"{key.name} at {ctx} tokens")
+    del case
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("ctx", [32769, 100_003, CONTEXT])
+@pytest.mark.parametrize("t", [1, 4])
+def test_rope_kv_append_past_32k(h, t, ctx):
+    _check(h, qk_rope_kv.Key(HQ, HKV, D, 64, 1, t, "int8", 64, MAX_PAGES, 1e-6, TARGET.arch), ctx)
+
+
+@pytest.mark.parametrize("ctx", [32769, 100_003, CONTEXT])
+@pytest.mark.parametrize("t", [1, 4])
+def test_attn_decode_past_32k(h, t, ctx):
+    _check(h, attn_decode.make_key(HQ, HKV, D, 1, t, "int8", MAX_PAGES, TARGET), ctx)
+
+
+@pytest.mark.parametrize("ctx", [32800, CONTEXT])
+def test_attn_prefill_chunk_at_the_end_of_128k(h, ctx):
+    _check(h, attn_prefill.make_key(HQ, HKV, D, 64, "int8", MAX_PAGES, TARGET), ctx)
+
+
+@pytest.fixture(scope="module")
+def long_tiny():
+    """The tiny spec holding 131,072 positions, on the GPU backend built for K = 3 (random weights, seed 0)."""
+    import ninfer_gen
+    from ninfer_gen.api import TINY_SPEC
+    from ninfer_gen.cli.env import build_root
+
+    data = yaml.safe_load(TINY_SPEC.read_text())
+    data["name"] = "qwen3.8-tiny-128k"
+    data["model"]["max_position_embeddings"] = 262144
+    data["runtime"]["max_context"] = CONTEXT
+    return ninfer_gen.load(spec_from_dict(data), backend="gpu", max_context=CONTEXT, draft=3, build_root=build_root())
+
+
+@pytest.mark.parametrize("n", [40_000, 100_000])
+def test_greedy_with_drafts_equals_plain_greedy_after_a_long_prompt(long_tiny, n):
+    from ninfer_gen.sampling import SamplingParams
+    from ninfer_gen.speculative import Stats
+
+    vocab = long_tiny.spec.model.vocab_size
+    prompt = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+    plain = long_tiny.generate(prompt, 64)
+    stats = Stats()
+    spec = list(long_tiny.stream(prompt, 64, SamplingParams(), None, draft=3, stats=stats))
+    assert len(plain) == len(spec) == 64
+    assert stats.rounds > 0 and stats.drafted > 0
+    if spec != plain:
+        at = next(j for j, (a, b) in enumerate(zip(plain, spec)) if a != b)
+        pytest.fail(f"after {n} prompt tokens, greedy with drafts parts from plain greedy at token {at}")
+    print(f"{n} tokens: acceptance {stats.acceptance:.3f} over {stats.rounds} rounds")
