@@ -46,3 +46,15 @@ PY
   echo "serve:"; grep -a "memory plan\|serving\|error" $OUT/serve.log | head -5; cat $OUT/models.json
   kill %1 2>/dev/null; wait
 fi
+if part long; then                   # issue 31: long-context GPU tests, the 27B bench at 1K/32K/128K, the attention lab
+  timeout ${LONGT_S:-200} python3 -m pytest -m gpu tests/gpu/test_long_context_gpu.py -q -s -rf -p no:cacheprovider \
+    > $OUT/long_tests.log 2>&1; echo "long tests: rc $?"; shown $OUT/long_tests.log 12
+  timeout ${LONG_S:-300} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --long-context --draft 3 \
+    --accept-prob 0.8 --json $OUT/bench_long.json > $OUT/bench_long.log 2>&1; echo "long bench: rc $?"; shown $OUT/bench_long.log 30
+  timeout ${ATTN_S:-120} python3 -m lab.attn_long --out $OUT/attn_long.json --splits 132,264 > $OUT/attn_long.log 2>&1
+  echo "attn lab: rc $?"; shown $OUT/attn_long.log 16
+fi
+if part kq; then                     # issue 34: k-quant kernels vs reference, the GGUF GPU tests
+  timeout ${KQ_S:-200} python3 -m pytest -m gpu tests/gpu/test_kquant_gpu.py tests/gpu/test_gguf_gpu.py -q -s -rf \
+    -p no:cacheprovider > $OUT/kq_tests.log 2>&1; echo "k-quant tests: rc $?"; shown $OUT/kq_tests.log 16
+fi
