@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 
-from . import reference_fused, reference_ops, reference_replayssm
+from . import reference_fused, reference_ops, reference_replayssm, reference_vision
 from ._torch import torch
 from .ir import Graph, Lit
 from .prims import PRIMS
@@ -34,6 +34,7 @@ class Program:
         reference_ops.bind_torch()
         reference_fused.bind_torch()
         reference_replayssm.bind_torch()
+        reference_vision.bind_torch()
         self.graph = graph
         self.template: list = [None]                     # slot 0 holds None (an absent optional input)
         slots: dict[int, int] = {}

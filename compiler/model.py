@@ -1,7 +1,9 @@
 """model: the Qwen3.5-family hybrid model written ONCE against `compiler.ops` (MODEL.md §2–5).
 
 Traced into Graphs per entry point, or run eagerly on torch tensors (`reference_forward`, used by
-training). Activations flow as [N, hidden] with N = B·T rows; per-call values come from `Batch`.
+training). Activations flow as [N, hidden] with N = B·T rows; per-call values come from `Batch`. A prompt with
+images (compiler.multimodal) adds image tokens in place of its placeholders and 3-axis M-RoPE positions; without
+them the program, and so every text-only graph, is what it always was.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ class Batch:
     kv_int8: bool = True
     records: Callable[[str], Any] | None = None     # verify (ReplaySSM): GDN layers log, never write state
     snapshots: bool = False                         # verify/commit in snapshot mode: K+1 state copies per row
+    mrope: Any = None                               # i32[N, 3] M-RoPE positions (prompts with images); None: 1-D
 
     def kv(self, layer: str) -> tuple:
         if self.kv_int8:
@@ -91,9 +94,14 @@ def attention_mixer(ops: Ops, spec: ModelSpec, W, p: str, h, batch: Batch, layer
     v = ops.reshape(ops.linear(h, W(f"{p}v_proj.weight")), B, T, at.num_kv_heads, D)
     q = ops.rmsnorm(q, W(f"{p}q_norm.weight"), a.rms_norm_eps)
     k = ops.rmsnorm(k, W(f"{p}k_norm.weight"), a.rms_norm_eps)
-    pos = ops.positions(batch.pos, T)
-    q = ops.reshape(ops.rope(q, pos, at.rotary_dim, at.rope_theta), B, T, at.num_heads, D)
-    k = ops.reshape(ops.rope(k, pos, at.rotary_dim, at.rope_theta), B, T, at.num_kv_heads, D)
+    if batch.mrope is None:
+        pos = ops.positions(batch.pos, T)
+        q = ops.reshape(ops.rope(q, pos, at.rotary_dim, at.rope_theta), B, T, at.num_heads, D)
+        k = ops.reshape(ops.rope(k, pos, at.rotary_dim, at.rope_theta), B, T, at.num_kv_heads, D)
+    else:                 # interleaved 3-axis positions; the cache positions stay `batch.pos`
+        section = spec.vision.mrope_section
+        q = ops.reshape(ops.mrope(q, batch.mrope, at.rotary_dim, at.rope_theta, section), B, T, at.num_heads, D)
+        k = ops.reshape(ops.mrope(k, batch.mrope, at.rotary_dim, at.rope_theta, section), B, T, at.num_kv_heads, D)
     scale = D ** -0.5
     if batch.state is None:
         o = ops.causal_attention(q, k, v, scale)
@@ -125,12 +133,16 @@ def lm_head_name(spec: ModelSpec) -> str:
     return "embed_tokens.weight" if spec.model.tie_word_embeddings else "lm_head.weight"
 
 
-def forward(ops: Ops, spec: ModelSpec, W, tokens, batch: Batch, last_logits: bool = False):
+def forward(ops: Ops, spec: ModelSpec, W, tokens, batch: Batch, last_logits: bool = False, images=None):
     """Main model over tokens [B, T] → (logits [N, vocab], final-norm hidden [N, hidden]).
-    `last_logits` (one-row prefill for serving): logits of the last token only, [1, vocab]."""
+    `last_logits` (one-row prefill for serving): logits of the last token only, [1, vocab]. `images`: image
+    tokens [M, hidden] (the vision encoder's) for the image placeholders among the tokens, in order."""
     a = spec.model
     N = batch.B * batch.T
-    x = ops.embed(ops.reshape(tokens, N), W("embed_tokens.weight"))
+    ids = ops.reshape(tokens, N)
+    x = ops.embed(ids, W("embed_tokens.weight"))
+    if images is not None:
+        x = ops.embed_images(x, ids, images, spec.vision.image_token_id)
     for i, kind in enumerate(a.layers.kinds):
         x = decoder_layer(ops, spec, W, f"layers.{i}.", kind, x, batch, i)
     y = ops.rmsnorm(x, W("norm.weight"), a.rms_norm_eps)

@@ -98,6 +98,32 @@ class Ops:
     def paged_attention(self, q, block_table, pos, cache, page_size, scale):
         return self._one("paged_attention", q, block_table, pos, *cache, page_size=page_size, scale=scale)
 
+    # ---------------------------------------------------------------- the vision encoder (compiler.vision_model)
+
+    def linear_bias(self, x, w, b):
+        return self._one("linear_bias", x, w, b)
+
+    def layernorm(self, x, w, b, eps):
+        return self._one("layernorm", x, w, b, eps=eps)
+
+    def gelu(self, x, approximate):
+        return self._one("gelu", x, approximate=approximate)
+
+    def pos_embed_bilinear(self, table, coords, side):
+        return self._one("pos_embed_bilinear", table, coords, side=side, dtype=self.act_dtype)
+
+    def rope_2d(self, x, coords, theta):
+        return self._one("rope_2d", x, coords, theta=theta)
+
+    def segment_attention(self, q, k, v, cu_seqlens, scale):
+        return self._one("segment_attention", q, k, v, cu_seqlens, scale=scale)
+
+    def embed_images(self, x, ids, images, token_id):
+        return self._one("embed_images", x, ids, images, token_id=token_id)
+
+    def mrope(self, x, pos3, rotary_dim, theta, section):
+        return self._one("mrope", x, pos3, rotary_dim=rotary_dim, theta=theta, section=tuple(section))
+
     def all_reduce(self, x, tp):
         return self._one("all_reduce", x, tp=tp)
 

@@ -45,6 +45,9 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
+        present = [a for a in args if a is not type(None)]
+        if len(present) == 1 and dataclasses.is_dataclass(present[0]):   # an optional section: its own errors
+            return build(present[0], value, path)
         for arg in args:
             if arg is type(None):
                 continue

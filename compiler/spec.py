@@ -1,7 +1,9 @@
 """spec: the model spec as frozen dataclasses — architecture, quantisation recipe, checkpoint names,
 runtime profile — loaded strictly from YAML or derived from an HF `config.json`.
 
-Owns every derived size (parameters, bytes per forward, state and KV bytes). Never touches weights.
+Owns every derived size (parameters, bytes per forward, state and KV bytes). Never touches weights. The optional
+`vision` section (compiler.spec_vision) describes the vision tower; its tensors are listed apart
+(`vision_tensor_table`), so a text-only spec, its tensor table and its plans are what they were without it.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import Literal
 import yaml
 
 from .schema import SpecError, build, require
+from .spec_vision import VisionSpec, vision_from_hf_config
 
 LayerKind = Literal["linear_attention", "full_attention"]
 # q4_k / q5_k / q6_k: llama.cpp's k-quants as a GGUF file stores them (compiler.kquant); no quantiser.
@@ -169,11 +172,13 @@ class QuantRecipe:
     norm: WeightFormat = "bf16"
     conv: WeightFormat = "bf16"
     gdn_decay: WeightFormat = "fp32"
+    vision: WeightFormat = "bf16"          # the whole vision tower (spec.vision_tensor_table): never quantised
     tensors: tuple[TensorFormat, ...] = ()
 
     def __post_init__(self):
         for name in ("norm", "conv", "gdn_decay"):
             require(getattr(self, name) in FLOAT_FORMATS, name, "expected bf16 or fp32 (vectors stay float)")
+        require(self.vision in FLOAT_FORMATS, "vision", "expected bf16 or fp32 (the vision tower stays float)")
         names = [t.name for t in self.tensors]
         dup = sorted({n for n in names if names.count(n) > 1})
         require(not dup, "tensors", f"each tensor may be listed once, {', '.join(dup)} is listed more often")
@@ -228,6 +233,7 @@ class ModelSpec:
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
     runtime: RuntimeProfile = field(default_factory=RuntimeProfile)
     parallel: ParallelSpec = field(default_factory=ParallelSpec)
+    vision: VisionSpec | None = None          # the vision tower and image tokens; None: a text-only model
 
     @property
     def arch(self) -> ArchSpec:
@@ -237,6 +243,22 @@ class ModelSpec:
         a = self.model
         require(self.runtime.max_context <= a.max_position_embeddings, "runtime.max_context",
                 f"must not exceed model.max_position_embeddings ({a.max_position_embeddings})")
+        if self.vision is not None:
+            _check_vision(self)
+
+
+def _check_vision(spec: "ModelSpec") -> None:
+    """The vision section against the text model it feeds."""
+    v, a = spec.vision, spec.model
+    require(v.out_hidden_size == a.hidden_size, "vision.out_hidden_size",
+            f"must equal model.hidden_size ({a.hidden_size}): merged image tokens replace token embeddings")
+    for name in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+        require(getattr(v, name) < a.vocab_size, f"vision.{name}",
+                f"must be a token id below model.vocab_size ({a.vocab_size}), got {getattr(v, name)}")
+    half = a.attention.rotary_dim // 2
+    require(sum(v.mrope_section) == half, "vision.mrope_section",
+            f"must split the {half} RoPE frequencies (rotary dims / 2), got {list(v.mrope_section)} "
+            f"(sum {sum(v.mrope_section)})")
 
 
 def load_spec(path: str | Path) -> ModelSpec:
@@ -255,8 +277,12 @@ def spec_from_dict(data: dict) -> ModelSpec:
     return build(ModelSpec, data)
 
 
-def spec_from_hf_config(config: dict | str | Path, name: str | None = None) -> ModelSpec:
-    """Derive a spec from an HF Qwen3.5-family config (nested `text_config` or flat text-only)."""
+def spec_from_hf_config(config: dict | str | Path, name: str | None = None,
+                        vision: Literal["auto", "require", "skip"] = "auto") -> ModelSpec:
+    """Derive a spec from an HF Qwen3.5-family config (nested `text_config` or flat text-only). Its
+    `vision_config` gives the vision section: `auto` keeps it when it is valid against the text model and else
+    derives the text-only spec (a text load never fails on the tower); `require` raises its SpecError; `skip`
+    leaves it out."""
     if not isinstance(config, dict):
         config = json.loads(Path(config).read_text())
     text = dict(config.get("text_config") or config)
@@ -311,7 +337,19 @@ def spec_from_hf_config(config: dict | str | Path, name: str | None = None) -> M
     }
     ctx = min(32768, data["model"]["max_position_embeddings"])
     data["runtime"] = {"max_context": ctx}
-    return spec_from_dict(data)
+    text_only = spec_from_dict(data)
+    att = text_only.model.attention
+    section = vision_from_hf_config(config, att.rotary_dim // 2) if vision != "skip" else None
+    if section is None:
+        if vision == "require":
+            raise SpecError("vision_config", "missing in config.json (the model has no vision tower)")
+        return text_only
+    try:
+        return spec_from_dict({**data, "vision": section})
+    except SpecError as err:
+        if vision == "require":
+            raise SpecError(f"vision_config ({err.path})", err.message) from None
+        return text_only
 
 
 # ---------------------------------------------------------------- derived sizes
@@ -390,6 +428,33 @@ def tensor_table(spec: ModelSpec) -> list[TensorInfo]:
             is_matrix = len(t.shape) == 2
             out.append(TensorInfo(t.name, t.shape, "mtp" if is_matrix else t.role))
     return out
+
+
+def vision_tensor_table(spec: ModelSpec) -> list[TensorInfo]:
+    """The vision tower's checkpoint tensors (canonical names `visual.*`, stored as `model.visual.*`), all of role
+    `vision`; empty for a text-only spec. Not part of `tensor_table`: the text model's plans never bind them."""
+    v = spec.vision
+    if v is None:
+        return []
+    h, f, m = v.hidden_size, v.intermediate_size, v.hidden_size * v.merge_unit
+
+    def linear(name, n, k):
+        return [TensorInfo(f"visual.{name}.weight", (n, k), "vision"),
+                TensorInfo(f"visual.{name}.bias", (n,), "vision")]
+
+    def norm(name, n):
+        return [TensorInfo(f"visual.{name}.weight", (n,), "vision"), TensorInfo(f"visual.{name}.bias", (n,), "vision")]
+
+    patch = (h, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
+    out = [TensorInfo("visual.patch_embed.proj.weight", patch, "vision"),
+           TensorInfo("visual.patch_embed.proj.bias", (h,), "vision"),
+           TensorInfo("visual.pos_embed.weight", (v.num_position_embeddings, h), "vision")]
+    for i in range(v.depth):
+        p = f"blocks.{i}."
+        out += [*norm(p + "norm1", h), *linear(p + "attn.qkv", 3 * h, h), *linear(p + "attn.proj", h, h),
+                *norm(p + "norm2", h), *linear(p + "mlp.linear_fc1", f, h), *linear(p + "mlp.linear_fc2", h, f)]
+    return out + [*norm("merger.norm", h), *linear("merger.linear_fc1", m, m),
+                  *linear("merger.linear_fc2", v.out_hidden_size, m)]
 
 
 def format_of(spec: ModelSpec, info: TensorInfo) -> str:

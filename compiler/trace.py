@@ -5,15 +5,16 @@ Entry points (DESIGN.md §2): `prefill` (one sequence, a T-token chunk at any po
 state and log ReplaySSM records instead of writing it), `commit` (folds the first `commit[r]` logged
 tokens of each row into its state) and `mtp` (B × T through the MTP head). Everything that changes per
 call — token ids, positions, block tables, slot ids, commit counts — is a graph input, never a constant.
+`trace_vision`: the vision encoder over a bucket of patches and images (compiler.vision_model).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import model
+from . import model, vision_model
 from .ir import Graph
 from .ops import TraceOps
-from .spec import DRAFT_HEAD, ModelSpec, draft_head_info, tensor_table
+from .spec import DRAFT_HEAD, ModelSpec, draft_head_info, tensor_table, vision_tensor_table
 from .typecheck import typecheck
 
 ENTRIES = ("prefill", "step", "verify", "commit", "mtp")
@@ -80,18 +81,27 @@ def _weight_dtype(spec: ModelSpec, info) -> str:
 
 
 def trace(spec: ModelSpec, entry: str, batch: int, tokens: int, pools: StatePools,
-          act_dtype: str = "f32", last_logits: bool = False, draft_rows: int = 0, snapshots: bool = False) -> Graph:
+          act_dtype: str = "f32", last_logits: bool = False, draft_rows: int = 0, snapshots: bool = False,
+          mrope: bool = False, image_tokens: int = 0) -> Graph:
     """Trace one entry point at one static shape. Quantised weights appear as their dequantised
     dtype; the weight format is a property of the binding. `last_logits` (one-sequence chunks): the
     vocab projection runs for the chunk's last token alone, as serving needs. `draft_rows` (mtp): the head
     is the reduced draft head of that many rows (spec.DRAFT_HEAD), so the logits are over the draft ids.
-    `snapshots` (verify, commit): the snapshot design instead of ReplaySSM's records (reference_replayssm)."""
+    `snapshots` (verify, commit): the snapshot design instead of ReplaySSM's records (reference_replayssm).
+    `mrope` (prefill, step, verify of a spec with a vision section; a sequence with images): input `mrope`
+    i32[B·T, 3], the tokens' RoPE positions (compiler.multimodal), which differ from their cache positions `pos`
+    after an image. `image_tokens` (with mrope): input `images` [image_tokens, hidden], the image tokens of the
+    chunk's placeholders. Both off: the text-only graph."""
     if entry not in ENTRIES:
         raise ValueError(f"unknown entry point {entry!r} (expected one of {', '.join(ENTRIES)})")
     if entry == "prefill" and batch != 1:
         raise ValueError("prefill traces one sequence: batch must be 1")
     if last_logits and batch != 1:
         raise ValueError("last_logits applies to one-sequence chunks (batch 1) only")
+    if (mrope or image_tokens) and (spec.vision is None or entry not in ("prefill", "step", "verify")):
+        raise ValueError("mrope and image_tokens need a spec with a vision section and a prefill, step or verify entry")
+    if image_tokens and not mrope:
+        raise ValueError("image_tokens needs mrope: a chunk with images has 3-axis positions")
     ops = TraceOps(act_dtype)
     table = {t.name: t for t in tensor_table(spec)}
     if draft_rows:
@@ -130,15 +140,53 @@ def trace(spec: ModelSpec, entry: str, batch: int, tokens: int, pools: StatePool
         model.commit(ops, spec, b, inputs["commit"])
     else:
         inputs["slots"] = b.slots = ops.new_var((batch,), "i32")
-        outputs["logits"], outputs["hidden"] = model.forward(ops, spec, W, inputs["tokens"], b, last_logits)
+        images = None
+        if mrope:
+            b.mrope = inputs["mrope"] = ops.new_var((batch * tokens, 3), "i32")
+        if image_tokens:
+            images = inputs["images"] = ops.new_var((image_tokens, spec.model.hidden_size), act_dtype)
+        outputs["logits"], outputs["hidden"] = model.forward(ops, spec, W, inputs["tokens"], b, last_logits, images)
     params = {"entry": entry, "batch": batch, "tokens": tokens, "act": act_dtype, "kv": pools.kv_dtype,
               "page_size": pools.page_size}
     if last_logits:
         params["logits"] = "last"
     if draft_rows:
         params["draft_rows"] = draft_rows
+    if mrope:
+        params["rope"] = "mrope"
+    if image_tokens:
+        params["images"] = image_tokens
     if snapshots and entry in ("verify", "commit"):
         params["state"] = "snapshots"
     g = Graph(f"{spec.name}.{entry}", inputs, weights, dict(sorted(state.items())), ops.eqns, outputs, params)
+    typecheck(g)
+    return g
+
+
+def trace_vision(spec: ModelSpec, patches: int, images: int, act_dtype: str = "f32") -> Graph:
+    """Trace the vision encoder for `patches` patch rows of up to `images` images: inputs pixels
+    [patches, C·T·P·P], coords i32[patches, 4] and cu_seqlens i32[images + 1] (vision_model.encoder_inputs);
+    output `embeds` [patches / merge², out_hidden_size]. The tower's weights are float (QuantRecipe.vision)."""
+    v = spec.vision
+    if v is None:
+        raise ValueError(f"spec {spec.name!r} has no vision section")
+    if patches <= 0 or patches % v.merge_unit or images <= 0:
+        raise ValueError(f"vision bucket: patches must be a positive multiple of {v.merge_unit} and images "
+                         f"positive, got {patches} patches, {images} images")
+    ops = TraceOps(act_dtype)
+    table = {t.name: t for t in vision_tensor_table(spec)}
+    wdtype = "f32" if act_dtype == "f32" else _ACT_DTYPE_OF_FORMAT[spec.quantization.vision]
+    weights = {}
+
+    def W(name):
+        if name not in weights:
+            weights[name] = ops.new_var(table[name].shape, wdtype)
+        return weights[name]
+
+    inputs = {"pixels": ops.new_var((patches, v.patch_dim), act_dtype), "coords": ops.new_var((patches, 4), "i32"),
+              "cu_seqlens": ops.new_var((images + 1,), "i32")}
+    embeds = vision_model.vision_forward(ops, spec, W, inputs["pixels"], inputs["coords"], inputs["cu_seqlens"])
+    params = {"entry": "vision", "patches": patches, "images": images, "act": act_dtype}
+    g = Graph(f"{spec.name}.vision", inputs, weights, {}, ops.eqns, {"embeds": embeds}, params)
     typecheck(g)
     return g

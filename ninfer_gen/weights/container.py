@@ -31,6 +31,7 @@ FORMAT = "ninfer-gen converted weights"
 FORMAT_VERSION = 1
 WEIGHT_SECTIONS = ("model", "quantization")     # the spec sections the stored planes depend on
 _LISTED = 8
+_ADDED_KEYS = (("", "vision", None), ("quantization", "vision", "bf16"))     # (section, key, default)
 
 
 def spec_dict(spec: ModelSpec) -> dict:
@@ -38,6 +39,12 @@ def spec_dict(spec: ModelSpec) -> dict:
     listed one by one, so a pattern and the same layers spelled out compare equal."""
     data = json.loads(json.dumps(dataclasses.asdict(spec)))
     data["model"]["layers"] = {"count": spec.model.layers.count, "pattern": None, "types": list(spec.model.layers.kinds)}
+    # Keys added to the spec after containers were first written appear only where they say something, so a
+    # spec that does not use them keeps the dict and hash its containers were converted with.
+    for section, key, default in _ADDED_KEYS:
+        where = data.get(section, {}) if section else data
+        if key in where and where[key] == default:
+            del where[key]
     return data
 
 
