@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from .arena import VIEWS, ArenaLayout, allocate
 from .ir import Graph, Var, value_names
-from .kquant import KFORMATS
 from .kernels import module_of
 from .lower_rules import RULES, ZEROED_WORKSPACE, Ctx, LoweringError, Val, align
 from .options import CompileOptions
@@ -91,21 +90,8 @@ def _workspace_per_lane(calls: list[Call]) -> dict[str, tuple[int, ...]]:
     return {pool: tuple(per_lane) for pool, per_lane in need.items()}
 
 
-def _check_lowerable(spec: ModelSpec) -> None:
-    """A GGUF file's k-quant formats and tiled out_proj heads run on the reference backend only: no kernel
-    family reads them yet, and a spec that needs one is refused in one line before any rule runs."""
-    kquants = sorted({format_of(spec, t) for t in tensor_table(spec)} & set(KFORMATS))
-    if kquants:
-        raise LoweringError(f"{spec.name}: weights in {', '.join(kquants)} (a GGUF file's k-quants) have no GPU "
-                            "kernels yet: run it on the reference backend")
-    if spec.model.linear_attention.out_head_order != "grouped":
-        raise LoweringError(f"{spec.name}: out_proj columns in {spec.model.linear_attention.out_head_order} head "
-                            "order (a GGUF file's) have no GPU kernels yet: run it on the reference backend")
-
-
 def lower(g: Graph, spec: ModelSpec, target: Target, options: CompileOptions = CompileOptions()) -> Plan:
     """Lower a fused graph (after `passes.run_pipeline`) for one target card."""
-    _check_lowerable(spec)
     table = {t.name: t for t in tensor_table(spec)}
     if DRAFT_HEAD in g.weights:
         table[DRAFT_HEAD] = draft_head_info(spec, g.weights[DRAFT_HEAD].shape[0])

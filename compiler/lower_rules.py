@@ -122,7 +122,8 @@ def align(n: int, a: int = 256) -> int:
 def matmul_key(fmt: str, n: int, k: int, m: int, target: Target, epilogue: str = "none", out_dtype: str = "bf16",
                options: CompileOptions = CompileOptions()) -> KernelKey:
     """The skinny GEMV up to 32 rows (decode, verify, cohorts, a prefill's last-token head), the prefill
-    GEMM above: on Hopper warpgroup MMA where the arch and format allow (gemm_wg), else mma.sync."""
+    GEMM above: on Hopper warpgroup MMA where the arch and format allow (gemm_wg; never a GGUF k-quant),
+    else mma.sync."""
     if m <= 32:
         return gemv.make_key(fmt, n, k, m, target, epilogue, out_dtype, options.gemv)
     make = gemm_wg.make_key if gemm_wg.eligible(fmt, n, k, m, target) else gemm.make_key
@@ -229,7 +230,7 @@ def _add_norm(ctx, e):
 def _embed(ctx, e):
     fmt = ctx.weight_format[e.inputs[1].uid]
     key = embed.Key(fmt, e.inputs[1].shape[1], ctx.m, ctx.target.arch)
-    scales = NULL if fmt == "bf16" else Weight(EMBEDDING, "row_scales")
+    scales = Weight(EMBEDDING, "row_scales") if fmt == "w8g32" else NULL     # bf16 and k-quant tables: rows only
     return Lowered([(key, {"y": Val(e.outputs[0]), "ids": Val(e.inputs[0]), "table": Weight(EMBEDDING, "rows"),
                            "scales": scales})])
 
@@ -314,10 +315,16 @@ def _gdn_snapshot_restore(ctx, e):
 
 
 def _gated_rmsnorm(ctx, e):
+    """gated_rmsnorm, or gated_rmsnorm_tiled (its heads written in a GGUF out_proj's tiled order)."""
     _, hv, dv = e.inputs[0].shape
-    key = gated_rmsnorm.Key(hv, dv, ctx.m, e.params["eps"], ctx.target.arch)
+    key = gated_rmsnorm.Key(hv, dv, ctx.m, e.params["eps"], ctx.target.arch, e.params.get("key_heads", 0))
     o, z, w = e.inputs
     return Lowered([(key, {"y": Val(e.outputs[0]), "o": Val(o), "z": Val(z), "w": Val(w)})])
+
+
+def _transpose(ctx, e):
+    raise LoweringError(f"transpose {e.params['perm']} of {e.inputs[0].aval}: no kernel moves heads on its own; only "
+                        "the GDN output norm's tiled head order (passes.fuse_tiled_heads) lowers")
 
 
 def _qk_rope_kv(ctx, e):
@@ -385,7 +392,8 @@ RULES: dict[str, Callable[[Ctx, Eqn], Lowered]] = {
     "gdn_conv_record": _gdn_conv, "gdn_step_record": _gdn_step, "gdn_conv_fold": _gdn_conv_fold, "gdn_fold": _gdn_fold,
     "gdn_step_snapshot": _gdn_step, "gdn_snapshot_restore": _gdn_snapshot_restore,
     "all_reduce": _collective("all_reduce"), "all_gather": _collective("all_gather"),
-    "gated_rmsnorm": _gated_rmsnorm, "qk_rope_kv": _qk_rope_kv, "paged_attention": _attention(False),
+    "gated_rmsnorm": _gated_rmsnorm, "gated_rmsnorm_tiled": _gated_rmsnorm, "transpose": _transpose,
+    "qk_rope_kv": _qk_rope_kv, "paged_attention": _attention(False),
     "gated_paged_attention": _attention(True), "linear_residual_norm": _linear_residual_norm,
     "scaled_linear": _scaled(_projection("none")), "scaled_linear_silu_mul": _scaled(_projection("silu_mul")),
     "linear_conv": _with_conv(_projection("none")), "scaled_linear_conv": _scaled(_with_conv(_projection("none"))),

@@ -2,7 +2,7 @@
 (residual add into the projection's epilogue or into RMSNorm, SiLU·mul into a fused gate/up GEMV,
 q/k norm + RoPE, GDN gates into the recurrent step, the output gate into attention, a decode step's
 RMSNorms split over the projections around them, the GDN conv into the qkv projection of a one-token
-step) and dead code.
+step, a GGUF file's tiled value-head order into the GDN output norm) and dead code.
 
 Each fused primitive's reference is the composition it replaces, so the interpreter checks every pass
 (fused graph == original graph), bit for bit — except the norm fold, which moves the norm's scale past
@@ -225,6 +225,26 @@ def fuse_qk_rope_kv(g: Graph) -> Graph:
     return _rewrite(g, match)
 
 
+def fuse_tiled_heads(g: Graph) -> Graph:
+    """transpose(reshape(gated_rmsnorm(o, z, w)), (0, 2, 1, 3)) → gated_rmsnorm_tiled: the norm writes each
+    value head at its place in llama.cpp's tiled order (the out_proj columns of a GGUF k-quant file,
+    spec out_head_order: tiled), so the permutation costs no kernel and no copy."""
+    def match(g, i, uses, prod):
+        e = g.eqns[i]
+        if e.prim != "transpose" or tuple(e.params["perm"]) != (0, 2, 1, 3):
+            return None
+        flat = _single_use_producer(g, e.inputs[0], "reshape", uses, prod)
+        norm = flat and _single_use_producer(g, flat.inputs[0], "gated_rmsnorm", uses, prod)
+        if not norm:
+            return None
+        n, nk, grp, dv = flat.outputs[0].shape
+        if norm.outputs[0].shape != (n, nk * grp, dv):
+            return None
+        fused = Eqn("gated_rmsnorm_tiled", list(norm.inputs), {**norm.params, "key_heads": nk}, e.outputs)
+        return fused, {prod[e.inputs[0].uid], prod[flat.inputs[0].uid]}
+    return _rewrite(g, match)
+
+
 NORM_FOLD_ROWS = 32          # decode, verify and cohort steps: every projection there is a GEMV
 NORM_READERS = {"linear": "scaled_linear", "linear_silu_mul": "scaled_linear_silu_mul"}
 
@@ -317,7 +337,7 @@ def pipeline(options: CompileOptions = CompileOptions()) -> list[Pass]:
     folds = ([fold_norms_into_projections] if options.norm_fold else []) + \
         ([fold_conv_into_projection] if options.conv_fold else [])
     return [fuse_linear_residual, fuse_add_rmsnorm, fuse_silu_mul, fuse_gate_up, fuse_norm_rope, fuse_gdn_gates,
-            fuse_output_gate, fuse_qk_rope_kv, *folds, dead_code]
+            fuse_output_gate, fuse_qk_rope_kv, fuse_tiled_heads, *folds, dead_code]
 
 
 def run_pipeline(g: Graph, options: CompileOptions = CompileOptions(), passes: list[Pass] | None = None) -> Graph:

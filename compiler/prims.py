@@ -1,13 +1,15 @@
 """prims: the primitive table — one entry per primitive: shape/dtype rule and torch reference.
 
 Adding a primitive = a shape rule here, a torch reference in `compiler.reference_ops`, a lowering rule
-(with the kernel families), and one test. Effectful primitives write graph state in place.
+(with the kernel families), and one test. Effectful primitives write graph state in place. The vision encoder's
+primitives keep their rules and references apart (`compiler.prims_vision`, `compiler.reference_vision`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
 
+from . import prims_vision
 from . import reference_collectives as collective
 from . import reference_fused as fused
 from . import reference_ops as ref
@@ -330,6 +332,14 @@ def _scaled_linear_conv(xn, ssq, w, conv_w, history, slots, *, eps):
     return _conv_after(_scaled_linear(xn, ssq, w, eps=eps)[0], conv_w, history, slots)
 
 
+@_prim("gated_rmsnorm_tiled", fused.gated_rmsnorm_tiled)
+def _gated_rmsnorm_tiled(x, z, w, *, eps, key_heads):
+    _check(len(x.shape) == 3 and x.shape == z.shape and w.shape == (x.shape[-1],) and x.shape[1] % key_heads == 0,
+           lambda: f"gated_rmsnorm_tiled: {x}, {z}, {w}, {key_heads} key heads")
+    n, hv, dv = x.shape
+    return [AVal((n, hv // key_heads, key_heads, dv), x.dtype)]
+
+
 @_prim("gated_paged_attention", fused.gated_paged_attention)
 def _gated_paged_attention(q, gate, block_table, pos, *cache, page_size, scale):
     B, T, hq, d = _paged_attention(q, block_table, pos, *cache, page_size=page_size, scale=scale)[0].shape
@@ -347,3 +357,6 @@ def _all_reduce(x, *, tp):
 def _all_gather(x, *, tp):
     _check(tp > 1, lambda: f"all_gather over {tp} rank(s)")
     return [AVal((*x.shape[:-1], x.shape[-1] * tp), x.dtype)]
+
+
+PRIMS.update({name: Primitive(name, rule, reference) for name, (rule, reference) in prims_vision.RULES.items()})

@@ -6,7 +6,8 @@ residual, SiLU·mul, conv, or its RMSNorm split into tile sums and a scale, and 
 from __future__ import annotations
 
 from ._torch import F, torch
-from .reference_ops import gdn_conv, gdn_gates, gdn_recurrence, kv_append, linear, paged_attention, rmsnorm, rope
+from .reference_ops import (gated_rmsnorm, gdn_conv, gdn_gates, gdn_recurrence, kv_append, linear, paged_attention,
+                            rmsnorm, rope)
 
 
 def bind_torch() -> None:
@@ -94,3 +95,11 @@ def scaled_linear_silu_mul(xn, ssq, w_gate, w_up, *, eps):
 def gated_paged_attention(q, gate, block_table, pos, *cache, page_size, scale):
     o = paged_attention(q, block_table, pos, *cache, page_size=page_size, scale=scale)
     return o.reshape(gate.shape) * torch.sigmoid(gate)
+
+
+def gated_rmsnorm_tiled(x, z, w, *, eps, key_heads):
+    """gated_rmsnorm, its value heads then in llama.cpp's tiled order [N, group, key_heads, dv] (what a GGUF
+    k-quant out_proj's columns take: compiler.model's transpose, fused)."""
+    y = gated_rmsnorm(x, z, w, eps=eps)
+    n, hv, dv = y.shape
+    return y.reshape(n, key_heads, hv // key_heads, dv).transpose(1, 2).contiguous()

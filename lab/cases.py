@@ -13,7 +13,16 @@ import torch
 
 from compiler.reference_fused import norm_tile_sums
 from compiler.kernels import argmax, concat, embed, gated_rmsnorm, gemv, rmsnorm, xperm
-from compiler.kernels.weight_layout import device_bytes, pack_for_device, random_qmatrix
+from compiler.kernels.weight_layout import device_bytes, pack_for_device, pack_kquant_for_device, random_qmatrix
+from compiler.kquant import KFORMATS, random_kquant
+
+
+def random_matrix(fmt: str, n: int, k: int, g: torch.Generator):
+    """Random weights of any matmul format (a k-quant's blocks, or codes and scales) and their device planes
+    with the fused gate/up row order when `gate_up`: (logical matrix, packer)."""
+    if fmt in KFORMATS:
+        return random_kquant(fmt, n, k, g), pack_kquant_for_device
+    return random_qmatrix(fmt, n, k, g), pack_for_device
 
 
 @dataclass(frozen=True)
@@ -55,8 +64,8 @@ def randn(shape, g, dtype=torch.bfloat16, scale=1.0):
 
 def _gemv(key: gemv.Key, g) -> Case:
     dev = g.device
-    w = random_qmatrix(key.fmt, key.n, key.k, g)
-    packed = pack_for_device(w, gate_up=key.epilogue == "silu_mul")
+    w, pack = random_matrix(key.fmt, key.n, key.k, g)
+    packed = pack(w, gate_up=key.epilogue == "silu_mul")
     x = randn((key.m, key.k), g)
     res = randn((key.m, key.n), g) if key.epilogue == "residual" else None
     n_out = key.n // 2 if key.epilogue == "silu_mul" else key.n
@@ -150,11 +159,14 @@ def _gated(key: gated_rmsnorm.Key, g) -> Case:
 
 
 def _embed(key: embed.Key, g, vocab: int = 4096) -> Case:
-    table = random_qmatrix(key.fmt, vocab, key.h, g)
+    table, _ = random_matrix(key.fmt, vocab, key.h, g)
     ids = torch.randint(0, vocab, (key.m,), generator=g, device=g.device, dtype=torch.int32)
     y = torch.empty(key.m, key.h, device=g.device, dtype=torch.bfloat16)
-    codes, scales = (table, None) if key.fmt == "bf16" else (table.codes, table.scales)
-    per_row = key.h * (2 if key.fmt == "bf16" else 1) + (0 if key.fmt == "bf16" else key.h // 16) + key.h * 2
+    if key.fmt in KFORMATS:
+        codes, scales, per_row = table.blocks, None, table.blocks.shape[1] + key.h * 2
+    else:
+        codes, scales = (table, None) if key.fmt == "bf16" else (table.codes, table.scales)
+        per_row = key.h * (2 if key.fmt == "bf16" else 1) + (0 if key.fmt == "bf16" else key.h // 16) + key.h * 2
     return Case([(key, [y, ids, codes, scales])], {"y": y}, {}, lambda: {"y": embed.reference(key, ids, table)},
                 {"y": "exact"}, key.m * per_row, 0)
 

@@ -23,9 +23,9 @@ from compiler.kernels import (argmax, attn_decode, attn_prefill, gdn_chunk, gdn_
                               qk_rope_kv, rmsnorm, xperm)
 from compiler.buckets import plan_bucket
 from compiler.spec import load_spec
-from compiler.kernels.weight_layout import device_bytes, pack_for_device, random_qmatrix
+from compiler.kernels.weight_layout import device_bytes
 from compiler.targets import lookup
-from lab.cases import gemv_workspace, make_case
+from lab.cases import gemv_workspace, make_case, random_matrix
 from ninfer_gen.cli.bench import copy_bandwidth
 from ninfer_gen.executor.cuda_module import KernelCache
 from ninfer_gen.cli.env import build_root
@@ -96,7 +96,7 @@ def gemv_runs(fmt, n, k, ms, epilogue, out, target, l2, configs=None, check_v1=F
         if not shared:
             g = torch.Generator(device=DEVICE).manual_seed(0)
             copies = max(1, min(64, -(-2 * l2 // device_bytes(fmt, n, k))))
-            shared["w"] = [pack_for_device(random_qmatrix(fmt, n, k, g), gate_up=epilogue == "silu_mul")
+            shared["w"] = [(lambda w, pack: pack(w, gate_up=epilogue == "silu_mul"))(*random_matrix(fmt, n, k, g))
                            for _ in range(copies)]
         return shared["w"]
 
@@ -209,6 +209,33 @@ DECODE_GEMV = (("q4g64", 34816, 5120, "silu_mul", "bf16"), ("q4g64", 10240, 5120
                ("q4g64", 248320, 5120, "none", "f32"), ("w8g32", 248320, 5120, "none", "f32"))
 
 
+# The GGUF k-quant decode GEMVs (issue 34; templates/gemv_kq.cu.j2) at the 27B shapes, each beside the
+# group-64 format of the same bits; M = 1 … 32, and register caps (min_blocks) as variants.
+KQUANT_GEMV = tuple((kq, g64, n, k, epi, out) for kq, g64 in (("q4_k", "q4g64"), ("q5_k", "q5g64"), ("q6_k", "q6g64"))
+                    for n, k, epi, out in ((34816, 5120, "silu_mul", "bf16"), (10240, 5120, "none", "bf16"),
+                                           (6144, 5120, "none", "bf16"), (5120, 6144, "residual", "bf16"),
+                                           (5120, 17408, "residual", "bf16"), (1024, 5120, "none", "bf16"),
+                                           (248320, 5120, "none", "f32")))
+
+
+def kquant_plan(target, l2, ms):
+    """`kquant`: the k-quant GEMVs beside their group-64 twins; `kquant_gemm`: a Q4_K_M-style 27B prefill
+    chunk's GEMMs (gemm_kq.cu.j2) beside the same shapes in the 27B's own formats."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from gguf_fixtures import q4_k_m_recipe
+
+    for kq, g64, n, k, epi, out in KQUANT_GEMV:
+        m_list = ms if n < 200000 else (1, 4)
+        yield "kquant", gemv_runs(g64, n, k, m_list, epi, out, target, l2)
+        yield "kquant", gemv_runs(kq, n, k, m_list, epi, out, target, l2, [{}, {"min_blocks": 3}, {"min_blocks": 4}])
+    spec = load_spec(Path(__file__).resolve().parent.parent / "model_specs/qwen3.8-27b.yaml")
+    chunk = spec.runtime.prefill_chunk
+    keys = [k for s in (q4_k_m_recipe(spec), spec) for k in plan_bucket(s, target, "prefill", 1, chunk).keys()
+            if k.family in ("gemm", "gemm_wg")]
+    yield "kquant_gemm", [case_runs(k, l2) for k in dict.fromkeys(keys)]
+
+
 def tune_configs(fmt, n, k, epi, out, target) -> list[dict]:
     """The shipped config and its neighbours: warps 4/8 × row tiles 1/2 × every valid K split up to 8."""
     base = gemv.make_key(fmt, n, k, 1, target, epi, out)
@@ -230,6 +257,7 @@ def plan(target):
                                  GEMV_VARIANTS, check_v1=True)
     yield "gemv", gemv_runs("q4g64", 34816, 5120, ms, "silu_mul", "bf16", target, l2)
     yield "gemv", gemv_runs("q4g64", 248320, 5120, ms, "none", "f32", target, l2)
+    yield from kquant_plan(target, l2, ms)
     yield "gemv", gemv_runs("w8g32", 248320, 5120, (1, 4, 32), "none", "f32", target, l2)
     yield "gemv", gemv_runs("q5g64", 5120, 17408, (1, 8, 32), "residual", "bf16", target, l2)
     yield "gemv", gemv_runs("q4g64", 10240, 5120, (1, 8, 32), "none", "bf16", target, l2)
@@ -337,7 +365,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="kernel_lab.json")
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--only", default="", help="comma-separated labels: gemv9,gemv,gdn_step,gdn_chunk,gdn_conv,attn_decode,prefill,gemm_sweep,gemm_27b,wg_27b,wg_sweep,sweep,warps,tune,misc")
+    ap.add_argument("--only", default="", help="comma-separated labels: gemv9,gemv,kquant,kquant_gemm,gdn_step,gdn_chunk,gdn_conv,attn_decode,prefill,gemm_sweep,gemm_27b,wg_27b,wg_sweep,sweep,warps,tune,misc")
     args = ap.parse_args(argv)
     major, minor = torch.cuda.get_device_capability()
     target = lookup(f"sm_{major}{minor}")

@@ -36,6 +36,17 @@ def kquant_spec(group: int = 3) -> ModelSpec:
     return dataclasses.replace(base, name="qwen3.8-tiny-k", model=model)
 
 
+def q4_k_m_recipe(spec: ModelSpec) -> ModelSpec:
+    """`spec` with a Q4_K_M-style recipe by role (Q6_K LM head, V and down; Q5_K GDN qkv; Q4_K elsewhere, the
+    embedding too) and out_proj's value heads tiled, as a GGUF k-quant file loads: the kernel shapes such a
+    file of this size plans (e.g. the 27B's, with no file)."""
+    q = dataclasses.replace(spec.quantization, embed="q4_k", lm_head="q6_k", attn_q="q4_k", attn_k="q4_k",
+                            attn_v="q6_k", attn_o="q4_k", gdn_qkv="q5_k", gdn_z="q4_k", gdn_out="q4_k",
+                            mlp_gate_up="q4_k", mlp_down="q6_k")
+    la = dataclasses.replace(spec.model.linear_attention, out_head_order="tiled")
+    return dataclasses.replace(spec, quantization=q, model=dataclasses.replace(spec.model, linear_attention=la))
+
+
 def q4_k_m(name: str, shape: tuple[int, ...], layer: int | None, n_layers: int) -> str:
     """A Q4_K_M-style type per tensor (llama.cpp's mix: Q6_K output head, Q6_K attn_v / ffn_down in some
     layers, Q5_K GDN qkv, F32 vectors and conv)."""

@@ -145,18 +145,23 @@ def test_a_file_without_mtp_loads_without_it_unless_drafting(tmp_path):
         open_gguf(tmp_path / "nomtp.gguf", require_mtp=True)
 
 
-def test_gpu_plans_refuse_what_has_no_kernels_yet(q4km):
-    from compiler.buckets import plan_bucket
-    from compiler.lower import LoweringError
+def test_a_q4_k_m_file_plans_every_bucket_for_the_gpu(q4km):
+    """The k-quant GEMV (decode, verify) and GEMM (prefill) read the file's blocks, the embedding gathers
+    Q4_K rows, and the tiled out_proj heads are the GDN norm's output order: every bucket of the runtime
+    profile lowers, with no transpose left."""
+    from compiler.buckets import plan_bucket, profile_of
+    from compiler.kernels import gated_rmsnorm
     from compiler.targets import lookup
 
     spec = open_gguf(q4km[0] / "tiny-Q4_K_M.gguf").spec
-    with pytest.raises(LoweringError, match="q4_k, q5_k, q6_k .*no GPU kernels yet"):
-        plan_bucket(spec, lookup("rtx3090"), "step", 1, 1)
-    tiled = dataclasses.replace(kquant_spec().model.linear_attention, out_head_order="tiled")
-    q8 = dataclasses.replace(kquant_spec(), model=dataclasses.replace(kquant_spec().model, linear_attention=tiled))
-    with pytest.raises(LoweringError, match="tiled head order .*no GPU kernels yet"):
-        plan_bucket(q8, lookup("rtx3090"), "step", 1, 1)
+    assert spec.model.linear_attention.out_head_order == "tiled"
+    profile = profile_of(spec, cohorts=(1, 4), draft=3)
+    keys = {k for shape in profile.shapes() for k in plan_bucket(spec, lookup("rtx3090"), *shape, profile).keys()}
+    formats = {(k.family, k.fmt) for k in keys if k.family in ("gemv", "gemm", "embed")}
+    assert {("gemv", "q4_k"), ("gemv", "q5_k"), ("gemv", "q6_k"), ("gemm", "q4_k"), ("gemm", "q6_k"),
+            ("embed", "q4_k")} <= formats
+    norms = [k for k in keys if isinstance(k, gated_rmsnorm.Key)]
+    assert norms and all(k.key_heads == spec.model.linear_attention.num_key_heads for k in norms)
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "BF16"])

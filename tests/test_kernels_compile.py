@@ -76,6 +76,42 @@ def test_gemv_experiment_variants_compile_without_spills(build_root, arch):
     assert not spilled and summary.spills == 0, f"spills in {spilled}"
 
 
+def kquant_keys(arch: str) -> list:
+    """The GGUF k-quant kernels (issue 34) a Q4_K_M-style file plans, at the 27B's shapes (decode/verify GEMVs
+    at M = 1 … 32, with the decode folds and without, the prefill chunk's GEMMs, the Q4_K embedding, the
+    GDN norm writing tiled heads) and the tiny GGUF fixture's (K of one super-block: odd Q6_K rows)."""
+    from compiler.kernels import embed, gated_rmsnorm
+    from compiler.kquant import KFORMATS
+    from gguf_fixtures import kquant_spec, q4_k_m_recipe
+
+    target, keys = lookup(arch), []
+    for spec in (q4_k_m_recipe(SPECS["27b"]), q4_k_m_recipe(kquant_spec())):
+        keys += [k for k in case_keys(spec, target) if getattr(k, "fmt", None) in KFORMATS or
+                 (isinstance(k, gated_rmsnorm.Key) and k.key_heads)]
+    keys += [embed.Key(f, SPECS["27b"].model.hidden_size, 8, arch) for f in KFORMATS]
+    return list(dict.fromkeys(keys))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_90"])
+def test_kquant_kernels_compile_without_spills(build_root, arch):
+    """Every k-quant key renders (gemv_kq.cu.j2, gemm_kq.cu.j2, the embed and norm variants) and compiles
+    with no spills; registers and shared memory per kernel are printed."""
+    keys = kquant_keys(arch)
+    fmts = {(k.family, k.fmt) for k in keys if hasattr(k, "fmt")}
+    assert {(f, q) for f in ("gemv", "gemm", "embed") for q in ("q4_k", "q5_k", "q6_k")} <= fmts
+    assert {k.m for k in keys if k.family == "gemv"} == {1, 2, 4, 8, 16, 32}
+    summary = build_kernels(keys, jobs=2, root=build_root, progress=False)
+    rows = sorted((b.key.name, b.meta["registers"], b.meta["smem_bytes"] + module_of(b.key).launch(b.key).smem,
+                   b.meta["spill_stores"] + b.meta["spill_loads"], b.meta["stack_bytes"]) for b in summary.built)
+    print(f"\n{arch}: {summary.table()}\n" + "\n".join(f"  {n}: {r} registers, {m} B shared, {sp} B spilled, "
+                                                      f"{st} B stack" for n, r, m, sp, st in rows))
+    assert summary.spills == 0, f"spills in {[n for n, *_, sp, _ in rows if sp]}"
+    # a register array indexed at run time lives on the stack without counting as a spill
+    assert not [n for n, *_, st in rows if st], f"stack frames in {[n for n, *_, st in rows if st]}"
+    assert all(m <= lookup(arch).smem_per_block for _, _, m, _, _ in rows)
+
+
 def gemm_variants(key, warps=None):
     """Every tiling gemm.config may pick on `key`'s shape (only those of `warps` warps when given),
     stage counts cycled over 2–4 (they do not change registers)."""

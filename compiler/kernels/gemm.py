@@ -1,6 +1,8 @@
 """gemm: the quantised prefill GEMM (M = a prefill chunk), mma.sync with the gemv weight layout.
 
-Same first six arguments as gemv (no split-K workspace), same epilogues and reference. A block is
+Same first six arguments as gemv (no split-K workspace), same epilogues and reference. GGUF k-quant
+formats (q4_k, q5_k, q6_k) read their blocks as stored: templates/gemm_kq.cu.j2, one super-block per
+stage, warp tiles of at most 4 token tiles. A block is
 wr × wc warps, each owning 32 weight rows × 8·nt tokens; activations and weight fragments go through
 a `stages`-deep cp.async ring in dynamic shared memory (templates/gemm.cu.j2). The tile comes from
 (fmt, n, k, m, target): prefill results need not be M-invariant. Its K order differs from gemv (no
@@ -15,6 +17,7 @@ from ..targets import Target
 from . import KernelKey, Launch, Param, ceil_div
 from . import gemv
 from .weight_layout import FORMATS, group_of
+from ..kquant import KFORMATS
 
 TR = 2                  # row tiles (16 rows) per warp: must match templates/gemm.cu.j2
 MAX_STAGES = 4
@@ -22,6 +25,9 @@ MAX_STAGES = 4
 # up to 96 accumulators) sit at 255 registers and spill on some arch/format/stage combinations; odd nt
 # measured slower than the wave count suggests (gemm v2 notes: down at nt = 7 −7 % against nt = 8).
 TILINGS = tuple((wr, wc, nt) for wr, wc in ((4, 1), (8, 1), (4, 2), (2, 2)) for nt in (8, 6, 4, 2))
+# k-quants keep a unit's scaled partials beside the accumulators: at most 4 token tiles per warp.
+KQ_TILINGS = tuple(t for t in TILINGS if t[2] <= 4)
+KQ_SLOT = {"q4_k": 144, "q5_k": 176, "q6_k": 224}   # bytes of a weight row's block in a stage (gemm_kq.cu.j2)
 UNIT_OVERHEAD = 4.3     # a warp's per-unit cost outside its mma, in n8 tiles (H200 sweep, gemm v2 notes)
 REGS = 256              # ptxas allocates ~210–255 registers at nt ≥ 5, < 170 below
 
@@ -42,11 +48,18 @@ class Key(KernelKey):
     arch: str
 
     def __post_init__(self):
-        if self.fmt not in FORMATS or self.k % group_of(self.fmt) or self.m < 1:
+        if self.fmt not in FORMATS and self.fmt not in KFORMATS or self.k % gemv.unit_of(self.fmt) or self.m < 1:
             raise ValueError(f"gemm: bad key {self}")
         gemv.check_epilogue(self)
         if not (1 <= self.wr * self.wc <= 16 and self.nt >= 1 and self.stages >= 2):
             raise ValueError(f"gemm: bad tiling {self}")
+        if self.fmt in KFORMATS and self.nt > 4:
+            raise ValueError(f"gemm: {self.fmt} warp tiles take at most 4 token tiles, got {self.nt}")
+
+    @property
+    def template(self) -> str | None:
+        """The k-quants' own template (their blocks as stored); None: the family's, gemm.cu.j2."""
+        return "gemm_kq.cu.j2" if self.fmt in KFORMATS else None
 
     def _name_parts(self):
         return gemv.shape_name_parts(self) + [f"r{self.wr}c{self.wc}n{self.nt}s{self.stages}"]
@@ -60,7 +73,10 @@ def tile_unit_bytes(fmt: str) -> int:
 
 
 def stage_bytes(fmt: str, wr: int, wc: int, nt: int) -> int:
-    """Shared memory of one ring stage (the template's STAGE): activations + weight planes."""
+    """Shared memory of one ring stage (the template's STAGE): activations + weight planes (k-quants: 528-byte
+    activation rows of a super-block, one block slot per weight row)."""
+    if fmt in KFORMATS:
+        return 8 * nt * wc * 528 + 32 * wr * KQ_SLOT[fmt]
     row = 144 if group_of(fmt) == 64 else 64
     return 8 * nt * wc * row + wr * TR * tile_unit_bytes(fmt)
 
@@ -88,7 +104,7 @@ def config(fmt: str, n: int, k: int, m: int, target: Target) -> tuple[int, int, 
     """(wr, wc, nt, stages): the cheapest tiling and ring depth (2–4 stages) that fit the card's shared
     memory (ties: the earlier in TILINGS, then more stages)."""
     best = None
-    for tiling in TILINGS:
+    for tiling in KQ_TILINGS if fmt in KFORMATS else TILINGS:
         fit = target.smem_per_block // stage_bytes(fmt, *tiling)
         for stages in range(min(MAX_STAGES, fit), 1, -1):
             cost = _cost(fmt, n, k, m, tiling, stages, target)

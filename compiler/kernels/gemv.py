@@ -1,6 +1,7 @@
 """gemv: the quantised skinny GEMM family (decode, verify and cohorts, M ≤ 32) on mma.sync.
 
-y[M, N_out] = epilogue(x[M, K] · W[N, K]ᵀ) with W in a weight_layout format. The config that fixes the
+y[M, N_out] = epilogue(x[M, K] · W[N, K]ᵀ) with W in a weight_layout format, or a GGUF k-quant's blocks as
+stored (q4_k, q5_k, q6_k: templates/gemv_kq.cu.j2, one super-block of 256 columns per unit). The config that fixes the
 reduction order (`warps`, `splits`: the K split over warps and over blocks) depends on (fmt, N, K,
 target) only, never on M: that is what makes decode, verify and every cohort produce identical bits
 per row.
@@ -22,6 +23,7 @@ from typing import ClassVar
 
 from .._torch import torch
 
+from ..kquant import KFORMATS, QK_K
 from ..reference_fused import inverse_rms, norm_tile_sums
 from ..targets import Target
 from . import KernelKey, Launch, Param, ceil_div
@@ -37,6 +39,11 @@ def check_epilogue(key) -> None:
         raise ValueError(f"{key.family}: bad epilogue/out_dtype {key.epilogue!r}/{key.out_dtype!r}")
     if key.epilogue == "silu_mul" and key.n % 16:
         raise ValueError(f"{key.family}: silu_mul needs n = 2·F with F a multiple of 8")
+
+
+def unit_of(fmt: str) -> int:
+    """Columns per unit (the K grain of the reduction order): the format's group, a k-quant's super-block."""
+    return QK_K if fmt in KFORMATS else group_of(fmt)
 
 
 def shape_name_parts(key) -> list[str]:
@@ -70,12 +77,17 @@ class Key(KernelKey):
                             # memory, and its loop reads them there (same bits)
 
     def __post_init__(self):
-        if self.fmt not in FORMATS:
-            raise ValueError(f"gemv: unknown weight format {self.fmt!r} (expected {', '.join(FORMATS)})")
+        if self.fmt not in FORMATS and self.fmt not in KFORMATS:
+            raise ValueError(f"gemv: unknown weight format {self.fmt!r} (expected {', '.join([*FORMATS, *KFORMATS])})")
         if not 1 <= self.m <= 32:
             raise ValueError(f"gemv: m = {self.m} outside 1..32 (use the prefill GEMM)")
-        if self.k % group_of(self.fmt):
-            raise ValueError(f"gemv: k = {self.k} not a multiple of the {self.fmt} group")
+        if self.k % unit_of(self.fmt):
+            unit = "super-block" if self.fmt in KFORMATS else "group"
+            raise ValueError(f"gemv: k = {self.k} not a multiple of the {self.fmt} {unit}")
+        if self.fmt in KFORMATS and (self.tiles != 1 or self.prefetch or self.interleave or self.stage_x):
+            raise ValueError(f"gemv: {self.fmt} streams one row tile per block, one unit at a time (tiles 1, no "
+                             f"prefetch, interleave or stage_x), got {self.tiles}/{self.prefetch}/{self.interleave}/"
+                             f"{self.stage_x}")
         check_epilogue(self)
         if not 1 <= self.splits <= load_batches(self.fmt, self.k, self.warps):
             raise ValueError(f"gemv: splits = {self.splits} outside "
@@ -97,6 +109,11 @@ class Key(KernelKey):
                              f"(limit {STAGE_X_LIMIT}); m = {self.m}, k = {self.k}, splits = {self.splits}")
         if self.scale_in and (self.k % 64 or self.eps <= 0):
             raise ValueError(f"gemv: scale_in needs k a multiple of 64 and eps > 0, got k = {self.k}, eps = {self.eps}")
+
+    @property
+    def template(self) -> str | None:
+        """The k-quants' own template (their blocks as stored); None: the family's, gemv.cu.j2."""
+        return "gemv_kq.cu.j2" if self.fmt in KFORMATS else None
 
     def _name_parts(self):
         return (shape_name_parts(self) + [f"w{self.warps}t{self.tiles}"] + ([f"s{self.splits}"] if self.splits > 1 else [])
@@ -120,13 +137,14 @@ def stage_x_bytes(key: Key) -> int:
 
 
 def order_depth(fmt: str) -> int:
-    """Units per warp in one order batch (OB in templates/gemv.cu.j2): split-K slices are whole order batches."""
-    return 2 if fmt == "bf16" else 4
+    """Units per warp in one order batch (OB in templates/gemv.cu.j2; 1 in gemv_kq.cu.j2): split-K slices are
+    whole order batches."""
+    return 1 if fmt in KFORMATS else 2 if fmt == "bf16" else 4
 
 
 def load_batches(fmt: str, k: int, warps: int) -> int:
     """Order batches along K per block (warps · OB units each): the grain of split-K slices."""
-    return ceil_div(k // group_of(fmt), warps * order_depth(fmt))
+    return ceil_div(k // unit_of(fmt), warps * order_depth(fmt))
 
 
 def split_count(fmt: str, n: int, k: int, warps: int, target: Target) -> int:
@@ -153,9 +171,9 @@ def config(fmt: str, n: int, k: int, m: int, target: Target) -> tuple[int, int, 
     the card only, never M (batch invariance); `tiles` (row tiles per block, reusing activations) may
     follow M."""
     row_tiles = ceil_div(n, 16)
-    units = k // group_of(fmt)
+    units = k // unit_of(fmt)
     warps = 8 if row_tiles < 2 * target.sms and units >= 32 else 4
-    tiles = 2 if m > 8 and row_tiles >= 16 * target.sms else 1
+    tiles = 2 if m > 8 and row_tiles >= 16 * target.sms and fmt not in KFORMATS else 1
     splits = split_count(fmt, n, k, warps, target)
     # Under 3 waves of 4-warp blocks and unsplit (H200 kernel-lab sweep): 8 warps gave Q5 6144×5120
     # 35.8 → 39.2 % and Q5 5120×6144 32.3 → 35.3 %; split shapes lost.
@@ -184,6 +202,8 @@ def stream_config(fmt: str, n: int, k: int, m: int, warps: int, target: Target, 
     blocks per SM (`min_blocks` 6: 89 → 80 registers, 20 → 24 warps per SM; −1.7 % per step; 7 blocks
     −0.3 %, and the same cap on the ≈ one-wave qkv and q projections ±0)."""
     waves = ceil_div(n, 16) / (target.sms * 9)
+    if fmt in KFORMATS:           # gemv_kq.cu.j2 has none of these fields
+        return {}
     if m > 8:
         return {"prefetch": 1 if target.arch == "sm_90" else 0}
     if waves >= 4:

@@ -265,7 +265,11 @@ def unpack_kquant_from_device(packed: dict, fmt: str, n: int, k: int, gate_up: b
 
 
 def dequantize(w) -> torch.Tensor:
-    """fp32 [N, K] = scale × code (or the bf16 values), the GEMM reference's weight."""
+    """fp32 [N, K] = scale × code (or the bf16 values, or a k-quant's blocks decoded), the GEMM reference's weight."""
+    from ..kquant import KQTensor, dequantize as dequantize_kquant
+
+    if isinstance(w, KQTensor):
+        return dequantize_kquant(w)
     return w.float() if isinstance(w, torch.Tensor) else _dequantize_q(w)
 
 
@@ -283,6 +287,10 @@ def random_qmatrix(fmt: str, n: int, k: int, gen: torch.Generator | None = None,
 
 def device_bytes(fmt: str, n: int, k: int) -> int:
     """Bytes one GEMM call streams from the packed planes (what the kernel lab counts)."""
+    from ..kquant import KFORMATS, QK_K
+
+    if fmt in KFORMATS:
+        return padded_rows(n) * (k // QK_K) * KFORMATS[fmt].block_bytes
     bits, group = FORMATS[fmt]
     n_pad = padded_rows(n)
     scale_bytes = 0 if fmt == "bf16" else n_pad * (k // group) * 2

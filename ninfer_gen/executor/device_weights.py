@@ -2,7 +2,8 @@
 
 - every matrix a GEMV/GEMM multiplies: packed planes (lo, hi, scales) of `weight_layout`, with each
   MLP's gate and up fused into one `…mlp.gate_up.weight` (rows interleaved for the SiLU·mul epilogue);
-- the embedding: row-major int8 codes + fp16 scales (W8G32) or a bf16 table, as `embed` reads it;
+- the embedding: row-major int8 codes + fp16 scales (W8G32), a bf16 table, or a GGUF k-quant's rows of
+  super-blocks as stored (uint8), as `embed` reads it;
   a tied LM head gets its own packed copy;
 - norms and conv weights bf16 (conv as [C, width]), GDN `A_log` / `dt_bias` fp32.
 
@@ -20,8 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from compiler.kernels.weight_layout import group_of, pack_for_device
-from compiler.kquant import KQTensor
+from compiler.kernels.weight_layout import group_of, pack_for_device, pack_kquant_for_device
+from compiler.kquant import KFORMATS, KQTensor, random_kquant
 from compiler.quant import QTensor
 from compiler.spec import ModelSpec, format_of, tensor_table
 from compiler.weights import NON_MATRIX_ROLES, lm_head_name, packed_matrices, plane_bytes, planes_of
@@ -40,12 +41,12 @@ class DeviceWeights:
     matrices: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)   # name → packed planes
     formats: dict[str, str] = field(default_factory=dict)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)               # norms, conv, decay params
-    embed_codes: torch.Tensor | None = None          # int8 [V, h] (w8g32) or bf16 [V, h]
+    embed_codes: torch.Tensor | None = None          # int8 [V, h] (w8g32), bf16 [V, h] or k-quant blocks uint8
     embed_scales: torch.Tensor | None = None         # fp16 [V, h/32] (w8g32)
 
     @property
     def embed_format(self) -> str:
-        return "bf16" if self.embed_scales is None else "w8g32"
+        return format_of(self.spec, next(t for t in tensor_table(self.spec) if t.name == "embed_tokens.weight"))
 
     def plane(self, name: str, plane: str) -> torch.Tensor:
         """A weight by its plan binding (compiler.weights): `lo`/`hi`/`scales` of a packed matrix,
@@ -73,8 +74,8 @@ class DeviceWeights:
         name, plane = split_key(plane_key)
         if plane == "tensor":
             self.tensors[name] = _small_tensor(name, t, t.device)
-        elif plane == "rows":             # int8 codes, or a float table the gather reads as bf16
-            self.embed_codes = t if t.dtype == torch.int8 else t.to(torch.bfloat16).contiguous()
+        elif plane == "rows":             # int8 codes, k-quant blocks (uint8), or a float table the gather reads as bf16
+            self.embed_codes = t if t.dtype in (torch.int8, torch.uint8) else t.to(torch.bfloat16).contiguous()
         elif plane == "row_scales":
             self.embed_scales = t
         else:
@@ -191,6 +192,8 @@ def _random_planes(fmt: str, n: int, k: int, std: float, gen: torch.Generator, d
     planes is a valid code (uniform over the range), scales ≈ std / code std (±25 %)."""
     if fmt == "bf16":
         return pack_for_device((torch.randn(n, k, generator=gen, device=device) * std).to(torch.bfloat16))
+    if fmt in KFORMATS:           # random super-blocks, valid fp16 scales: std within ×2 of `std`
+        return pack_kquant_for_device(random_kquant(fmt, n, k, gen, device, scale=6 * std))
     sizes = plane_bytes(fmt, n, k)
     planes = {name: torch.randint(0, 256, (size,), generator=gen, device=device, dtype=torch.uint8)
               for name, size in sizes.items() if name != "scales"}
@@ -222,6 +225,8 @@ def random_on_device(spec: ModelSpec, seed: int = 0, device="cuda", progress: bo
                 dw.embed_codes = torch.randint(-127, 128, (v, h), generator=gen, device=device, dtype=torch.int8)
                 dw.embed_scales = torch.full((v, h // group_of(fmt)), 1.0 / _CODE_STD["w8g32"],
                                              dtype=torch.float16, device=device)
+            elif fmt in KFORMATS:
+                dw.embed_codes = random_kquant(fmt, v, h, gen, device, scale=6.0).blocks
             else:
                 dw.embed_codes = torch.randn(v, h, generator=gen, device=device).to(torch.bfloat16)
         elif info.role in NON_MATRIX_ROLES:

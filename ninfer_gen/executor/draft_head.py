@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from compiler.kernels.weight_layout import TILE, pack_for_device, padded_rows, unpack_from_device
+from compiler.kernels.weight_layout import TILE, pack_for_device, pack_kquant_for_device, padded_rows, unpack_from_device
+from compiler.kquant import KFORMATS, KQTensor
 from compiler.model import lm_head_name
 from compiler.quant import QTensor
 from compiler.spec import DRAFT_HEAD
@@ -21,6 +22,12 @@ def add_draft_head(weights, ids: list[int], chunk_rows: int = 8192) -> None:
     vocab, hidden = weights.spec.model.vocab_size, weights.spec.model.hidden_size
     device = planes["lo"].device
     want = torch.tensor(ids, dtype=torch.int64, device=device)
+    if fmt in KFORMATS:           # rows of super-blocks as stored: the draft rows are a plain row gather
+        rows = planes["lo"].view(padded_rows(vocab), -1)[want].contiguous()
+        weights.matrices[DRAFT_HEAD] = pack_kquant_for_device(KQTensor(fmt, rows, hidden))
+        weights.formats[DRAFT_HEAD] = fmt
+        weights.tensors[IDS] = want.to(torch.int32)
+        return
     tiles = padded_rows(vocab) // TILE
     codes, scales, order = [], [], []
     for r0 in range(0, vocab, chunk_rows):

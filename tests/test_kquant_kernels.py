@@ -1,0 +1,190 @@
+"""CPU tier for the GGUF k-quant kernels (issue 34 step 3): the decode GEMV on Q4_K/Q5_K/Q6_K blocks as
+stored (templates/gemv_kq.cu.j2), the k-quant embedding gather, the tiled GDN head order fused into the
+output norm — their torch references against compiler.kquant's dequantisation, a bit-level model of the
+GEMV (tests/kq_emulator.py) against the same, keys and dispatch, and the plans of a Q4_K_M file.
+Compiling them: tests/test_kernels_compile.py -k kquant; running them: tests/gpu/test_kquant_gpu.py."""
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from compiler.kernels import embed, gated_rmsnorm, gemv
+from compiler.kernels.weight_layout import pack_kquant_for_device
+from compiler.kquant import KFORMATS, dequantize, random_kquant
+from compiler.lower_rules import matmul_key
+from compiler.targets import lookup
+from kq_emulator import emulate
+
+H200, RTX = lookup("h200"), lookup("rtx3090")
+FMTS = list(KFORMATS)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("epilogue", ["none", "residual", "silu_mul"])
+def test_gemv_reference_is_dequantisation_then_matmul(fmt, epilogue):
+    """gemv.reference on a KQTensor = x · dequantize(W)ᵀ in fp32, then the epilogue."""
+    g = torch.Generator().manual_seed(1)
+    n, k, m = 96, 512, 5
+    w = random_kquant(fmt, n, k, g)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    res = torch.randn(m, n, generator=g).bfloat16()
+    key = gemv.make_key(fmt, n, k, m, RTX, epilogue, "f32")
+    y = x.float() @ dequantize(w).T
+    want = {"none": y, "residual": y + res.float(),
+            "silu_mul": torch.nn.functional.silu(y[:, :n // 2]) * y[:, n // 2:]}[epilogue]
+    assert torch.equal(gemv.reference(key, x, w, res), want)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("n,k,m", [(40, 512, 1), (40, 768, 5), (24, 256, 16), (16, 512, 32), (16, 256, 9)])
+def test_kernel_model_equals_dequantisation(fmt, n, k, m):
+    """The bit-level model of gemv_kq.cu.j2 (every load, shift, PRMT and fragment as the template does
+    them; Q6_K rows 2 bytes off a word boundary where K/256 is odd) equals x · dequantize(W)ᵀ on random
+    blocks, M from one row to four column tiles (the activation-sum mma in pairs of them)."""
+    g = torch.Generator().manual_seed(n * k + m)
+    w = random_kquant(fmt, n, k, g, scale=1.0)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    got = emulate(fmt, pack_kquant_for_device(w)["lo"], x, n)
+    want = (x.double() @ dequantize(w).double().T).numpy()
+    # fp32 dequantisation rounding only: a layout slip is O(1)
+    assert np.abs(got - want).max() <= 1e-7 * np.abs(want).max()
+
+
+def test_kquant_gemv_keys():
+    """A k-quant key: its own template, one super-block per unit (split-K in batches of WARPS units), one
+    row tile per block and none of the streaming fields; the same (warps, splits) at every M."""
+    keys = [gemv.make_key("q4_k", 5120, 17408, m, H200, "residual") for m in (1, 4, 8, 16, 32)]
+    assert all(k.template == "gemv_kq.cu.j2" for k in keys)
+    assert gemv.make_key("q4g64", 5120, 17408, 1, H200).template is None
+    assert len({(k.warps, k.splits) for k in keys}) == 1 and keys[0].splits > 1
+    assert all(k.tiles == 1 and not (k.prefetch or k.interleave or k.stage_x) for k in keys)
+    assert gemv.load_batches("q6_k", 17408, 4) == 17
+    assert gemv.make_key("q6_k", 248320, 5120, 32, H200).tiles == 1
+    with pytest.raises(ValueError, match="super-block"):
+        gemv.make_key("q4_k", 1024, 320, 1, H200)
+    for bad in ({"stage_x": True}, {"prefetch": 1}, {"interleave": True}, {"tiles": 2}):
+        with pytest.raises(ValueError, match="one row tile per block"):
+            replace(keys[0], **bad)
+
+
+def test_matmul_dispatch_of_kquants():
+    """Up to 32 rows the k-quant GEMV, above the mma.sync GEMM on the blocks as stored (gemm_kq.cu.j2; never
+    the Hopper warpgroup GEMM), whose warp tiles stay within 4 token tiles and whose ring fits the card."""
+    from compiler.kernels import gemm
+    assert matmul_key("q5_k", 10240, 5120, 32, H200).family == "gemv"
+    for target in (H200, RTX, lookup("a100")):
+        for fmt in FMTS:
+            for m in (33, 256, 4096):
+                key = matmul_key(fmt, 34816, 5120, m, target, "silu_mul")
+                assert key.family == "gemm" and key.template == "gemm_kq.cu.j2" and key.nt <= 4
+                assert gemm.launch(key).smem <= target.smem_per_block and key.stages >= 2
+    with pytest.raises(ValueError, match="at most 4 token tiles"):
+        replace(matmul_key("q4_k", 1024, 512, 1024, H200), nt=6)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_embed_reference_of_kquant_tables(fmt):
+    g = torch.Generator().manual_seed(3)
+    table = random_kquant(fmt, 64, 512, g)
+    ids = torch.tensor([5, 0, 63, 5], dtype=torch.int32)
+    key = embed.Key(fmt, 512, 4, "sm_86")
+    assert torch.equal(embed.reference(key, ids, table), dequantize(table)[ids.long()].to(torch.bfloat16))
+    with pytest.raises(ValueError, match="multiple of 256"):
+        embed.Key(fmt, 320, 1, "sm_86")
+
+
+def test_gated_norm_reference_writes_tiled_heads():
+    """key_heads > 0: head kh·G + j of the norm lands at head j·key_heads + kh (the prim's reference too)."""
+    from compiler.reference_fused import gated_rmsnorm_tiled
+    g = torch.Generator().manual_seed(4)
+    m, hv, dv, nk = 3, 6, 32, 2
+    o, z, w = torch.randn(m, hv, dv, generator=g), torch.randn(m, hv * dv, generator=g), torch.randn(dv, generator=g)
+    plain = gated_rmsnorm.reference(gated_rmsnorm.Key(hv, dv, m, 1e-6, "sm_86"), o, z, w.bfloat16())
+    tiled = gated_rmsnorm.reference(gated_rmsnorm.Key(hv, dv, m, 1e-6, "sm_86", nk), o, z, w.bfloat16())
+    for h in range(hv):
+        kh, j = divmod(h, hv // nk)
+        assert torch.equal(tiled.view(m, hv, dv)[:, j * nk + kh], plain.view(m, hv, dv)[:, h])
+    prim = gated_rmsnorm_tiled(o, z.view(m, hv, dv), w, eps=1e-6, key_heads=nk)
+    assert prim.shape == (m, hv // nk, nk, dv)
+    with pytest.raises(ValueError, match="do not tile"):
+        gated_rmsnorm.Key(hv, dv, m, 1e-6, "sm_86", 4)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_tiled_heads_fuse_into_the_gdn_norm():
+    """A tiled spec's transpose disappears into gated_rmsnorm_tiled in every graph the plans lower, and the
+    fused graph computes what the traced one does (the reference interpreter on both, bit for bit)."""
+    from compiler.interpret import run_graph
+    from compiler.passes import fuse_tiled_heads, run_pipeline
+    from compiler.reference_ops import torch_dtype
+    from compiler.trace import StatePools, state_avals, trace
+    from gguf_fixtures import kquant_spec, q4_k_m_recipe
+    from ninfer_gen.weights.random_weights import random_weights
+
+    spec = q4_k_m_recipe(kquant_spec())
+    pools = StatePools(num_pages=8, num_slots=1, pages_per_seq=8, kv_dtype="int8")
+    g = trace(spec, "prefill", 1, 12, pools)
+    fused = fuse_tiled_heads(g)
+    assert sum(e.prim == "transpose" for e in g.eqns) == 3 and not any(e.prim == "transpose" for e in fused.eqns)
+    assert sum(e.prim == "gated_rmsnorm_tiled" for e in fused.eqns) == 3
+    assert not any(e.prim == "transpose" for e in run_pipeline(trace(spec, "step", 2, 1, pools)).eqns)
+    gen = torch.Generator().manual_seed(2)
+    inputs = {"tokens": torch.randint(0, spec.model.vocab_size, (1, 12), generator=gen, dtype=torch.int32),
+              "pos": torch.tensor([5], dtype=torch.int32), "slots": torch.tensor([0], dtype=torch.int32),
+              "block_table": torch.arange(8, dtype=torch.int32).reshape(1, 8)}
+    weights = random_weights(spec)
+    states = [{n: torch.zeros(shape, dtype=torch_dtype(dt)) for n, (shape, dt) in state_avals(spec, pools).items()}
+              for _ in range(2)]
+    o1, o2 = (run_graph(graph, inputs, weights, st) for graph, st in zip((g, fused), states))
+    assert all(torch.equal(o1[k], o2[k]) for k in o1)
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+
+
+@pytest.mark.parametrize("units", [1, 3, 20])
+def test_gemm_q6_k_stage_slots_hold_each_block(units):
+    """gemm_kq.cu.j2's Q6_K staging, transcribed: 14 pieces of ≤ 16 bytes from the 16-byte boundary below a
+    210-byte block (the last piece cut at the block's end, so the plane's last block reads nothing past
+    it); its words at `mis` + 16s + 4t, put right by slot_word, are the block's bytes, d at `mis` + 208."""
+    from kq_emulator import funnelshift_r
+
+    qb, rows = 210, 24
+    plane = bytes(np.random.default_rng(units).integers(0, 256, rows * units * qb, dtype=np.uint8))
+    for row in range(rows):
+        for u in range(units):
+            off = (row * units + u) * qb
+            slot, mis = bytearray(224), off & 15
+            for ch in range(14):
+                src = (off & ~15) + 16 * ch
+                n = min(16, off + qb - src)
+                assert n >= 2 and src + n <= len(plane)
+                slot[16 * ch:16 * ch + n] = plane[src:src + n]
+            block = plane[off:off + qb]
+
+            def word(o):
+                lo = int.from_bytes(slot[o & ~3:(o & ~3) + 4], "little")
+                hi = int.from_bytes(slot[(o & ~3) + 4:(o & ~3) + 8], "little")
+                return funnelshift_r(lo, hi, (o & 3) * 8)
+            for s in range(13):
+                for t in range(4):
+                    assert word(mis + 16 * s + 4 * t) == int.from_bytes(block[16 * s + 4 * t:16 * s + 4 * t + 4], "little")
+            assert slot[mis + 208:mis + 210] == block[208:210]
+
+
+def test_gemm_reads_scales_and_mins_as_the_reference_decodes_them():
+    """gemm_kq.cu.j2's byte-wise scale_of (and the word-wise mins both templates use), transcribed, against
+    compiler.kquant's 6-bit unpacking on every byte pattern's neighbourhood (random headers)."""
+    from compiler.kquant import _scale_min_k4
+    from kq_emulator import and_or
+
+    heads = torch.randint(0, 256, (512, 12), generator=torch.Generator().manual_seed(5), dtype=torch.uint8)
+    sc, mn = _scale_min_k4(heads)
+    for b in range(heads.shape[0]):
+        q = [0, 0, 0, 0] + heads[b].tolist()                 # slot bytes 4..15 hold the 12 scale bytes
+        for j in range(8):
+            got = q[4 + j] & 63 if j < 4 else (q[8 + j] & 15) | ((q[j] >> 6) << 4)
+            assert got == sc[b, j]
+        z, w = (int.from_bytes(bytes(q[o:o + 4]), "little") for o in (8, 12))
+        for t in range(4):
+            word = z & 0x3F3F3F3F if t < 2 else and_or(w >> 4, 0x0F0F0F0F, (z >> 2) & 0x30303030)
+            assert [(word >> (8 * ((2 * t + i) & 3))) & 0xFF for i in (0, 1)] == mn[b, 2 * t:2 * t + 2].tolist()
