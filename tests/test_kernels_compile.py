@@ -93,14 +93,21 @@ def kquant_keys(arch: str) -> list:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_90"])
-def test_kquant_kernels_compile_without_spills(build_root, arch):
+@pytest.mark.parametrize("arch, sample", [("sm_86", False), ("sm_80", True), ("sm_90", True)])
+def test_kquant_kernels_compile_without_spills(build_root, arch, sample):
     """Every k-quant key renders (gemv_kq.cu.j2, gemm_kq.cu.j2, the embed and norm variants) and compiles
-    with no spills; registers and shared memory per kernel are printed."""
+    with no spills on sm_86 (the target, compiled nowhere else); on sm_80 and sm_90 (the GPU tier compiles
+    the rest there) the first and last key of each family and format, which keeps CI's 2-core run short;
+    registers and shared memory per kernel are printed."""
     keys = kquant_keys(arch)
     fmts = {(k.family, k.fmt) for k in keys if hasattr(k, "fmt")}
     assert {(f, q) for f in ("gemv", "gemm", "embed") for q in ("q4_k", "q5_k", "q6_k")} <= fmts
     assert {k.m for k in keys if k.family == "gemv"} == {1, 2, 4, 8, 16, 32}
+    if sample:
+        groups: dict = {}
+        for k in keys:
+            groups.setdefault((k.family, getattr(k, "fmt", None)), []).append(k)
+        keys = list(dict.fromkeys(k for g in groups.values() for k in (g[0], g[-1])))
     summary = build_kernels(keys, jobs=2, root=build_root, progress=False)
     rows = sorted((b.key.name, b.meta["registers"], b.meta["smem_bytes"] + module_of(b.key).launch(b.key).smem,
                    b.meta["spill_stores"] + b.meta["spill_loads"], b.meta["stack_bytes"]) for b in summary.built)
