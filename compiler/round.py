@@ -1,6 +1,6 @@
 """round: the speculative round of B lanes as one launch list, which the runtime captures as one CUDA graph.
 
-engine.speculative states the round's math; this module orders it for the device:
+ninfer_gen.speculative states the round's math; this module orders it for the device:
 
   [commit B×(K+1)]       fused mode: the previous round's accepted records folded in (m = 0: nothing)
   spec_round begin       verify inputs from the round-state rows

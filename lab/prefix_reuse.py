@@ -43,7 +43,7 @@ def turn(model, prompt: list[int], answer: int, draft: int, prefix_cache: int, l
     from ninfer_gen.engine import Engine, Request
 
     lanes = lanes or model.lanes(1, prefix_cache=prefix_cache)
-    lanes_module = sys.modules[type(lanes).__module__]   # engine.lanes or executor.gpu_lanes: its `choose`
+    lanes_module = sys.modules[type(lanes).__module__]   # lanes.contract or lanes.gpu: its `choose`
     first_logits = []
     choose = lanes_module.choose                         # the row the first token is chosen from (ReferenceLanes)
     lanes_module.choose = lambda lane, row: (first_logits.append(row.clone()) if not first_logits else None,

@@ -1,4 +1,4 @@
-"""The cohort engine (engine.engine, engine.lanes) on the CPU with the reference backend and the tiny spec:
+"""The cohort engine (engine.engine, lanes.contract) on the CPU with the reference backend and the tiny spec:
 N concurrent requests give exactly what each gives alone (greedy and sampled, K = 0 and K = 3 mixed,
 requests joining and leaving), per-lane stop tokens, token and context limits, cancellation and failures
 free the lane's slot and pages, a full queue is refused, prefill chunks interleave with decode rounds

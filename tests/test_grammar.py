@@ -1,4 +1,4 @@
-"""Structured output's grammars (engine.grammar) and their use in the lanes (engine.lanes): the matcher on
+"""Structured output's grammars (engine.grammar) and their use in the lanes (lanes.contract): the matcher on
 the small model's tokenizer (masks, a padded vocabulary, EOS only where the output is complete, rollback,
 termination, tool-call markup, reasoning sections, the compile cache, errors); the speculative round's
 masked verify (a draft outside the grammar is rejected, greedy and sampled); and constrained requests

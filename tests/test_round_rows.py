@@ -1,4 +1,4 @@
-"""CPU logic of executor.round_rows (the GPU lanes' row bookkeeping) on host tensors: which row each lane
+"""CPU logic of lanes.round_rows (the GPU lanes' row bookkeeping) on host tensors: which row each lane
 takes, and that a sampled lane's first drafts' distributions reach its row — when it joins a kept layout,
 when the layout is rebuilt (another bucket, compaction), and that lanes already placed carry theirs along."""
 import torch

@@ -1,4 +1,4 @@
-"""The speculative round's logic (engine.speculative) on the CPU: greedy acceptance, rejection sampling
+"""The speculative round's logic (ninfer_gen.speculative) on the CPU: greedy acceptance, rejection sampling
 whose output distribution is the target's (chi-square), truncation at stop tokens and the token budget,
 and whole rounds on the reference backend (verify in record mode, ReplaySSM commit, MTP drafts): greedy
 output with K drafts equals plain greedy decoding, a stop token inside a round ends the output where

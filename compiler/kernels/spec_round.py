@@ -1,4 +1,4 @@
-"""spec_round: the speculative round's device-side steps between the model's entries (engine.speculative
+"""spec_round: the speculative round's device-side steps between the model's entries (ninfer_gen.speculative
 states the math; this family runs it on the device so a round is one CUDA graph):
 
   begin   verify inputs of each row from its round state: [anchor, drafts], positions L..L+K, table;

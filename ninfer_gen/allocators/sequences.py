@@ -42,6 +42,13 @@ class SequencePool:
         self.slots.free(seq.slot)
         self.blocks.free(seq.table)
 
+    def usage(self) -> dict[str, int]:
+        """Slots and pages in use (and the prefix cache's checkpoints, if it has one)."""
+        slots, blocks = self.slots, self.blocks
+        return {"slots": slots.num_slots, "slots_in_use": slots.num_slots - slots.free_slots,
+                "pages": blocks.num_pages, "pages_in_use": blocks.num_pages - blocks.free_pages,
+                **(self.prefix.usage() if self.prefix is not None else {})}
+
     def reserve(self, seq: Sequence, length: int) -> None:
         if length > self.max_context:
             raise ValueError(f"sequence of {length} tokens exceeds the context limit {self.max_context}")

@@ -84,7 +84,7 @@ def add_arguments(p) -> None:
     p.add_argument("--prefill-budget", type=int, default=None, help="cohort bench: prompt tokens the engine "
                    "prefills per step between decode rounds (default: the backend's prefill chunk)")
     p.add_argument("--backend", choices=("auto", "gpu", "reference"), default="auto", help="cohort bench: gpu "
-                   "(the compiled kernels, executor.gpu_lanes), reference (the interpreter on the CPU, "
+                   "(the compiled kernels, lanes.gpu), reference (the interpreter on the CPU, "
                    "ReferenceLanes) or auto (default: gpu when a CUDA device is visible)")
     p.add_argument("--batch-steps", action="store_true", help="cohort bench, reference backend: the plain lanes' "
                    "steps as one B-row call (faster on the CPU; rows equal to fp32 rounding)")

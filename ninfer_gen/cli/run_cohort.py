@@ -1,5 +1,5 @@
 """run_cohort: `ninfer-gen run` with several prompts (`--prompt` repeated or `--prompts-file`) — one cohort
-through engine.Engine (ReferenceLanes on the reference backend, executor.gpu_lanes on the GPU), each
+through engine.Engine (ReferenceLanes on the reference backend, lanes.gpu on the GPU), each
 request streamed to its own labelled lines, or one JSON object per request."""
 from __future__ import annotations
 

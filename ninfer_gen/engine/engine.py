@@ -1,7 +1,7 @@
 """engine: the cohort engine — admission (a bounded queue, a clear refusal beyond it), lanes,
 the scheduling step, finishing and freeing, events and statistics (what goes in and comes out —
 Request, Handle, Event, RequestStats — is engine.requests'). The numbers come from a LaneBackend
-(engine.lanes: the contract); this module imports no CUDA and no torch.
+(lanes.contract: the contract); this module imports no CUDA and no torch.
 
 A request holds a lane from admission to its end; the lane's sequence (state slot + KV pages) is the
 adapter's, released when the request finishes, fails or is cancelled. `step()` is one scheduling

@@ -5,7 +5,7 @@ JSON answer — optionally after a reasoning section; a `Grammar` is shareable a
 `matcher()` is one request's state: the allowed tokens of the next position over the model's vocabulary
 (ids past the tokenizer's are never allowed; EOS only where the grammar is complete), `consume`,
 `rollback` (rejected drafts) and `is_terminated`. Imports no CUDA; the server builds constraints, the
-lanes apply them (engine.lanes).
+lanes apply them (lanes.contract).
 
 The grammars never use llguidance's `stop=` lexemes (they cannot be rolled back): a reasoning section is a
 lazy lexeme ending at the first `</think>`. JSON is written with json.dumps's separators (", ", ": ") and no

@@ -1,7 +1,7 @@
 """replicated: the cohort engine over tensor-parallel ranks (ninfer_gen.parallel, compiler.shard). The lead
 (rank 0) runs the engine — and the server, the bench — over `ReplicatedLanes`; every other rank runs
 `follow`. Each call the engine makes of its lane backend (open, prefill, round, release) is broadcast to the
-followers before it runs: the call's name, its arguments and the public state of its lanes (engine.lanes.
+followers before it runs: the call's name, its arguments and the public state of its lanes (lanes.contract.
 LaneState without the adapter's `private` data and the sequence). A follower keeps a mirror of each lane,
 brings it up to the lead's state and makes the same call on its own share of the model, so the collectives
 inside the calls meet in the same order on every rank, and every rank's KV pages and GDN states hold the same
@@ -9,7 +9,7 @@ tokens. The engine's own decisions (admission, budgets, finishing, cancellation,
 only; a follower needs no engine.
 
 The ranks choose the same tokens because their logits are the same bits (gathered) and their random streams
-start from the same seed (a request's, or the generators' fixed default: engine.sampling). Structured output
+start from the same seed (a request's, or the generators' fixed default: ninfer_gen.sampling). Structured output
 (a grammar's matcher is host state the messages do not carry) is refused with --tp for now.
 """
 from __future__ import annotations

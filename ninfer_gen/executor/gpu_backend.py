@@ -125,7 +125,7 @@ class GpuBackend(SequencePool):
             s.table.length = p + T
         return bucket.logits.clone(), bucket.hidden.clone()
 
-    # ------------------------------------------------------------ speculative rounds (engine.speculative)
+    # ------------------------------------------------------------ speculative rounds (ninfer_gen.speculative)
     @property
     def drafts(self) -> tuple[int, ...]:
         """The draft lengths this backend's profile has round buckets for."""

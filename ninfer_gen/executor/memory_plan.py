@@ -37,7 +37,7 @@ class MemoryPlan:
     kv_pool: int
     kv_bytes_per_token: int
     page_size: int
-    prefix_states: int = 0             # prefix-cache checkpoints' saved GDN states (engine.reuse)
+    prefix_states: int = 0             # prefix-cache checkpoints' saved GDN states (lanes.reuse)
     prefix_bytes: int = 0
     kv_pool_tokens: int | None = None  # a KV pool shared by the lanes (None: each lane its whole context)
 

@@ -17,7 +17,7 @@ LaneBackend — what an adapter provides:
   validate(request)   raise ValueError naming what this backend cannot run (a draft K, a token id out of
                       the vocabulary, ...); called at submit, before anything is held
   open(lane)          take a sequence for the lane (a cleared state slot, no pages yet): sets `lane.seq`; with
-                      prefix reuse (engine.reuse) it may restore a cached prefix of the prompt into it and set
+                      prefix reuse (lanes.reuse) it may restore a cached prefix of the prompt into it and set
                       `lane.prefilled` and `lane.cached` to its length: the engine prefills the rest
   prefill(lane, ids, last) -> int | None
                       run `ids`, the next chunk of `lane.prompt` (positions lane.length .. +len(ids)), into

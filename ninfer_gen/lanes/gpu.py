@@ -1,41 +1,28 @@
-"""gpu: the cohort engine's LaneBackend on the GPU (lanes.contract states the contract) — up to C lanes
-of one GpuBackend decoding together. The one driver of the GPU's speculative rounds.
+"""gpu: the cohort engine's LaneBackend on the GPU (lanes.contract states the contract) — up to C lanes of one
+GpuBackend decoding together; the one driver of the GPU's speculative rounds.
 
-Per engine round: every speculative lane runs in ONE round graph (compiler.round) of the smallest compiled
-cohort bucket that holds them — its other rows IDLE, i.e. padded everywhere (slot −1, no keys, trash-page
-KV writes), so they touch no state; more lanes than the largest round bucket run in several rounds — and
-the plain (K = 0) lanes in one padded step bucket. A lane keeps its row from round to round while the bucket
-stays the same; when the bucket changes (lanes joined or left), the rounds in flight are collected, the
-last round's pending fold (fused mode: the accepted records are folded at the start of the next round) runs
-eagerly and the rows are compacted, so a fold always reads the ReplaySSM records of the rows that logged
-them (lanes.round_rows keeps that bookkeeping).
+Per engine round the speculative lanes run in ONE round graph (compiler.round) of the smallest cohort bucket
+that holds them (more lanes than the largest bucket: several rounds); its other rows are IDLE — padded
+everywhere (slot −1, no keys, trash-page KV writes) — and touch no state. Plain (K = 0) lanes run in one
+padded step bucket. A lane keeps its row while the bucket's lanes stay; then the host launches the next round
+before it reads the last one back (`depth` rounds in flight), and a call returns the tokens of the rounds that
+completed. When the lanes change, the rounds in flight are collected, the pending fold (fused mode: the
+accepted records are folded at the start of the next round) runs eagerly and the rows are compacted and
+written from the host's mirrors (lanes.round_rows). A lane's own K ≤ the built K is its row's `k`: the same
+graph, acceptance keeping at most k drafts. The kernels are batch-invariant, so a request's greedy output is
+the same alone or in any cohort.
 
-Rounds in flight: while the lanes of the bucket stay the same, the host launches the next round before it
-reads the last one back (`depth` rounds queued, 2 by default), so its work overlaps the device's; a call
-returns the tokens of the rounds that completed. Each lane asks its own K ≤ the built K (the row's `k`):
-its round runs in the same graph, and acceptance keeps at most k drafts.
+Prefill runs per lane on the B = 1 prefill buckets, one engine chunk at a time; with drafts the MTP runs over
+each chunk, and the last chunk's first drafts come from ninfer_gen.speculative.Drafter. A lane without room for
+one more round continues with plain steps. Every bucket and round graph is captured when the adapter is made.
 
-The host keeps each speculative lane's round-state row (spec_round.ROUND_FIELDS: length, anchor, drafts,
-budget, stop tokens, sampling parameters, RNG counter) as a mirror, refreshed from every read-back; the
-bucket's rows are written from the mirrors only when the layout changes.
-Numbers: a lane's greedy tokens do not depend on the other rows (the kernels are batch-invariant: their
-reduction order never follows the rows), so a request's greedy output is the same alone or in any cohort.
+Structured output (engine.grammar): a constrained lane runs host-driven rounds on the B = 1 buckets — verify
+rows masked by the grammar's state after each draft (lanes.contract.masked_verify), acceptance, commit, the
+next drafts — reusing the record rows, so the device rounds' pending fold is folded first.
 
-Prefill runs per lane on the B = 1 prefill buckets, one engine chunk at a time; with drafts, the MTP runs
-over each chunk as it goes and the last chunk's first drafts come from engine.speculative.Drafter. A lane
-whose context has no room for one more round (verify K+1 positions and chain K−1 drafts) continues with
-plain steps. Every bucket and round graph is captured when the adapter is made, not at request time.
-
-Structured output (a grammar, engine.grammar): its mask depends on every token before, so a constrained lane
-runs host-driven rounds — the B = 1 verify, its rows masked on the device by the grammar's state after each
-draft (engine.lanes.masked_verify), acceptance, commit, then the next drafts — and masked plain steps. A
-host round reuses the ReplaySSM record rows, so the device rounds' pending fold is folded first.
-
-Prefix reuse (engine.reuse, as ReferenceLanes): checkpoints at prompt ends, chunk boundaries and normal
-answer ends, restored at `open`; the saved GDN states live in device memory, bounded by the backend's
-memory plan (`prefix_states`). A device round runs the MTP over every slot it commits, so an answer's
-checkpoint has no pending MTP rows (an empty tail) unless the lane finished with plain steps (none); a
-lane's pending fold is folded before its answer is saved.
+Prefix reuse (lanes.reuse): checkpoints at prompt ends, chunk boundaries and normal answer ends, restored at
+`open`; the saved GDN states are device memory in the backend's plan (`prefix_states`). A lane's pending fold
+is folded before its answer is saved.
 """
 from __future__ import annotations
 
@@ -46,26 +33,12 @@ import torch
 from compiler.kernels import spec_round as sr
 from ninfer_gen.lanes.contract import Capabilities, LaneBackend, LaneState, check_request, choose, masked_verify
 from ninfer_gen.lanes.reuse import MtpTail, PrefixReuse
+from ninfer_gen.lanes.round_costs import measure_round_costs
 from ninfer_gen.lanes.round_rows import FIELD, RoundRows, idle_rows, round_row
 from ninfer_gen.sampling import Sampler, distribution
 from ninfer_gen.speculative import Drafter, accept_greedy, accept_sampled, truncate
 
 ROUND_MODES = ("fused", "eager")
-
-
-def _replay_ms(run, n: int) -> float:
-    """Median device time (ms) of `run()` (a graph replay), n times back to back after one warm-up."""
-    run()
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
-    events[0].record()
-    for e in events[1:]:
-        run()
-        e.record()
-    torch.cuda.synchronize()
-    times = sorted(a.elapsed_time(b) for a, b in zip(events, events[1:]))
-    return times[len(times) // 2]
-
-ACCEPTANCE_OF = {True: "greedy", False: "sampled"}
 
 
 class _Lane:
@@ -126,7 +99,7 @@ class GpuLanes(LaneBackend):
         if capture:
             self.capture()
             if self.k and be.use_graphs:
-                self.caps = dataclasses.replace(self.caps, round_cost=self.measure_round_costs())
+                self.caps = dataclasses.replace(self.caps, round_cost=measure_round_costs(self))
 
     @classmethod
     def for_model(cls, model, lanes: int, **kw) -> "GpuLanes":
@@ -148,29 +121,12 @@ class GpuLanes(LaneBackend):
         kinds = ("coin",) if self.accept_prob is not None else ("greedy", "sampled")
         for b in self.round_sizes:
             for acceptance in kinds:
-                self._round(b, acceptance)
+                self.round_graph(b, acceptance)
             be.bucket("commit", b, self.T).inputs.set([], [], [], [])      # nothing to fold
         torch.cuda.synchronize(be.device)
 
-    def measure_round_costs(self, replays: int = 12) -> tuple[tuple[int, float], ...]:
-        """(bucket, a greedy round's device time / a plain step's) for every round bucket with a step bucket of
-        the same lanes: graph replays timed with CUDA events, every row padded (no state is touched; the
-        weights stream as in a real round, which is what a round costs)."""
-        be, costs = self.be, []
-        for b in self.round_sizes:
-            if b not in self.step_sizes:
-                continue
-            rnd, step = self._round(b, "coin" if self.accept_prob is not None else "greedy"), be.bucket("step", b, 1)
-            step.inputs.set([], [], [], [])
-            restore = idle_rows(be, self.rows.device, b)
-            try:
-                times = [_replay_ms(lambda: rnd.run(True), replays), _replay_ms(lambda: step.run(True), replays)]
-            finally:
-                restore()
-            costs.append((b, times[0] / times[1]))
-        return tuple(costs)
-
-    def _round(self, batch: int, acceptance: str):
+    def round_graph(self, batch: int, acceptance: str):
+        """The `batch`-lane round graph of an acceptance kind, captured on first use."""
         rnd = self.be.exe.round(batch, acceptance, fold=self.round_mode == "fused")
         if self.be.use_graphs and rnd.graph is None:
             self.be.exe.capture_round(rnd, lambda: idle_rows(self.be, self.rows.device, batch))
@@ -269,17 +225,12 @@ class GpuLanes(LaneBackend):
             lane.seq = None
 
     def usage(self) -> dict[str, int]:
-        slots, blocks = self.be.slots, self.be.blocks
-        return {"slots": slots.num_slots, "slots_in_use": slots.num_slots - slots.free_slots,
-                "pages": blocks.num_pages, "pages_in_use": blocks.num_pages - blocks.free_pages,
-                **(self.be.prefix.usage() if self.be.prefix is not None else {})}
+        return self.be.usage()
 
-    # ------------------------------------------------------------ prefix reuse (engine.reuse)
+    # ------------------------------------------------------------ prefix reuse (lanes.reuse)
     def _checkpoint(self, lane: LaneState, start: int, last: bool, tail) -> None:
-        """After a prefill chunk: a checkpoint at the prompt's end or a `checkpoint_every` boundary; `tail()`
-        makes the MTP's pending input (a lane with drafts)."""
-        if self.reuse is not None and self.reuse.wants(start, lane.length, last):
-            self.reuse.after_chunk(lane, tail() if lane.k else None)
+        if self.reuse is not None:
+            self.reuse.after_chunk(lane, start, last, tail)
 
     # ------------------------------------------------------------ speculative rounds
     def _room_for_round(self, length: int) -> bool:
@@ -308,8 +259,8 @@ class GpuLanes(LaneBackend):
                 lane.private.budget = lane.budget - len(held)
                 if held and (lane.private.budget <= 0 or held[-1] in lane.stop):
                     out[lane.lane] = self._out.pop(lane.lane)      # the lane ended there: no more rounds
-            for lane in (lane for lane in lanes if lane.lane not in out):   # pages first: a lane that cannot grow fails alone
-                try:
+                    continue
+                try:                                     # pages first: a lane that cannot grow fails alone
                     be.reserve(lane.seq, min(lane.length + 2 * T, self.max_context))
                     ready.append(lane)
                 except Exception as err:
@@ -319,7 +270,7 @@ class GpuLanes(LaneBackend):
             lanes, batch = ready, next(b for b in self.round_sizes if b >= len(ready))
             rows.place(lanes, batch)
             rows.write()
-        rnd = self._round(batch, self._acceptance(lanes))
+        rnd = self.round_graph(batch, self._acceptance(lanes))
         self._launch(rnd, batch, lanes)
         while len(rows.inflight) < rows.depth and self._launch(rnd, batch, lanes):
             pass
@@ -392,7 +343,7 @@ class GpuLanes(LaneBackend):
 
     # ------------------------------------------------------------ a grammar's rounds
     def _host_round(self, lane: LaneState) -> list[int]:
-        """One constrained lane's round, host-driven (engine.speculative's math on the B = 1 buckets): verify
+        """One constrained lane's round, host-driven (ninfer_gen.speculative's math on the B = 1 buckets): verify
         [anchor, drafts] with each row masked by the grammar, accept, truncate, commit, draft the next round."""
         be, priv, seq, params = self.be, lane.private, lane.seq, lane.sampling
         start = lane.length

@@ -33,7 +33,7 @@ class ReferenceLanes(LaneBackend):
     (CPU matmuls are not batch-invariant), so a greedy token may flip at a near-tie."""
 
     def __init__(self, backend, *, batch_steps: bool = False, prefix_cache: int = 0, checkpoint_every: int = 4096):
-        """`prefix_cache`: checkpoints kept for prefix reuse (engine.reuse; 0: none), one every
+        """`prefix_cache`: checkpoints kept for prefix reuse (lanes.reuse; 0: none), one every
         `checkpoint_every` tokens of a long prompt."""
         self.backend, self.batch_steps = backend, batch_steps
         self.reuse = PrefixReuse(backend, prefix_cache, checkpoint_every) if prefix_cache else None
@@ -113,12 +113,9 @@ class ReferenceLanes(LaneBackend):
             lane.seq = None
 
     def usage(self) -> dict[str, int]:
-        slots, blocks = self.backend.slots, self.backend.blocks
-        return {"slots": slots.num_slots, "slots_in_use": slots.num_slots - slots.free_slots,
-                "pages": blocks.num_pages, "pages_in_use": blocks.num_pages - blocks.free_pages,
-                **(self.backend.prefix.usage() if self.backend.prefix is not None else {})}
+        return self.backend.usage()
 
-    # ------------------------------------------------------------ prefix reuse (engine.reuse)
+    # ------------------------------------------------------------ prefix reuse (lanes.reuse)
     @staticmethod
     def _after_tail(lane: LaneState, start: int, hidden: torch.Tensor) -> tuple[int, torch.Tensor]:
         """(first MTP slot, hidden rows from it): a restored prefix's pending MTP rows come first."""
@@ -128,10 +125,8 @@ class ReferenceLanes(LaneBackend):
         return tail.start, torch.cat([tail.hidden, hidden])
 
     def _checkpoint(self, lane: LaneState, start: int, last: bool, tail) -> None:
-        """After a prefill chunk: a checkpoint at the prompt's end or a `checkpoint_every` boundary; `tail()`
-        makes the MTP's pending input (a lane with drafts)."""
-        if self.reuse is not None and self.reuse.wants(start, lane.length, last):
-            self.reuse.after_chunk(lane, tail() if lane.k else None)
+        if self.reuse is not None:
+            self.reuse.after_chunk(lane, start, last, tail)
 
     # ------------------------------------------------------------ one lane's round
     def _step(self, lane: LaneState) -> list[int]:

@@ -61,13 +61,11 @@ class PrefixReuse:
         lane.prefilled = lane.cached = ck.n
         return ck.payload if drafts else None
 
-    def wants(self, start: int, end: int, last: bool) -> bool:
-        """A prefill chunk of prompt positions start..end−1 ends at a checkpoint."""
-        return last or end // self.every > start // self.every
-
-    def after_chunk(self, lane, tail: MtpTail | None) -> None:
-        """The lane has committed its prompt's first `lane.length` tokens (a chunk that `wants`)."""
-        self._save(lane, lane.prompt[:lane.length], tail)
+    def after_chunk(self, lane, start: int, last: bool, tail) -> None:
+        """The lane has committed a prefill chunk (prompt positions start..lane.length−1): a checkpoint at the
+        prompt's end or at a `checkpoint_every` boundary; `tail()` makes the MTP's pending input (drafts only)."""
+        if last or lane.length // self.every > start // self.every:
+            self._save(lane, lane.prompt[:lane.length], tail() if lane.k else None)
 
     def at_release(self, lane, tail) -> None:
         """Before the lane's sequence goes back: its answer, if it finished normally; `tail()` makes the

@@ -1,4 +1,4 @@
-"""GPU tier for the cohort engine (engine.engine over executor.gpu_lanes) on the shipped small model:
+"""GPU tier for the cohort engine (engine.engine over lanes.gpu) on the shipped small model:
 16 requests of different lengths (greedy, K = 0 and K = 3 mixed, one seeded sampled request) give the same
 tokens alone and in cohorts of 2, 4 and 8 with requests joining and leaving mid-stream; a lone request
 equals Model.generate; nothing is captured or compiled at request time (every bucket and round graph

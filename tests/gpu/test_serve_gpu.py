@@ -1,4 +1,4 @@
-"""GPU tier for the server: `ninfer-gen serve --backend gpu` (the cohort engine over executor.gpu_lanes) on
+"""GPU tier for the server: `ninfer-gen serve --backend gpu` (the cohort engine over lanes.gpu) on
 the shipped small model, with the real `openai` SDK — streamed chat equals non-streamed under greedy
 decoding with K = 3 drafts, 8 concurrent requests on 4 lanes all finish, a second turn reuses its prefix
 (usage and /metrics move), and afterwards no lane or slot is busy.

@@ -1,5 +1,5 @@
 """GPU tier for speculative decoding (one-graph device rounds in fused and eager mode, and host-driven
-rounds of engine.speculative over the GPU backend): the
+rounds of ninfer_gen.speculative over the GPU backend): the
 ReplaySSM transaction on the device — a verify never writes a lane's GDN state or conv history; a
 commit of m logged tokens equals m plain decode steps bit for bit for every m in 0..K+1, in every GDN
 layer; a round whose drafts are all rejected leaves state, conv history and length as one plain step —
@@ -140,7 +140,7 @@ def test_speculative_greedy_is_lossless(small, k, mode):
     print(f"K={k} {mode}: acceptance {stats.acceptance:.3f}, {stats.tokens_per_round:.2f} tokens per round "
           f"({stats.rounds} rounds)")
     if mode in ("fused", "snapshot"):
-        rnd = model.lanes(1)._round(1, "greedy")
+        rnd = model.lanes(1).round_graph(1, "greedy")
         assert rnd.graph is not None
         print(f"K={k} {mode}: a round is one graph replay of {rnd.launches} kernel launches "
               f"({len(rnd.plan.calls())} round calls between {len(rnd.plan.buckets())} buckets)")
