@@ -322,11 +322,6 @@ def _gated_rmsnorm(ctx, e):
     return Lowered([(key, {"y": Val(e.outputs[0]), "o": Val(o), "z": Val(z), "w": Val(w)})])
 
 
-def _transpose(ctx, e):
-    raise LoweringError(f"transpose {e.params['perm']} of {e.inputs[0].aval}: no kernel moves heads on its own; only "
-                        "the GDN output norm's tiled head order (passes.fuse_tiled_heads) lowers")
-
-
 def _qk_rope_kv(ctx, e):
     at, a = ctx.spec.model.attention, ctx.spec.model
     q, k, v, q_norm, k_norm, row_pos, block_table, _, *cache = e.inputs
@@ -392,7 +387,7 @@ RULES: dict[str, Callable[[Ctx, Eqn], Lowered]] = {
     "gdn_conv_record": _gdn_conv, "gdn_step_record": _gdn_step, "gdn_conv_fold": _gdn_conv_fold, "gdn_fold": _gdn_fold,
     "gdn_step_snapshot": _gdn_step, "gdn_snapshot_restore": _gdn_snapshot_restore,
     "all_reduce": _collective("all_reduce"), "all_gather": _collective("all_gather"),
-    "gated_rmsnorm": _gated_rmsnorm, "gated_rmsnorm_tiled": _gated_rmsnorm, "transpose": _transpose,
+    "gated_rmsnorm": _gated_rmsnorm, "gated_rmsnorm_tiled": _gated_rmsnorm,
     "qk_rope_kv": _qk_rope_kv, "paged_attention": _attention(False),
     "gated_paged_attention": _attention(True), "linear_residual_norm": _linear_residual_norm,
     "scaled_linear": _scaled(_projection("none")), "scaled_linear_silu_mul": _scaled(_projection("silu_mul")),

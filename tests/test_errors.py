@@ -10,7 +10,8 @@ from safetensors.torch import save_file
 
 from compiler.quant import QTensor
 from compiler.schema import SpecError
-from compiler.spec import load_spec, spec_from_hf_config, tensor_table
+from compiler.spec import load_spec, tensor_table
+from compiler.spec_hf import spec_from_hf_config
 from ninfer_gen.weights.checkpoint import (CheckpointError, dequantized, load_checkpoint, quantize_weights,
                                    read_hf_config)
 

@@ -11,7 +11,8 @@ import yaml
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 
 from compiler.schema import SpecError
-from compiler.spec import format_of, load_spec, spec_from_dict, spec_from_hf_config, vision_tensor_table
+from compiler.spec import format_of, load_spec, spec_from_dict, vision_tensor_table
+from compiler.spec_hf import spec_from_hf_config
 from compiler.spec_vision import effective_mrope_section, mrope_axis
 from ninfer_gen.weights.container import spec_dict
 from vision_fixtures import hf_config

@@ -12,7 +12,8 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from compiler.model import reference_forward
-from compiler.spec import spec_from_hf_config, tensor_table
+from compiler.spec import tensor_table
+from compiler.spec_hf import spec_from_hf_config
 from tools.small_data import EOT, collect_corpus
 from tools.small_export import INDEX_FILE, SHARD_LIMIT_BYTES, read_weights, write_weights
 from tools.small_model import hf_config, init_params, model_spec

@@ -9,7 +9,8 @@ import math
 
 import torch
 
-from compiler.spec import ModelSpec, spec_from_hf_config, tensor_table
+from compiler.spec import ModelSpec, tensor_table
+from compiler.spec_hf import spec_from_hf_config
 
 LIN, FULL = "linear_attention", "full_attention"
 MODEL_NAME = "qwen3.8-small-py"

@@ -98,7 +98,8 @@ def _spec_of(weights):
     """The model spec of --weights without reading its tensors (the memory plan is made before the load)."""
     from pathlib import Path
 
-    from compiler.spec import load_spec, spec_from_hf_config
+    from compiler.spec import load_spec
+    from compiler.spec_hf import spec_from_hf_config
     from ninfer_gen.api import DEFAULT_MODEL, TINY_SPEC
 
     path = Path(weights) if weights else (DEFAULT_MODEL if (DEFAULT_MODEL / "config.json").is_file() else TINY_SPEC)

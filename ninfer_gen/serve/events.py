@@ -1,9 +1,11 @@
 """events: what `parsing.OutputParser` reports — reasoning and content text, tool calls as they stream
 (start, argument deltas, end or invalid) — the markup tags, and the helpers that merge events
-(`coalesce`, `collect`) and hold back a tag split across deltas (`held`)."""
+(`coalesce`, `collect`) and hold back a tag split across deltas (`held`); `CallSink`, what the tool-call
+recognisers (serve.toolcalls) report to."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -121,3 +123,12 @@ def held(text: str, *tags: str) -> int:
                 best = n
                 break
     return best
+
+
+class CallSink(Protocol):
+    """Where a recogniser reports (`parsing.OutputParser`): a call's start, which gives its index, and its
+    argument deltas and end."""
+
+    def start_call(self, name: str) -> int: ...
+
+    def emit(self, event) -> None: ...

@@ -87,7 +87,7 @@ class OutputParser:
             self._done = True
         return self._take()
 
-    # -- what the tool-call recognisers report to (toolcalls.CallSink) --------------------------
+    # -- what the tool-call recognisers report to (events.CallSink) --------------------------
 
     def emit(self, event) -> None:
         self._events.append(event)

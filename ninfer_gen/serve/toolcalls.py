@@ -8,19 +8,9 @@ from __future__ import annotations
 import json
 import re
 
-from typing import Protocol
+from .events import (CALL_CLOSE, FUNCTION_CLOSE, MAX_NAME_CHARS, PARAMETER_CLOSE, PARAMETER_OPEN, CallSink,
+                     ToolCall, ToolCallArgumentsDelta, ToolCallEnd, held)
 
-from .events import (CALL_CLOSE, FUNCTION_CLOSE, MAX_NAME_CHARS, PARAMETER_CLOSE, PARAMETER_OPEN, ToolCall,
-                     ToolCallArgumentsDelta, ToolCallEnd, held)
-
-
-class CallSink(Protocol):
-    """Where a recogniser reports (`parsing.OutputParser`): a call's start, which gives its index, and its
-    argument deltas and end."""
-
-    def start_call(self, name: str) -> int: ...
-
-    def emit(self, event) -> None: ...
 
 # ---------------------------------------------------------------------------------- JSON tool calls
 

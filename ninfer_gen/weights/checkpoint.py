@@ -19,7 +19,8 @@ from compiler.kquant import KFORMATS, KQTensor
 from compiler.kquant import dequantize as dequantize_kquant
 from compiler.quant import QTensor, convert, dequantize
 from compiler.schema import SpecError
-from compiler.spec import FLOAT_FORMATS, MTPSpec, ModelSpec, format_of, spec_from_hf_config, tensor_table
+from compiler.spec import FLOAT_FORMATS, MTPSpec, ModelSpec, format_of, tensor_table
+from compiler.spec_hf import spec_from_hf_config
 
 from .safetensors_io import CheckpointError, Entry, Reader, read_header
 
