@@ -120,7 +120,7 @@ class Model:
                 if event.finish is not None and stats is not None:
                     s = event.stats
                     stats.rounds, stats.drafted, stats.accepted = s.rounds, s.drafted, s.accepted
-                    stats.emitted = [s.tokens_per_round] * s.rounds
+                    stats.emitted = s.tokens - 1
         finally:
             if handle.final is None:                # the caller stopped reading: free the lane now
                 engine.cancel(handle.id)

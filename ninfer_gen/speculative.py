@@ -21,7 +21,7 @@ through the model) and K drafts d1..dK from the MTP head:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -71,7 +71,7 @@ class Stats:
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
-    emitted: list[int] = field(default_factory=list)     # tokens per round
+    emitted: int = 0                                      # tokens the rounds emitted (the prefill's first apart)
 
     @property
     def acceptance(self) -> float:
@@ -79,7 +79,7 @@ class Stats:
 
     @property
     def tokens_per_round(self) -> float:
-        return sum(self.emitted) / self.rounds if self.rounds else 0.0
+        return self.emitted / self.rounds if self.rounds else 0.0
 
 
 class Drafter:

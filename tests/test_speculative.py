@@ -97,7 +97,7 @@ def test_a_stop_token_inside_a_round_ends_the_output_there(small):
     first = next(i for i, t in enumerate(plain) if t in stop)
     stats = Stats()
     spec = list(small.stream(ids, 20, SamplingParams(), stop, draft=3, stats=stats))
-    assert spec == plain[:first + 1] and 1 + sum(stats.emitted) == len(spec)      # + the prefill's token
+    assert spec == plain[:first + 1] and 1 + stats.emitted == len(spec)      # + the prefill's token
 
 
 def test_cli_run_prints_acceptance_and_refuses_drafting_without_mtp(capsys):
@@ -121,6 +121,6 @@ def test_rounds_that_keep_every_draft_stop_inside_the_context(monkeypatch):
     ids = list(range(1, 41))
     stats = Stats()
     out = list(model.stream(ids, 100, SamplingParams(), None, draft=3, stats=stats))
-    assert stats.rounds > 0 and all(n == 4 for n in stats.emitted)
+    assert stats.rounds > 0 and stats.emitted == 4 * stats.rounds      # at most 4 a round: every round kept all
     held = len(ids) + len(out) - 1                   # the last token is the next anchor, never run
     assert held <= 64 and 64 - held <= 3, f"stopped {64 - held} positions before the context limit"

@@ -257,7 +257,7 @@ class Engine:
             if isinstance(out, BaseException):
                 self._fail(live, out)
                 continue
-            live.lane.stats.emitted.append(len(out))
+            live.lane.stats.emitted += len(out)
             self._emit(live, out)
 
     def _choose_drafts(self, lanes: list[LaneState]) -> None:
