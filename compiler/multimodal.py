@@ -1,5 +1,6 @@
 """multimodal: how images enter the text model — each image's placeholder token repeated once per image token,
-the 3-axis M-RoPE positions of a prompt with images (HF `get_rope_index` for images), and the eager, stateless
+the 3-axis M-RoPE positions of a prompt with images (HF `get_rope_index` for images) and of the tokens after it
+(`RopePositions`: what a backend's sequence carries), and the eager, stateless
 reference forward of such a prompt (the encoder, then the text model with image tokens and M-RoPE).
 
 Host-side arithmetic over token ids and grids; the model math stays in compiler.model and compiler.vision_model.
@@ -63,6 +64,30 @@ def mrope_positions(ids: list[int], grids, vision: VisionSpec) -> tuple[list[tup
         raise ValueError(f"the prompt has placeholders for {image} of its {len(grids)} images")
     top = max((max(p) for p in out), default=-1)
     return out, top + 1 - len(ids)
+
+
+class RopePositions:
+    """The RoPE positions of a sequence whose prompt has images: the prompt's 3-axis positions (mrope_positions),
+    then p + delta on all three axes for every later cache position p."""
+
+    def __init__(self, prompt_positions: list[tuple[int, int, int]], delta: int):
+        import torch
+
+        self.prompt = torch.tensor(prompt_positions, dtype=torch.int32).reshape(-1, 3)
+        self.delta = delta
+
+    @classmethod
+    def of(cls, ids: list[int], grids, vision: VisionSpec) -> "RopePositions":
+        return cls(*mrope_positions(ids, grids, vision))
+
+    def rows(self, start: int, count: int):
+        """i32[count, 3]: the positions of cache positions start .. start + count − 1."""
+        import torch
+
+        n = self.prompt.shape[0]
+        head = self.prompt[min(start, n):min(start + count, n)]
+        tail = torch.arange(max(start, n), max(start + count, n), dtype=torch.int32) + self.delta
+        return torch.cat([head, tail[:, None].expand(-1, 3)])
 
 
 def multimodal_forward(spec: ModelSpec, params: dict, ids: list[int], pixels, grids):

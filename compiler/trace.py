@@ -88,7 +88,7 @@ def trace(spec: ModelSpec, entry: str, batch: int, tokens: int, pools: StatePool
     vocab projection runs for the chunk's last token alone, as serving needs. `draft_rows` (mtp): the head
     is the reduced draft head of that many rows (spec.DRAFT_HEAD), so the logits are over the draft ids.
     `snapshots` (verify, commit): the snapshot design instead of ReplaySSM's records (reference_replayssm).
-    `mrope` (prefill, step, verify of a spec with a vision section; a sequence with images): input `mrope`
+    `mrope` (prefill, step, verify, mtp of a spec with a vision section; a sequence with images): input `mrope`
     i32[B·T, 3], the tokens' RoPE positions (compiler.multimodal), which differ from their cache positions `pos`
     after an image. `image_tokens` (with mrope): input `images` [image_tokens, hidden], the image tokens of the
     chunk's placeholders. Both off: the text-only graph."""
@@ -98,8 +98,10 @@ def trace(spec: ModelSpec, entry: str, batch: int, tokens: int, pools: StatePool
         raise ValueError("prefill traces one sequence: batch must be 1")
     if last_logits and batch != 1:
         raise ValueError("last_logits applies to one-sequence chunks (batch 1) only")
-    if (mrope or image_tokens) and (spec.vision is None or entry not in ("prefill", "step", "verify")):
-        raise ValueError("mrope and image_tokens need a spec with a vision section and a prefill, step or verify entry")
+    if mrope and (spec.vision is None or entry not in ("prefill", "step", "verify", "mtp")):
+        raise ValueError("mrope needs a spec with a vision section and a prefill, step, verify or mtp entry")
+    if image_tokens and entry != "prefill":
+        raise ValueError("image_tokens: images enter the model in a prefill chunk only")
     if image_tokens and not mrope:
         raise ValueError("image_tokens needs mrope: a chunk with images has 3-axis positions")
     ops = TraceOps(act_dtype)
@@ -132,6 +134,8 @@ def trace(spec: ModelSpec, entry: str, batch: int, tokens: int, pools: StatePool
     outputs = {}
     if entry == "mtp":
         inputs["hidden"] = ops.new_var((batch * tokens, spec.model.hidden_size), act_dtype)
+        if mrope:                      # slot i's RoPE position: its token's (three axes after an image)
+            b.mrope = inputs["mrope"] = ops.new_var((batch * tokens, 3), "i32")
         outputs["logits"], outputs["hidden"] = model.mtp_forward(ops, spec, W, inputs["hidden"], inputs["tokens"], b,
                                                                  last_logits, DRAFT_HEAD if draft_rows else None)
     elif entry == "commit":

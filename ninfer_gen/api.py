@@ -32,7 +32,7 @@ BACKENDS = ("reference", "gpu")
 class Model:
     def __init__(self, spec: ModelSpec, backend: ReferenceBackend, folder: Path | None = None,
                  source: str = ""):
-        self.spec, self.backend, self.source = spec, backend, source
+        self.spec, self.backend, self.source, self.folder = spec, backend, source, folder
         self.tokenizer = load_tokenizer(folder, spec.model.vocab_size)
         self.eos_ids = _eos_ids(folder)
         self._lanes = None                          # (options, the lane adapter): Model.lanes
@@ -74,6 +74,68 @@ class Model:
         self._lanes = (key, cohort_lanes(self, lanes, **options))
         return self._lanes[1]
 
+    # ------------------------------------------------------------ images (ninfer_gen.vision, compiler.multimodal)
+    @property
+    def vision(self) -> bool:
+        """Whether this model takes images: a spec with a vision section and the tower's weights loaded."""
+        return self.spec.vision is not None and isinstance(self.backend, ReferenceBackend) and \
+            "visual.pos_embed.weight" in self.backend.weights
+
+    @property
+    def image_config(self):
+        """The model's image preprocessing: its folder's preprocessor_config.json, else Qwen3.5's defaults on the
+        spec's patch grid (64 to 16,384 image tokens per image, as Qwen3.5's pixel bounds give on its grid)."""
+        from ninfer_gen.vision.preprocess import ImageConfig
+
+        path = self.folder / "preprocessor_config.json" if self.folder else None
+        if path is not None and path.is_file():
+            return ImageConfig.from_hf(json.loads(path.read_text()))
+        v = self.spec.vision
+        if v is None:
+            return ImageConfig()
+        factor = v.patch_size * v.spatial_merge_size
+        return ImageConfig(patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
+                           merge_size=v.spatial_merge_size, min_pixels=64 * factor ** 2,
+                           max_pixels=16384 * factor ** 2)
+
+    def check_vision(self) -> None:
+        """Raises ValueError saying why this model takes no images (nothing when it does)."""
+        if self.vision:
+            return
+        if self.spec.vision is None:
+            raise ValueError(f"model {self.spec.name} has no vision tower: it takes text only")
+        if not isinstance(self.backend, ReferenceBackend):
+            raise ValueError("the GPU backend has no vision encoder kernels yet: images run on the reference "
+                             "backend (--backend reference)")
+        raise ValueError(f"model {self.spec.name} was loaded without its vision tower (--no-vision): it takes text only")
+
+    def prepare_images(self, items, limits=None, config=None):
+        """A request's images (encoded bytes or Pillow images, in prompt order) → the encoder's input
+        (vision.preprocess.Processed). Raises ValueError (an ImageError names the image) for a model without a
+        tower and for images beyond `limits` (vision.preprocess.ImageLimits; default limits)."""
+        from ninfer_gen.vision.preprocess import ImageLimits, preprocess
+
+        self.check_vision()
+        return preprocess(list(items), config or self.image_config, limits or ImageLimits())
+
+    def expand_images(self, ids: list[int], images) -> list[int]:
+        """Token ids with one image placeholder per image (as a chat template writes it) → the prompt the model
+        runs: each placeholder repeated once per image token (`images`: prepare_images' result)."""
+        from compiler.multimodal import expand_image_placeholders
+
+        self.check_vision()
+        return expand_image_placeholders(list(ids), list(images.tokens), self.spec.vision.image_token_id)
+
+    def image_prompt(self, ids: list[int], images) -> list[int]:
+        """`ids` with each image's full placeholder block in front (vision start, its image tokens, vision end),
+        the images in order: a prompt for images without a chat template."""
+        self.check_vision()
+        v = self.spec.vision
+        block = []
+        for n in images.tokens:
+            block += [v.vision_start_token_id] + [v.image_token_id] * n + [v.vision_end_token_id]
+        return block + list(ids)
+
     def speculative(self, draft: int) -> bool:
         """Whether `draft` > 0 drafts can run here; a ValueError says why not."""
         if draft <= 0:
@@ -100,10 +162,11 @@ class Model:
 
     def stream(self, token_ids: list[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                stop_tokens: set[int] | None = None, draft: int = 0, stats: Stats | None = None,
-               adaptive_draft: bool = False) -> Iterator[int]:
+               adaptive_draft: bool = False, images=None) -> Iterator[int]:
         """Yields new tokens as a one-lane engine makes them (prefill, then plain steps or, with `draft` K > 0,
         speculative rounds of K MTP drafts; `adaptive_draft`: plain steps once drafts stop paying, engine.Engine);
-        `stats` collects rounds, drafts and acceptance."""
+        `stats` collects rounds, drafts and acceptance. `images` (prepare_images): the prompt's images, whose
+        placeholders `token_ids` holds expanded (expand_images, image_prompt)."""
         from ninfer_gen.engine import Engine, Request
 
         if max_new_tokens <= 0:
@@ -111,7 +174,10 @@ class Model:
         self.speculative(draft)
         lanes = self.lanes(1) if self._lanes is not None else self.lanes(1, prefix_cache=0)   # no cache of its own
         engine = Engine(lanes, lanes=1, max_queue=0, adaptive_draft=adaptive_draft)
-        handle = engine.submit(Request(list(token_ids), max_new_tokens, sampling, frozenset(stop_tokens or ()), draft))
+        if images is not None:
+            self.check_vision()
+        handle = engine.submit(Request(list(token_ids), max_new_tokens, sampling, frozenset(stop_tokens or ()), draft,
+                                       images=images))
         try:
             for event in handle:
                 yield from event.tokens
@@ -128,11 +194,11 @@ class Model:
 
     def generate(self, token_ids: list[int], max_new_tokens: int, greedy: bool = True,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 stop_tokens: set[int] | None = None, draft: int = 0) -> list[int]:
+                 stop_tokens: set[int] | None = None, draft: int = 0, images=None) -> list[int]:
         """The new tokens only. Stops early only at `stop_tokens` (none by default); `draft` K > 0
-        decodes speculatively with K MTP drafts per round."""
+        decodes speculatively with K MTP drafts per round; `images` as in `stream`."""
         params = SamplingParams(0.0 if greedy else temperature, top_k, top_p, seed)
-        return list(self.stream(token_ids, max_new_tokens, params, stop_tokens, draft))
+        return list(self.stream(token_ids, max_new_tokens, params, stop_tokens, draft, images=images))
 
 
 def resolve_tokenizer(path=None):

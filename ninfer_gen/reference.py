@@ -58,16 +58,18 @@ class ReferenceBackend(SequencePool):
     def graph(self, entry: str, batch: int, tokens: int):
         return self.program(entry, batch, tokens).graph
 
-    def program(self, entry: str, batch: int, tokens: int) -> Program:
-        """The entry's graph at this shape, traced and prepared on first use."""
-        key = (entry, batch, tokens)
+    def program(self, entry: str, batch: int, tokens: int, mrope: bool = False, image_tokens: int = 0) -> Program:
+        """The entry's graph at this shape, traced and prepared on first use (`mrope`, `image_tokens`: the
+        graph of a sequence with images, compiler.trace)."""
+        key = (entry, batch, tokens, mrope, image_tokens)
         if key not in self._programs:
-            graph = trace(self.spec, entry, batch, tokens, self.pools, self.act)
+            graph = trace(self.spec, entry, batch, tokens, self.pools, self.act, mrope=mrope, image_tokens=image_tokens)
             self._programs[key] = Program(graph, bf16_matmul_inputs=self.bf16_matmul_inputs)
         return self._programs[key]
 
     def _run(self, entry: str, batch: int, tokens: int, inputs: dict, state: dict) -> dict:
-        program = self.program(entry, batch, tokens)
+        images = inputs.get("images")
+        program = self.program(entry, batch, tokens, "mrope" in inputs, images.shape[0] if images is not None else 0)
         threads = torch.get_num_threads()
         if tokens >= ONE_THREAD_BELOW or threads == 1 or self.device.type != "cpu":
             return program.run(inputs, self.weights, state, self.profile)
@@ -90,14 +92,42 @@ class ReferenceBackend(SequencePool):
     def _i32(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32, device=self.device)
 
+    def _positions(self, inputs: dict, seqs: list[Sequence], starts: list[int], T: int) -> dict:
+        """`inputs` with the call's 3-axis RoPE positions when a sequence has images (compiler.multimodal): its
+        own, and three equal axes for the others (the same rotation as 1-D RoPE, bit for bit)."""
+        if all(s.positions is None for s in seqs):
+            return inputs
+        rows = [s.positions.rows(p, T) if s.positions is not None
+                else torch.arange(p, p + T, dtype=torch.int32)[:, None].expand(-1, 3) for s, p in zip(seqs, starts)]
+        return inputs | {"mrope": torch.cat(rows).to(self.device)}
+
+    def encode(self, pixels, grids) -> torch.Tensor:
+        """The vision encoder over one request's images (ninfer_gen.vision.preprocess.Processed's pixels and
+        grids): image tokens [Σ tokens, hidden] in the activation dtype, by the traced encoder."""
+        from compiler.trace import trace_vision
+        from compiler.vision_model import encoder_inputs
+
+        x = torch.as_tensor(pixels).to(self.device, torch_dtype(self.act))
+        key = ("vision", x.shape[0], len(grids))
+        if key not in self._programs:
+            graph = trace_vision(self.spec, x.shape[0], len(grids), self.act)
+            self._programs[key] = Program(graph, bf16_matmul_inputs=self.bf16_matmul_inputs)
+        coords, cu_seqlens = encoder_inputs(grids, self.spec.vision.spatial_merge_size)
+        inputs = {"pixels": x, "coords": coords.to(self.device), "cu_seqlens": cu_seqlens.to(self.device)}
+        return self._programs[key].run(inputs, self.weights, {}, self.profile)["embeds"]
+
     # ------------------------------------------------------------ entry points
-    def run(self, entry: str, seqs: list[Sequence], tokens: list[list[int]], hidden=None, starts=None):
-        """One call of an entry point for B rows of T tokens each; advances main-model lengths."""
+    def run(self, entry: str, seqs: list[Sequence], tokens: list[list[int]], hidden=None, starts=None, images=None):
+        """One call of an entry point for B rows of T tokens each; advances main-model lengths. `images`
+        (prefill): the image tokens of the chunk's placeholders, in order."""
         B, T = len(seqs), len(tokens[0])
         starts = starts if starts is not None else [s.length for s in seqs]
         for s, p in zip(seqs, starts):
             self.reserve(s, p + T)
         inputs = {"tokens": self._i32(tokens), "pos": self._i32(starts), "block_table": self._block_table(seqs)}
+        inputs = self._positions(inputs, seqs, starts, T)
+        if images is not None and images.shape[0]:
+            inputs["images"] = images
         if entry == "mtp":
             inputs["hidden"] = hidden
         else:
@@ -122,7 +152,7 @@ class ReferenceBackend(SequencePool):
         self._verified_tokens(seq, T)
         inputs = {"tokens": self._i32([tokens]), "pos": self._i32([start]), "block_table": self._block_table([seq]),
                   "slots": self._i32([seq.slot])}
-        out = self._run("verify", 1, T, inputs, self.state | self.records(1, T))
+        out = self._run("verify", 1, T, self._positions(inputs, [seq], [start], T), self.state | self.records(1, T))
         return out["logits"], out["hidden"]
 
     def commit(self, seq: Sequence, m: int) -> None:
@@ -133,14 +163,20 @@ class ReferenceBackend(SequencePool):
         seq.table.length += m
 
     def prefill(self, seq: Sequence, ids: list[int], chunk: int | None = None, all_logits: bool = True,
-                all_hidden: bool = True):
+                all_hidden: bool = True, images: torch.Tensor | None = None):
         """Chunked prefill from the sequence's current length; returns logits [T, V] and hidden [T, H]
-        (always every row; `all_logits` and `all_hidden` are accepted for the GPU backend's interface)."""
+        (always every row; `all_logits` and `all_hidden` are accepted for the GPU backend's interface).
+        `images` (a sequence with images, `seq.positions` set): the image tokens of the placeholders in `ids`."""
         chunk = chunk or self.spec.runtime.prefill_chunk
         self.reserve(seq, seq.length + len(ids))  # fail before any work when it cannot fit
         logits, hidden = [], []
+        used = 0
         for i in range(0, len(ids), chunk):
-            lg, hd = self.run("prefill", [seq], [ids[i:i + chunk]])
+            part, rows = ids[i:i + chunk], None
+            if images is not None:
+                n = sum(t == self.spec.vision.image_token_id for t in part)
+                rows, used = images[used:used + n], used + n
+            lg, hd = self.run("prefill", [seq], [part], images=rows)
             logits.append(lg)
             hidden.append(hd)
         return torch.cat(logits), torch.cat(hidden)

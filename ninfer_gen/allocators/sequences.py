@@ -5,6 +5,7 @@ the backend says how a slot's state is cleared (`_reset_slot`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ninfer_gen.allocators.kv import BlockManager, BlockTable
 from ninfer_gen.allocators.slots import SlotAllocator
@@ -15,6 +16,8 @@ class Sequence:
     """One sequence's resources: its GDN state slot and its KV block table (pages, tokens held)."""
     slot: int
     table: BlockTable = field(default_factory=BlockTable)
+    positions: Any = None      # a prompt with images: its RoPE positions (compiler.multimodal.RopePositions);
+                               # None: a token's RoPE position is its cache position
 
     @property
     def length(self) -> int:

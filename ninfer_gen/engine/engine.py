@@ -193,7 +193,7 @@ class Engine:
                     req = live.request
                     limit = min(req.max_context or self.backend.max_context, self.backend.max_context)
                     live.lane = LaneState(i, list(req.prompt), req.sampling, req.stop, req.draft, limit,
-                                          constraint=req.constraint)
+                                          constraint=req.constraint, images=req.images)
                     live.t_admit = self.clock()
                     if len(req.prompt) > limit:
                         self._finish(live, "error", f"the prompt of {len(req.prompt)} tokens exceeds the context "

@@ -1,5 +1,5 @@
 """requests: what a caller of the cohort engine hands in and gets back — `Request` (a token list, sampling
-parameters, stop tokens, limits, draft K, an optional grammar), `Handle` (its events as they come: new
+parameters, stop tokens, limits, draft K, an optional grammar, optional images), `Handle` (its events as they come: new
 tokens, then a final event with the finish reason and `RequestStats`), `EngineFull` (admission refused).
 The engine (engine.engine) makes handles and sends their events; imports no CUDA and no torch."""
 from __future__ import annotations
@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ninfer_gen.sampling import SamplingParams
+from ninfer_gen.vision.preprocess import Processed
 
 if TYPE_CHECKING:
     from ninfer_gen.engine.engine import Engine
@@ -30,6 +31,8 @@ class Request:
     id: str | None = None
     max_context: int | None = None      # this request's context limit (≤ the backend's)
     constraint: Any = None              # structured output: an engine.grammar.Grammar (None: free text)
+    images: Processed | None = None     # the prompt's images (preprocessed) in order of their placeholders, which
+                                        # the prompt holds expanded: one image token per merged patch
 
     def __post_init__(self):
         object.__setattr__(self, "prompt", tuple(int(t) for t in self.prompt))
@@ -41,6 +44,11 @@ class Request:
         if self.constraint is not None and not callable(getattr(self.constraint, "matcher", None)):
             raise ValueError(f"constraint must be a compiled grammar (engine.grammar.Grammar), "
                              f"got {type(self.constraint).__name__}")
+        if self.images is not None and not isinstance(self.images, Processed):
+            raise ValueError(f"images must be preprocessed (ninfer_gen.vision.preprocess.Processed), "
+                             f"got {type(self.images).__name__}")
+        if self.images is not None and not self.images.grids:
+            object.__setattr__(self, "images", None)
         for name in ("max_tokens", "draft", "max_context"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < (0 if name == "draft" else 1)):

@@ -31,7 +31,8 @@ import dataclasses
 import torch
 
 from compiler.kernels import spec_round as sr
-from ninfer_gen.lanes.contract import Capabilities, LaneBackend, LaneState, check_request, choose, masked_verify
+from ninfer_gen.lanes.contract import (Capabilities, LaneBackend, LaneState, check_images, check_request, choose,
+                                       masked_verify)
 from ninfer_gen.lanes.reuse import MtpTail, PrefixReuse
 from ninfer_gen.lanes.round_costs import measure_round_costs
 from ninfer_gen.lanes.round_rows import FIELD, RoundRows, idle_rows, round_row
@@ -135,6 +136,10 @@ class GpuLanes(LaneBackend):
     # ------------------------------------------------------------ the contract
     def validate(self, request) -> None:
         check_request(request, self.vocab_size)
+        if request.images is not None:
+            raise ValueError("the GPU backend has no vision encoder kernels yet: requests with images run on the "
+                             "reference backend (--backend reference)")
+        check_images(request, self.be.spec.vision, False)
         self.check_draft(request)
         if request.draft and len(request.stop) > sr.MAX_STOPS:
             raise ValueError(f"at most {sr.MAX_STOPS} stop tokens with drafts on the GPU, got {len(request.stop)}")

@@ -1,6 +1,8 @@
 """reference: `ReferenceLanes`, the LaneBackend (lanes.contract) over the reference interpreter's backend
 (ninfer_gen.reference): every lane's round runs host-side with ninfer_gen.speculative's math, B = 1 calls
-per lane, so a lane's tokens are bit-identical alone or in any cohort. Any K ≥ 0 per request."""
+per lane, so a lane's tokens are bit-identical alone or in any cohort. Any K ≥ 0 per request. A request with
+images: the encoder (ReferenceBackend.encode) at its first chunk with image tokens, each chunk's image tokens and
+the sequence's M-RoPE positions (compiler.multimodal.RopePositions) through prefill, steps, verify and the MTP."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,7 +10,10 @@ from typing import Any
 
 import torch
 
-from ninfer_gen.lanes.contract import Capabilities, LaneBackend, LaneState, check_request, choose, masked_verify
+from compiler.multimodal import RopePositions
+
+from ninfer_gen.lanes.contract import (Capabilities, LaneBackend, LaneState, check_images, check_request, choose,
+                                       masked_verify, prefix_key)
 from ninfer_gen.lanes.reuse import MtpTail, PrefixReuse
 from ninfer_gen.sampling import Sampler, distribution
 from ninfer_gen.speculative import Drafter, accept_greedy, accept_sampled, truncate
@@ -23,6 +28,7 @@ class _Private:
     draft_probs: torch.Tensor | None = None
     matcher: Any = None                # the grammar's state after the lane's output (engine.grammar.Matcher)
     tail: MtpTail | None = None        # a restored prefix's MTP input, run with the first prefill chunk
+    images: torch.Tensor | None = None  # the encoder's image tokens of the request's images (prefill only)
 
 
 class ReferenceLanes(LaneBackend):
@@ -62,6 +68,7 @@ class ReferenceLanes(LaneBackend):
 
     def validate(self, request) -> None:
         check_request(request, self.vocab_size)
+        check_images(request, self.backend.spec.vision, "visual.pos_embed.weight" in self.backend.weights)
         if request.draft and not self.has_mtp:
             raise ValueError(f"model {self.backend.spec.name} has no MTP layer to draft with: use draft 0")
         self.check_draft(request)
@@ -69,6 +76,10 @@ class ReferenceLanes(LaneBackend):
     def open(self, lane: LaneState) -> None:
         lane.seq = self.backend.new_sequence()
         lane.private = _Private(Sampler(lane.sampling))
+        if lane.images is not None:
+            vision = self.backend.spec.vision
+            lane.seq.positions = RopePositions.of(lane.prompt, lane.images.grids, vision)
+            lane.key = prefix_key(lane.prompt, lane.images, vision.image_token_id)
         if lane.constraint is not None:
             lane.private.matcher = lane.constraint.matcher()
         if self.reuse is not None:
@@ -76,7 +87,7 @@ class ReferenceLanes(LaneBackend):
 
     def prefill(self, lane: LaneState, ids: list[int], last: bool) -> int | None:
         b, priv, start = self.backend, lane.private, lane.length
-        logits, hidden = b.prefill(lane.seq, list(ids))
+        logits, hidden = b.prefill(lane.seq, list(ids), images=self._image_rows(lane, start, ids))
         mtp_start, hidden = self._after_tail(lane, start, hidden)
         if not last:
             if lane.k:           # every next token of a middle chunk is known: the MTP runs over it now
@@ -114,6 +125,20 @@ class ReferenceLanes(LaneBackend):
 
     def usage(self) -> dict[str, int]:
         return self.backend.usage()
+
+    def _image_rows(self, lane: LaneState, start: int, ids: list[int]) -> torch.Tensor | None:
+        """The image tokens of the placeholders in prompt positions start .. start + len(ids) − 1; the encoder
+        runs over the request's images at the first chunk that needs them (a restored prefix may skip some)."""
+        if lane.images is None:
+            return None
+        token = self.backend.spec.vision.image_token_id
+        first = sum(t == token for t in lane.prompt[:start])
+        count = sum(t == token for t in ids)
+        if not count:
+            return None
+        if lane.private.images is None:
+            lane.private.images = self.backend.encode(lane.images.pixels, lane.images.grids)
+        return lane.private.images[first:first + count]
 
     # ------------------------------------------------------------ prefix reuse (lanes.reuse)
     @staticmethod

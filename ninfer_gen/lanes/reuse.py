@@ -5,7 +5,8 @@ Checkpoints are committed states only: the end of each prompt's prefill (n = len
 engine chunk that crossed a multiple of `checkpoint_every` prompt tokens, and the end of an answer that
 finished normally (stop or length: n = prompt + output − 1, the last output token is not in the state yet;
 a cancelled or failed request leaves none). A new lane restores the longest checkpoint that is a proper
-prefix of its prompt and prefills only the rest (`lane.prefilled` starts at n; `lane.cached` = n).
+prefix of its prompt and prefills only the rest (a prompt with images is matched by `lane.key`, in which each image
+token stands for its picture's content: lanes.contract.prefix_key) (`lane.prefilled` starts at n; `lane.cached` = n).
 
 The MTP layer's KV lives in the same pages, but its last slots wait for the token after them: a lane with
 drafts checkpoints its pending MTP input (`MtpTail`: the MTP KV holds slots 0..start−1, `hidden` the main
@@ -55,7 +56,7 @@ class PrefixReuse:
         lane with drafts, one with an MTP tail), or nothing. Returns the tail the lane's MTP must run over
         before its first chunk's rows (a lane with drafts), else None."""
         drafts = bool(lane.k)
-        ck = self.cache.lookup(lane.prompt, (lambda c: c.payload is not None) if drafts else None)
+        ck = self.cache.lookup(lane.key, (lambda c: c.payload is not None) if drafts else None)
         if ck is None or not self.cache.restore(ck, lane.seq, ck.payload.start if drafts else None):
             return None
         lane.prefilled = lane.cached = ck.n
@@ -65,14 +66,14 @@ class PrefixReuse:
         """The lane has committed a prefill chunk (prompt positions start..lane.length−1): a checkpoint at the
         prompt's end or at a `checkpoint_every` boundary; `tail()` makes the MTP's pending input (drafts only)."""
         if last or lane.length // self.every > start // self.every:
-            self._save(lane, lane.prompt[:lane.length], tail() if lane.k else None)
+            self._save(lane, lane.key[:lane.length], tail() if lane.k else None)
 
     def at_release(self, lane, tail) -> None:
         """Before the lane's sequence goes back: its answer, if it finished normally; `tail()` makes the
         MTP's pending input (None without drafts). A lane that reached its context limit may have run a
         round without drafting, skipping an MTP pass: its checkpoint keeps no tail."""
         if lane.finish in NORMAL_ENDS and lane.seq is not None and lane.tokens:
-            tokens = lane.prompt + lane.tokens[:-1]
+            tokens = lane.key + lane.tokens[:-1]
             if len(tokens) == lane.length:       # every output token but the last is committed
                 self._save(lane, tokens, tail() if lane.length < lane.max_context else None)
 

@@ -9,6 +9,7 @@ Pillow and numpy only; no torch.
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import math
 import struct
@@ -86,15 +87,37 @@ class ImageLimits:
 
 @dataclass(frozen=True)
 class Processed:
-    """The encoder input of a request's images: `pixels` float32 [Σ patches, C·T·P·P], one (t, h, w) per image."""
+    """The encoder input of a request's images: `pixels` float32 [Σ patches, C·T·P·P], one (t, h, w) per image,
+    and one content digest per image (of its patch rows and grid: what a prefix checkpoint's key holds in place
+    of the image's placeholder tokens)."""
     pixels: np.ndarray
     grids: tuple[tuple[int, int, int], ...]
     merge_size: int
+    digests: tuple[bytes, ...] = ()
+
+    def __post_init__(self):
+        if len(self.digests) != len(self.grids):
+            object.__setattr__(self, "digests", tuple(_digest(r, g) for r, g in zip(self.rows(), self.grids)))
+
+    def rows(self) -> list[np.ndarray]:
+        """Each image's patch rows."""
+        out, at = [], 0
+        for t, h, w in self.grids:
+            out.append(self.pixels[at:at + t * h * w])
+            at += t * h * w
+        return out
 
     @property
     def tokens(self) -> tuple[int, ...]:
         """Placeholder tokens per image: its merged patches."""
         return tuple(t * h * w // self.merge_size ** 2 for t, h, w in self.grids)
+
+
+def _digest(rows: np.ndarray, grid) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(repr(tuple(grid)).encode())
+    h.update(np.ascontiguousarray(rows, dtype=np.float32).tobytes())
+    return h.digest()
 
 
 # ---------------------------------------------------------------- decoding with limits
