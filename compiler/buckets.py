@@ -47,6 +47,9 @@ class Profile:
     draft_vocab: int = 0                # rows of a reduced draft head (the most frequent tokens); 0: the full head
     accept_coin: bool = False           # bench only (`--accept-prob`): rounds whose acceptance is a coin per draft
     snapshots: bool = False             # verify/commit in the snapshot design (K+1 state copies), for comparison
+    images: bool = False                # prompts with images (a spec with a vision section): every entry but the
+                                        # fold takes M-RoPE positions, and a prompt's pieces (prefill, the B = 1
+                                        # steps) take the image tokens of their placeholders
 
     def __post_init__(self):
         if not self.cohorts or any(not isinstance(b, int) or b < 1 for b in self.cohorts):
@@ -59,6 +62,8 @@ class Profile:
             raise ValueError(f"max context {self.max_context} is shorter than the prefill chunk {self.prefill_chunk}")
         if self.kv_dtype not in ("int8", "bf16"):
             raise ValueError(f"KV dtype {self.kv_dtype!r}: expected int8 or bf16")
+        if self.images and self.snapshots:
+            raise ValueError("images run in the ReplaySSM state mode (the snapshot mode is a comparison build)")
 
     @property
     def pages_per_seq(self) -> int:
@@ -127,7 +132,8 @@ class Profile:
                 f"max context {self.max_context}, {self.kv_dtype} KV"
                 + (", all prefill logits" if self.all_logits else "")
                 + (f", draft vocabulary {self.draft_vocab}" if self.draft_vocab else "")
-                + (", snapshot state mode" if self.snapshots else "") + f", options {self.options.describe()}")
+                + (", snapshot state mode" if self.snapshots else "") + (", images (M-RoPE)" if self.images else "")
+                + f", options {self.options.describe()}")
 
 
 def cohort_sizes(spec_sizes, lanes: int) -> tuple[int, ...]:
@@ -141,7 +147,7 @@ def cohort_sizes(spec_sizes, lanes: int) -> tuple[int, ...]:
 def profile_of(spec: ModelSpec, *, cohorts=None, draft: int | None = None, max_context: int | None = None,
                kv_dtype: str | None = None, prefill_chunk: int | None = None, all_logits: bool = False,
                options: CompileOptions | None = None, draft_vocab: int = 0, accept_coin: bool = False,
-               snapshots: bool = False) -> Profile:
+               snapshots: bool = False, images: bool = False) -> Profile:
     """The spec's runtime section, with the caller's choices where given; a context shorter than the
     spec's chunk takes the largest multiple of 16 that fits as its chunk."""
     rt = spec.runtime
@@ -150,7 +156,7 @@ def profile_of(spec: ModelSpec, *, cohorts=None, draft: int | None = None, max_c
     return Profile(tuple(cohorts or rt.cohorts), rt.draft_tokens if draft is None else draft, chunk, context,
                    rt.page_size, kv_dtype or rt.kv_dtype, all_logits, options or CompileOptions(),
                    mtp=spec.model.mtp.num_layers > 0, draft_vocab=draft_vocab, accept_coin=accept_coin,
-                   snapshots=snapshots)
+                   snapshots=snapshots, images=images)
 
 
 def plan_bucket(spec: ModelSpec, target: Target, entry: str, batch: int, tokens: int,
@@ -161,8 +167,11 @@ def plan_bucket(spec: ModelSpec, target: Target, entry: str, batch: int, tokens:
     per_seq = profile.pages_per_seq
     pools = StatePools(per_seq * batch, batch, per_seq, profile.page_size, profile.kv_dtype)
     last = entry in ("prefill", "mtp") and batch == 1 and tokens > MAX_ROWS and not profile.all_logits
+    mrope = profile.images and entry != "commit"
+    images = tokens if mrope and entry in ("prefill", "step") and batch == 1 else 0
     graph = trace(spec, entry, batch, tokens, pools, "bf16", last_logits=last,
-                  draft_rows=profile.draft_vocab if entry == "mtp" else 0, snapshots=profile.snapshots)
+                  draft_rows=profile.draft_vocab if entry == "mtp" else 0, snapshots=profile.snapshots,
+                  mrope=mrope, image_tokens=images)
     return lower(run_pipeline(graph, profile.options), spec, target, profile.options)
 
 

@@ -13,8 +13,8 @@ from functools import lru_cache
 from typing import Callable
 
 from .ir import Eqn, Graph, Var
-from .kernels import (KernelKey, attn_combine, attn_decode, attn_prefill, concat, embed, gated_rmsnorm, gdn_chunk,
-                      gdn_conv, gdn_step, gemm, gemm_wg, gemv, module_of, qk_rope_kv, rmsnorm, xperm)
+from .kernels import (KernelKey, attn_combine, attn_decode, attn_prefill, concat, embed, embed_images, gated_rmsnorm,
+                      gdn_chunk, gdn_conv, gdn_step, gemm, gemm_wg, gemv, module_of, qk_rope_kv, rmsnorm, xperm)
 from .options import CompileOptions
 from .plan import NULL, Binding, Collective, Const, Input, State, Weight, Workspace
 from .spec import DRAFT_HEAD, ModelSpec
@@ -323,14 +323,29 @@ def _gated_rmsnorm(ctx, e):
 
 
 def _qk_rope_kv(ctx, e):
+    """The 1-D kernel reads each row's cache position (`row_pos`) for its page slot and its rotation; with
+    M-RoPE (`section`: a sequence with images) the rotation reads the rows' 3-axis positions (`rope_pos`)."""
     at, a = ctx.spec.model.attention, ctx.spec.model
     q, k, v, q_norm, k_norm, row_pos, block_table, _, *cache = e.inputs
+    section = tuple(e.params.get("section", ()))
     key = qk_rope_kv.Key(at.num_heads, at.num_kv_heads, at.head_dim, at.rotary_dim, ctx.b, ctx.t, ctx.kv_dtype,
-                         e.params["page_size"], ctx.max_pages, a.rms_norm_eps, ctx.target.arch)
+                         e.params["page_size"], ctx.max_pages, a.rms_norm_eps, ctx.target.arch, mrope=section)
     args = {"q_out": Val(e.outputs[0]), "q": Val(q), "k": Val(k), "v": Val(v), "q_norm": Val(q_norm),
             "k_norm": Val(k_norm), "inv_freq": Const("rope_inv_freq", (e.params["theta"], e.params["rotary_dim"])),
-            "pos": Val(row_pos), "block_table": Val(block_table)}
+            "pos": Input("row_pos") if section else Val(row_pos), "block_table": Val(block_table)}
+    if section:
+        args["rope_pos"] = Val(row_pos)
     return Lowered([(key, args | ctx.pages(cache[0]))])
+
+
+def _embed_images(ctx, e):
+    """In place on the embedding rows: a placeholder's row takes its image token (the `image_count` step input
+    says how many of the `images` rows this run holds: 0 in a decode step, so a generated placeholder id keeps
+    its embedding)."""
+    x, ids, images = e.inputs
+    key = embed_images.Key(x.shape[1], ctx.m, images.shape[0], e.params["token_id"], ctx.target.arch)
+    return Lowered([(key, {"y": Val(e.outputs[0]), "ids": Val(ids), "images": Val(images),
+                           "count": Input("image_count")})], in_place=0)
 
 
 def _attention(gate: bool):
@@ -392,5 +407,5 @@ RULES: dict[str, Callable[[Ctx, Eqn], Lowered]] = {
     "gated_paged_attention": _attention(True), "linear_residual_norm": _linear_residual_norm,
     "scaled_linear": _scaled(_projection("none")), "scaled_linear_silu_mul": _scaled(_projection("silu_mul")),
     "linear_conv": _with_conv(_projection("none")), "scaled_linear_conv": _scaled(_with_conv(_projection("none"))),
-    "positions": _positions, "concat": _concat,
+    "positions": _positions, "concat": _concat, "embed_images": _embed_images,
 }

@@ -149,9 +149,10 @@ def fuse_silu_mul(g: Graph) -> Graph:
 
 
 def fuse_norm_rope(g: Graph) -> Graph:
+    """rmsnorm → rope (or mrope: its `section` param comes along) → norm_rope."""
     def match(g, i, uses, prod):
         e = g.eqns[i]
-        if e.prim != "rope":
+        if e.prim not in ("rope", "mrope"):
             return None
         norm = _single_use_producer(g, e.inputs[0], "rmsnorm", uses, prod)
         if norm is None:

@@ -140,9 +140,10 @@ CONSTANTS: dict[str, Callable[..., Any]] = {"rope_inv_freq": _rope_inv_freq}
 STEP_INPUTS: dict[str, Callable[[int, int, int], int]] = {
     "tokens": lambda b, t, p: b * t, "row_pos": lambda b, t, p: b * t, "pos": lambda b, t, p: b,
     "block_table": lambda b, t, p: b * p, "slots": lambda b, t, p: b, "seq_lens": lambda b, t, p: b,
-    "commit": lambda b, t, p: b}
+    "commit": lambda b, t, p: b,
+    "mrope": lambda b, t, p: 3 * b * t, "image_count": lambda b, t, p: 1}     # the M-RoPE plans' (images)
 # graph inputs of other dtypes, one device tensor each in the graph input's shape (filled by device copies)
-STEP_TENSORS = ("hidden",)
+STEP_TENSORS = ("hidden", "images")
 
 
 # ---------------------------------------------------------------------------------------------- the plan

@@ -245,15 +245,18 @@ PRIMS["silu_mul"] = Primitive("silu_mul", _same("silu_mul"), fused.silu_mul)
 
 
 @_prim("norm_rope", fused.norm_rope)
-def _norm_rope(x, w, pos, *, eps, offset, rotary_dim, theta):
+def _norm_rope(x, w, pos, *, eps, offset, rotary_dim, theta, section=()):
     _rmsnorm(x, w, eps=eps, offset=offset)
+    if section:
+        from .prims_vision import RULES as VISION
+        return VISION["mrope"][0](x, pos, rotary_dim=rotary_dim, theta=theta, section=section)
     return _rope(x, pos, rotary_dim=rotary_dim, theta=theta)
 
 
 @_prim("qk_rope_kv", fused.qk_rope_kv, effectful=True)
 def _qk_rope_kv(q, k, v, q_norm, k_norm, row_pos, block_table, pos, *cache, eps, offset, rotary_dim, theta,
-                page_size):
-    rope_params = dict(eps=eps, offset=offset, rotary_dim=rotary_dim, theta=theta)
+                page_size, section=()):
+    rope_params = dict(eps=eps, offset=offset, rotary_dim=rotary_dim, theta=theta, section=section)
     (k_roped,) = _norm_rope(k, k_norm, row_pos, **rope_params)
     _check(len(k_roped.shape) == 3 and (k_roped.shape[0], *k_roped.shape[1:]) == (v.shape[0] * v.shape[1], *v.shape[2:]),
            lambda: f"qk_rope_kv: k {k} does not match v {v}")

@@ -26,14 +26,20 @@ def silu_mul(a, b):
     return F.silu(a) * b
 
 
-def norm_rope(x, w, pos, *, eps, offset, rotary_dim, theta):
-    return rope(rmsnorm(x, w, eps=eps, offset=offset), pos, rotary_dim=rotary_dim, theta=theta)
+def norm_rope(x, w, pos, *, eps, offset, rotary_dim, theta, section=()):
+    """`section` (M-RoPE): `pos` is i32[N, 3], the rotation reference_vision.mrope's; else 1-D RoPE."""
+    normed = rmsnorm(x, w, eps=eps, offset=offset)
+    if section:
+        from .reference_vision import mrope
+        return mrope(normed, pos, rotary_dim=rotary_dim, theta=theta, section=section)
+    return rope(normed, pos, rotary_dim=rotary_dim, theta=theta)
 
 
 def qk_rope_kv(q, k, v, q_norm, k_norm, row_pos, block_table, pos, *cache, eps, offset, rotary_dim, theta,
-               page_size):
-    """q and k normed and roped, K/V appended to the pages; returns the roped q."""
-    rope_params = dict(eps=eps, offset=offset, rotary_dim=rotary_dim, theta=theta)
+               page_size, section=()):
+    """q and k normed and roped, K/V appended to the pages; returns the roped q. `section` (M-RoPE):
+    `row_pos` is the rows' 3-axis positions i32[N, 3]; the cache positions are always `pos` + t."""
+    rope_params = dict(eps=eps, offset=offset, rotary_dim=rotary_dim, theta=theta, section=section)
     k_roped = norm_rope(k, k_norm, row_pos, **rope_params).reshape(v.shape)
     kv_append(k_roped, v, block_table, pos, *cache, page_size=page_size)
     return norm_rope(q, q_norm, row_pos, **rope_params)

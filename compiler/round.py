@@ -80,6 +80,7 @@ def plan_round(spec: ModelSpec, target: Target, profile, batch: int, acceptance:
 
     def inputs(shape, with_hidden: bool = False):
         out = {f"in_{n}": BucketInput(shape, n) for n in _INPUTS}
+        out["in_mrope"] = BucketInput(shape, "mrope") if profile.images else NULL
         if with_hidden:
             out["in_hidden"] = BucketInput(shape, "hidden")
         return out
@@ -112,7 +113,7 @@ def plan_round(spec: ModelSpec, target: Target, profile, batch: int, acceptance:
                  dist=RoundBuffer("q_dist"), drawn=RoundBuffer("drawn"))
         else:
             pick(BucketOutput(src, "logits"), "best_mtp", src[1] * src[2], vd)
-        nxt = inputs(mtp_one, True) if j + 1 < k else {f"in_{n}": NULL for n in (*_INPUTS, "hidden")}
+        nxt = inputs(mtp_one, True) if j + 1 < k else {f"in_{n}": NULL for n in (*_INPUTS, "mrope", "hidden")}
         call(key("draft", mode, j=j), **state, best=NULL if sampled else RoundBuffer("best_mtp"),
              drawn=RoundBuffer("drawn") if sampled else NULL, ids=ids, hidden=BucketOutput(src, "hidden"), **nxt)
         if j + 1 < k:

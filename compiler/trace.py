@@ -100,8 +100,8 @@ def trace(spec: ModelSpec, entry: str, batch: int, tokens: int, pools: StatePool
         raise ValueError("last_logits applies to one-sequence chunks (batch 1) only")
     if mrope and (spec.vision is None or entry not in ("prefill", "step", "verify", "mtp")):
         raise ValueError("mrope needs a spec with a vision section and a prefill, step, verify or mtp entry")
-    if image_tokens and entry != "prefill":
-        raise ValueError("image_tokens: images enter the model in a prefill chunk only")
+    if image_tokens and entry not in ("prefill", "step"):
+        raise ValueError("image_tokens: images enter the model in a prompt's pieces only (prefill, step)")
     if image_tokens and not mrope:
         raise ValueError("image_tokens needs mrope: a chunk with images has 3-axis positions")
     ops = TraceOps(act_dtype)

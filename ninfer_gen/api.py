@@ -78,8 +78,11 @@ class Model:
     @property
     def vision(self) -> bool:
         """Whether this model takes images: a spec with a vision section and the tower's weights loaded."""
-        return self.spec.vision is not None and isinstance(self.backend, ReferenceBackend) and \
-            "visual.pos_embed.weight" in self.backend.weights
+        if self.spec.vision is None:
+            return False
+        if isinstance(self.backend, ReferenceBackend):
+            return "visual.pos_embed.weight" in self.backend.weights
+        return self.backend.encoder is not None
 
     @property
     def image_config(self):
@@ -88,15 +91,20 @@ class Model:
         from ninfer_gen.vision.preprocess import ImageConfig
 
         path = self.folder / "preprocessor_config.json" if self.folder else None
-        if path is not None and path.is_file():
-            return ImageConfig.from_hf(json.loads(path.read_text()))
         v = self.spec.vision
-        if v is None:
+        if path is not None and path.is_file():
+            config = ImageConfig.from_hf(json.loads(path.read_text()))
+        elif v is None:
             return ImageConfig()
-        factor = v.patch_size * v.spatial_merge_size
-        return ImageConfig(patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
-                           merge_size=v.spatial_merge_size, min_pixels=64 * factor ** 2,
-                           max_pixels=16384 * factor ** 2)
+        else:
+            factor = v.patch_size * v.spatial_merge_size
+            config = ImageConfig(patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
+                                 merge_size=v.spatial_merge_size, min_pixels=64 * factor ** 2,
+                                 max_pixels=16384 * factor ** 2)
+        if not isinstance(self.backend, ReferenceBackend) and self.backend.memory.vision_patches:
+            most = self.backend.memory.vision_patches * config.patch_size ** 2     # the GPU: what its plan holds
+            config = dataclasses.replace(config, max_pixels=max(config.min_pixels, min(config.max_pixels, most)))
+        return config
 
     def check_vision(self) -> None:
         """Raises ValueError saying why this model takes no images (nothing when it does)."""
@@ -104,9 +112,6 @@ class Model:
             return
         if self.spec.vision is None:
             raise ValueError(f"model {self.spec.name} has no vision tower: it takes text only")
-        if not isinstance(self.backend, ReferenceBackend):
-            raise ValueError("the GPU backend has no vision encoder kernels yet: images run on the reference "
-                             "backend (--backend reference)")
         raise ValueError(f"model {self.spec.name} was loaded without its vision tower (--no-vision): it takes text only")
 
     def prepare_images(self, items, limits=None, config=None):
@@ -228,15 +233,23 @@ def _eos_ids(folder: Path | None) -> set[int]:
     return ids
 
 
-def _resolve(path_or_spec, verify: bool = True, require_mtp: bool = False) -> tuple[ModelSpec, dict, Path | None, str]:
+def _resolve(path_or_spec, verify: bool = True, require_mtp: bool = False,
+             vision: bool = True) -> tuple[ModelSpec, dict, Path | None, str]:
+    """(spec, float32 host tensors, folder, source); `vision` False: a text model, without the spec's vision
+    section and the tower's `visual.*` tensors (which a checkpoint or container then never reads)."""
+    def own(spec: ModelSpec) -> ModelSpec:          # random weights draw the tower after the text model's
+        return spec if vision else dataclasses.replace(spec, vision=None)
+
+    tower = "load" if vision else "drop"
     if path_or_spec is None:
         if (DEFAULT_MODEL / "config.json").is_file():
             path_or_spec = DEFAULT_MODEL
         else:
-            spec = load_spec(TINY_SPEC)
+            spec = own(load_spec(TINY_SPEC))
             return spec, random_weights(spec), None, f"{spec.name} (random weights, seed 0)"
     if isinstance(path_or_spec, ModelSpec):
-        return path_or_spec, random_weights(path_or_spec), None, f"{path_or_spec.name} (random weights)"
+        spec = own(path_or_spec)
+        return spec, random_weights(spec), None, f"{spec.name} (random weights)"
     path = Path(path_or_spec)
     from ninfer_gen.weights.gguf_load import is_gguf, load_gguf
     if is_gguf(path):                 # a llama.cpp GGUF: its own formats, dequantised for the reference
@@ -248,12 +261,12 @@ def _resolve(path_or_spec, verify: bool = True, require_mtp: bool = False) -> tu
         from ninfer_gen.weights.container import is_container, load_host
 
         if is_container(path):
-            spec, tensors = load_host(path, verify=verify, require_mtp=require_mtp)
+            spec, tensors = load_host(path, verify=verify, require_mtp=require_mtp, vision=tower)
             return spec, tensors, path, f"{path} (converted)"
-        spec, tensors = load_checkpoint(path, require_mtp=require_mtp)
+        spec, tensors = load_checkpoint(path, require_mtp=require_mtp, vision=tower)
         return spec, tensors, path, str(path)
     if path.suffix in (".yaml", ".yml"):
-        spec = load_spec(path)
+        spec = own(load_spec(path))
         return spec, random_weights(spec), None, f"{spec.name} (random weights, seed 0)"
     raise SpecError("", f"{path}: expected an HF checkpoint directory, a converted container, a .gguf file or a model spec "
                         ".yaml file")
@@ -286,6 +299,10 @@ class LoadOptions:
     prefix_states: int = 0              # GPU: GDN states the prefix cache may keep in device memory
     tp: int = 1                         # reference: this process is one of `tp` tensor-parallel ranks
     arch_path: str | None = None        # GPU: run another arch's code path (e.g. "sm_86" PTX on an sm_90 card)
+    vision: bool = True                 # load the vision tower; False: a text model (no tower, no vision
+                                        # section: images are refused)
+    vision_patches: int = 4096          # GPU: the largest image the memory plan holds, in patches (larger ones are
+                                        # resized down to it: executor.vision_encoder.DEFAULT_PATCHES)
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -303,6 +320,10 @@ class LoadOptions:
             raise ValueError(f"draft must be ≥ 0, got {self.draft}")
         if self.arch_path is not None and self.backend != "gpu":
             raise ValueError(f"arch_path {self.arch_path!r} chooses the GPU's code path: use it with backend 'gpu'")
+        if not isinstance(self.vision, bool):
+            raise ValueError(f"vision must be True or False, got {self.vision!r}")
+        if self.vision_patches < 64:
+            raise ValueError(f"vision_patches must be ≥ 64 (an image of at least 8×8 patches), got {self.vision_patches}")
 
 
 def load(path_or_spec=None, opts: LoadOptions | None = None, /, **fields) -> Model:
@@ -312,7 +333,8 @@ def load(path_or_spec=None, opts: LoadOptions | None = None, /, **fields) -> Mod
     say how. With `draft` > 0 a checkpoint must have its MTP layer (else it loads without one).
     On the GPU the weights always take the spec's recipe (quantised at load); with a spec and
     random_weights="device" they are drawn on the GPU directly (any size, seconds; values differ from the
-    host draw of the same seed)."""
+    host draw of the same seed). A model with a vision tower loads it (on the GPU beside the text model's planes,
+    run in torch: executor.vision_encoder); `vision=False` loads it as a text model (no tower, no vision section)."""
     unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(LoadOptions)})
     if unknown:
         raise ValueError(f"load() has no option {', '.join(map(repr, unknown))} (LoadOptions lists them)")
@@ -320,7 +342,7 @@ def load(path_or_spec=None, opts: LoadOptions | None = None, /, **fields) -> Mod
     if o.backend == "gpu":
         return _load_gpu(path_or_spec, o)
     draft, verify, quantize, tp = o.draft, o.verify, o.quantize, o.tp
-    spec, tensors, folder, source = _resolve(path_or_spec, verify, bool(draft))
+    spec, tensors, folder, source = _resolve(path_or_spec, verify, bool(draft), o.vision)
     if quantize:
         from ninfer_gen.weights.checkpoint import dequantized, quantize_weights
         from ninfer_gen.weights.container import is_container
@@ -353,11 +375,15 @@ def _load_gpu(path_or_spec, o: LoadOptions) -> Model:
     torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))   # the budget binds the allocator too
     if o.random_weights == "device" and (isinstance(path_or_spec, ModelSpec) or
                                          str(path_or_spec).endswith((".yaml", ".yml"))):
+        from ninfer_gen.weights.tower import random_tower
         spec = path_or_spec if isinstance(path_or_spec, ModelSpec) else load_spec(path_or_spec)
-        weights = random_on_device(spec, seed=0, progress=o.progress)
+        spec = spec if o.vision else dataclasses.replace(spec, vision=None)
+        weights = random_on_device(spec, seed=0, progress=o.progress)            # the text model's only
+        tower = random_tower(spec) if spec.vision is not None else None
         folder, source = None, f"{spec.name} (random weights drawn on the GPU, seed 0)"
     else:
-        spec, weights, folder, source = _device_weights(path_or_spec, o.progress, o.verify, bool(o.draft))
+        spec, weights, tower, folder, source = _device_weights(path_or_spec, o.progress, o.verify, bool(o.draft),
+                                                               o.vision)
     ids = o.draft_vocab
     if ids is not None and not isinstance(ids, (list, tuple)):
         from ninfer_gen.weights.draft_vocab import load as load_draft_vocab
@@ -368,13 +394,16 @@ def _load_gpu(path_or_spec, o: LoadOptions) -> Model:
                          all_logits=o.all_logits, use_graphs=o.use_graphs, progress=o.progress, draft=o.draft,
                          round_mode="snapshot" if o.state_mode == "snapshot" else "fused",
                          accept_coin=o.accept_coin, cohorts=o.cohorts, kv_pool_tokens=o.kv_pool_tokens,
-                         prefix_states=o.prefix_states, arch_path=o.arch_path)
+                         prefix_states=o.prefix_states, arch_path=o.arch_path, vision=tower,
+                         vision_patches=o.vision_patches)
     return Model(spec, backend, folder, source)
 
 
-def _device_weights(path_or_spec, progress: bool, verify: bool, require_mtp: bool):
-    """GPU weights: a container's planes copied as stored, an HF checkpoint streamed and quantised on the
-    GPU one tensor at a time, or host tensors (random weights of a spec) quantised, then copied."""
+def _device_weights(path_or_spec, progress: bool, verify: bool, require_mtp: bool, vision: bool = True):
+    """(spec, GPU weights, the vision tower's host tensors or None, folder, source). The text model: a
+    container's planes copied as stored, an HF checkpoint streamed and quantised on the GPU one tensor at a time,
+    or host tensors (random weights of a spec) quantised, then copied. The tower (a spec with a vision section,
+    `vision` True) is read apart from them, as stored (weights.tower: the GPU runs it in torch, bf16)."""
     from ninfer_gen.executor.device_weights import from_checkpoint, from_container, from_host
     from ninfer_gen.weights.checkpoint import quantize_weights
     from ninfer_gen.weights.container import is_container
@@ -384,13 +413,23 @@ def _device_weights(path_or_spec, progress: bool, verify: bool, require_mtp: boo
     if isinstance(path, (str, Path)) and is_gguf(path):      # one tensor at a time, formats as stored
         from ninfer_gen.executor.device_weights import from_stream
         g = open_gguf(path, require_mtp=require_mtp)
-        return g.spec, from_stream(g.spec, iter_tensors(g, progress)), folder_of(g), f"{path} (GGUF)"
+        return g.spec, from_stream(g.spec, iter_tensors(g, progress)), None, folder_of(g), f"{path} (GGUF)"
     if isinstance(path, (str, Path)) and Path(path).is_dir():
+        from ninfer_gen.weights.tower import read_tower
         path = Path(path)
+        mode = "skip" if vision else "drop"
         if is_container(path):
-            weights = from_container(path, verify=verify, require_mtp=require_mtp, progress=progress)
-            return weights.spec, weights, path, f"{path} (converted)"
-        weights = from_checkpoint(path, require_mtp=require_mtp, progress=progress)
-        return weights.spec, weights, path, str(path)
-    spec, tensors, folder, source = _resolve(path_or_spec)
-    return spec, from_host(spec, quantize_weights(spec, tensors), progress=progress), folder, source
+            weights = from_container(path, verify=verify, require_mtp=require_mtp, progress=progress, vision=mode)
+            source = f"{path} (converted)"
+        else:
+            weights = from_checkpoint(path, require_mtp=require_mtp, progress=progress, vision=mode)
+            source = str(path)
+        spec, tower = weights.spec, None
+        if spec.vision is not None:
+            tower_spec, tower = read_tower(path, verify)
+            spec = spec if tower_spec.vision is not None else tower_spec
+        return spec, weights, tower or None, path, source
+    spec, tensors, folder, source = _resolve(path_or_spec, vision=vision)
+    text = {k: v for k, v in tensors.items() if not k.startswith("visual.")}      # the planes are the text model's
+    tower = {k: v for k, v in tensors.items() if k.startswith("visual.")} or None
+    return spec, from_host(spec, quantize_weights(spec, text), progress=progress), tower, folder, source

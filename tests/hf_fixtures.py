@@ -148,25 +148,29 @@ def make_hf_checkpoint(path, shape: dict, seed: int, layout: str = "text", with_
     return HFCheckpoint(path, model, mtp)
 
 
-# A minimal vision tower description, only so the config and the dummy patch-embed tensor agree.
+# A minimal vision tower (a real VLM checkpoint carries one, which the loader checks and loads).
 VISION = {"model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 64, "intermediate_size": 64,
           "num_heads": 1, "in_channels": 3, "patch_size": 2, "temporal_patch_size": 2,
           "spatial_merge_size": 2, "num_position_embeddings": 16}
 
 
 def _to_vlm(tensors: dict, text: dict) -> tuple[dict, dict]:
-    """Rename to the real VLM layout (`model.language_model.*`) and nest the text settings."""
+    """Rename to the real VLM layout (`model.language_model.*`), nest the text settings and add a random vision
+    tower (`model.visual.*`) of the config's vision_config."""
+    from compiler.spec import vision_tensor_table
+    from compiler.spec_hf import spec_from_hf_config
+
     out = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
            for k, v in tensors.items()}
-    v = VISION
-    out["model.visual.patch_embed.proj.weight"] = torch.zeros(
-        v["hidden_size"], v["in_channels"], v["temporal_patch_size"], v["patch_size"], v["patch_size"])
     text = {k: val for k, val in text.items() if k not in ("architectures", "transformers_version")}
     config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
               "text_config": text, "vision_config": dict(VISION, out_hidden_size=text["hidden_size"]),
               "tie_word_embeddings": text["tie_word_embeddings"], "image_token_id": text["vocab_size"] - 4,
               "video_token_id": text["vocab_size"] - 3, "vision_start_token_id": text["vocab_size"] - 2,
               "vision_end_token_id": text["vocab_size"] - 1}
+    gen = torch.Generator().manual_seed(len(out))
+    for t in vision_tensor_table(spec_from_hf_config(config, vision="require")):
+        out["model." + t.name] = torch.randn(t.shape, generator=gen) * 0.1
     return out, config
 
 

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from compiler.kernels import (argmax, attn_decode, embed, gated_rmsnorm, gdn_conv, gdn_step, gemm, gemm_wg,
-                              gemv, qk_rope_kv, rmsnorm)
+from compiler import reference_vision
+from compiler.kernels import (argmax, attn_decode, embed, embed_images, gated_rmsnorm, gdn_conv, gdn_step, gemm,
+                              gemm_wg, gemv, qk_rope_kv, rmsnorm)
 from compiler.kernels.weight_layout import FORMATS, dequantize, pack_for_device, random_qmatrix, unpack_from_device
 from compiler.options import CompileOptions
 from compiler.targets import lookup
@@ -265,6 +266,81 @@ def test_rope_and_kv_quantisation_are_loops():
     sc = float(torch.tensor(float(x.abs().max()) / 127).half())
     assert float(scales[0]) == sc and float(scales[1]) == 0 and not codes[64:].any()
     assert all(int(codes[i]) == max(-127, min(127, round(float(x[0, 0, i]) / sc))) for i in range(64))
+
+
+def _rope_kv_inputs(key, g):
+    """Random q/k/v and norms, distinct positions in 4 pages of each sequence, and pages of key's KV dtype."""
+    rows, n_pages = key.b * key.t, 4 * key.b
+    q = torch.randn(rows, key.hq, 2 * key.d, generator=g).bfloat16()
+    k, v = (torch.randn(rows, key.hkv, key.d, generator=g).bfloat16() for _ in range(2))
+    q_norm, k_norm = ((0.1 * torch.randn(key.d, generator=g)).bfloat16() for _ in range(2))
+    pos = torch.cat([torch.randperm(4 * key.page, generator=g)[:key.t] for _ in range(key.b)]).to(torch.int32)
+    table = torch.randperm(n_pages, generator=g).view(key.b, 4).to(torch.int32)
+    shape = (n_pages, key.hkv, key.page, key.d)
+    if key.kv_dtype == "bf16":
+        pages = {"k": torch.zeros(shape).bfloat16(), "v": torch.zeros(shape).bfloat16()}
+    else:
+        pages = {"k": torch.zeros(shape, dtype=torch.int8), "v": torch.zeros(shape, dtype=torch.int8),
+                 "k_scales": torch.zeros(*shape[:3], key.d // 64).half(),
+                 "v_scales": torch.zeros(*shape[:3], key.d // 64).half()}
+    return q, k, v, q_norm, k_norm, qk_rope_kv.inv_freq(1e7, key.rd), pos, table, pages
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "bf16"])
+def test_mrope_reference_with_equal_axes_is_the_1d_reference(kv_dtype, one_thread):
+    """A row whose three M-RoPE positions are equal gets exactly the 1-D result: q_out and every page."""
+    key = qk_rope_kv.Key(4, 2, 64, 16, 2, 3, kv_dtype, 64, 4, 1e-6, "sm_86")
+    mkey = replace(key, mrope=(3, 3, 2))
+    q, k, v, qn, kn, freqs, pos, table, pages = _rope_kv_inputs(key, gen(3))
+    qo, po = qk_rope_kv.reference(key, q, k, v, qn, kn, freqs, pos, table, pages)
+    mqo, mpo = qk_rope_kv.reference(mkey, q, k, v, qn, kn, freqs, pos, table, pages,
+                                    rope_pos=pos.view(-1, 1).expand(-1, 3).contiguous())
+    assert torch.equal(qo.view(torch.int16), mqo.view(torch.int16)) and po.keys() == mpo.keys()
+    assert all(torch.equal(po[n].view(torch.uint8), mpo[n].view(torch.uint8)) for n in po)
+    with pytest.raises(ValueError, match="rope_pos"):
+        qk_rope_kv.reference(mkey, q, k, v, qn, kn, freqs, pos, table, pages)
+
+
+@pytest.mark.parametrize("d,rd,section", [(64, 16, (3, 3, 2)), (256, 64, (11, 11, 10))])
+def test_mrope_rotation_is_reference_vision_mrope(d, rd, section, one_thread):
+    """The kernel reference's 3-axis rotation of normed fp32 values is reference_vision.mrope's, bit for bit."""
+    g = gen(5)
+    x = torch.randn(9, 3, d, generator=g)
+    pos3 = torch.randint(0, 3000, (9, 3), generator=g, dtype=torch.int32)
+    ours = qk_rope_kv.rope(x, pos3, qk_rope_kv.inv_freq(1e7, rd), rd, section)
+    assert torch.equal(ours, reference_vision.mrope(x, pos3, rotary_dim=rd, theta=1e7, section=section))
+    assert not torch.equal(ours, qk_rope_kv.rope(x, pos3[:, 0], qk_rope_kv.inv_freq(1e7, rd), rd))
+
+
+def test_mrope_key_name_params_and_validation():
+    key = qk_rope_kv.Key(24, 4, 256, 64, 1, 1, "int8", 64, 512, 1e-6, "sm_90")
+    mkey = replace(key, mrope=[11, 11, 10])
+    assert mkey.mrope == (11, 11, 10) and hash(mkey) and mkey.name == key.name[:-5] + "_mr11x11x10_sm90"
+    assert [p.name for p in qk_rope_kv.params(mkey)] == [p.name for p in qk_rope_kv.params(key)] + ["rope_pos"]
+    for bad in ((11, 11, 11), (16, 16), (-1, 17, 16)):
+        with pytest.raises(ValueError, match="M-RoPE section"):
+            replace(key, mrope=bad)
+
+
+def test_embed_images_reference():
+    """reference_vision.embed_images when every placeholder has its image token; past min(count, cap) the
+    placeholders keep their rows."""
+    g, h, token = gen(4), 64, 7
+    y = torch.randn(10, h, generator=g).bfloat16()
+    ids = torch.tensor([1, 7, 7, 2, 7, 3, 7, 7, 0, 7], dtype=torch.int32)
+    images = torch.randn(8, h, generator=g).bfloat16()
+    key = embed_images.Key(h, 10, 8, token, "sm_86")
+    out = embed_images.reference(key, y, ids, images)
+    assert torch.equal(out, reference_vision.embed_images(y, ids, images, token_id=token))
+    assert torch.equal(out[[1, 2, 4, 6, 7, 9]], images[:6]) and torch.equal(out[[0, 3, 5, 8]], y[[0, 3, 5, 8]])
+    two = embed_images.reference(key, y, ids, images, count=torch.tensor([2], dtype=torch.int32))
+    assert torch.equal(two[[1, 2]], images[:2]) and torch.equal(two[3:], y[3:])
+    small = embed_images.reference(replace(key, cap=4), y, ids, images[:4])
+    assert torch.equal(small[:7], out[:7]) and torch.equal(small[7:], y[7:])
+    assert torch.equal(embed_images.reference(key, y, ids, images, count=torch.zeros(1, dtype=torch.int32)), y)
+    assert key.name == "embed_images_h64_m10_c8_t7_sm86"
+    with pytest.raises(ValueError, match="embed_images"):
+        embed_images.Key(60, 10, 8, token, "sm_86")
 
 
 def test_attention_reference_is_a_loop():

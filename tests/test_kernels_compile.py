@@ -1,7 +1,7 @@
 """CPU tier: every kernel family renders and compiles with NVRTC, with zero spills — the 27B's case keys
 (decode/verify buckets, M ∈ {1, 2, 4, 8, 16, 32}, the prefill chunk, the ReplaySSM modes) on sm_86 and
-sm_90, the tiny spec's on sm_86, a sample on sm_80 and sm_89; a warm rebuild compiles nothing; NVRTC
-errors name the rendered file; the cache layout."""
+sm_90, the tiny spec's on sm_86, a sample on sm_80 and sm_89, the image kernels (M-RoPE qk_rope_kv,
+embed_images); a warm rebuild compiles nothing; NVRTC errors name the rendered file; the cache layout."""
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -10,16 +10,33 @@ import pytest
 
 from compiler import codegen
 from compiler.build_cache import KernelCacheMiss, build_kernels
-from compiler.kernels import FAMILY_MODULES, gemm, gemm_wg, gemv, module_of, rmsnorm
+from compiler.kernels import FAMILY_MODULES, embed_images, gemm, gemm_wg, gemv, module_of, qk_rope_kv, rmsnorm
 from compiler.buckets import plan_rounds, profile_of
 from compiler.lower_rules import matmul_key
 from compiler.spec import load_spec
 from compiler.targets import TargetError, lookup, resolve
 from lab.cases import case_keys, make_case
 from compiler.nvrtc import KernelCompileError, parse_ptxas
+from compiler.spec_vision import mrope_axis
 
 ROOT = Path(__file__).resolve().parent.parent
-SPECS = {name: load_spec(ROOT / f"model_specs/qwen3.8-{name}.yaml") for name in ("27b", "tiny")}
+SPECS = {name: load_spec(ROOT / f"model_specs/qwen3.8-{name}.yaml") for name in ("27b", "tiny", "tiny-vl")}
+
+
+def vision_keys(arch: str) -> list:
+    """The kernels of prompts with images, made by hand (the plans with images are not in the cases): qk_rope_kv
+    with the 27B's and the tiny-vl spec's M-RoPE sections at b = 1, t = 1 and 256 (the 27B also with bf16 KV),
+    and embed_images at one row and at the prefill chunk, 5120 and 128 wide."""
+    keys = []
+    for name, shapes in (("27b", ((1, "int8"), (1, "bf16"), (256, "int8"))), ("tiny-vl", ((1, "int8"), (256, "int8")))):
+        spec = SPECS[name]
+        at, profile = spec.model.attention, profile_of(spec)
+        keys += [qk_rope_kv.Key(at.num_heads, at.num_kv_heads, at.head_dim, at.rotary_dim, 1, t, kv, profile.page_size,
+                                profile.pages_per_seq, spec.model.rms_norm_eps, arch, mrope=spec.vision.mrope_section)
+                 for t, kv in shapes]
+        keys += [embed_images.Key(spec.model.hidden_size, m, m, spec.vision.image_token_id, arch)
+                 for m in (1, profile.prefill_chunk)]
+    return keys
 
 
 def _spec_keys(arch: str, tiny: bool = True) -> list:
@@ -32,7 +49,7 @@ def _spec_keys(arch: str, tiny: bool = True) -> list:
     # they are tested on the GPU at the round level (tests/gpu/test_speculative_gpu.py), not as cases
     profile = profile_of(SPECS["27b"], cohorts=(1,), draft=3, accept_coin=True, draft_vocab=32768)
     keys += [k for r in plan_rounds(SPECS["27b"], target, profile).values() for k in r.keys()]
-    return list(dict.fromkeys(keys))
+    return list(dict.fromkeys(keys + vision_keys(arch)))
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +184,46 @@ def test_every_gemm_wg_tiling_compiles_without_spills_or_serialised_wgmma(build_
         assert not (b.meta["spill_stores"] or b.meta["spill_loads"]), f"spills in {b.key.name}"
         assert "C7513" not in (b.dir / "nvrtc.log").read_text(), f"ptxas serialised the wgmma of {b.key.name}"
         assert gemm_wg.launch(b.key).smem <= target.smem_per_block, b.key.name
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_90"])
+def test_image_kernels_compile_without_spills(build_root, arch):
+    """qk_rope_kv with M-RoPE and embed_images compile with no spills (sm_80 too: holding the three positions
+    spilled there) and with no more stack than the 1-D kernel (its sincosf slow path)."""
+    keys = vision_keys(arch)
+    plain = list(dict.fromkeys(replace(k, mrope=()) for k in keys if k.family == "qk_rope_kv"))
+    summary = build_kernels(keys + plain, jobs=2, root=build_root, progress=False)
+    built = {b.key: b.meta for b in summary.built}
+    assert summary.spills == 0 and not [k.name for k in built if built[k]["spill_stores"] or built[k]["spill_loads"]]
+    for k in keys:
+        assert module_of(k).launch(k).block == (128, 1, 1) and built[k]["registers"] <= 64, k.name
+        if k.family == "qk_rope_kv":
+            assert built[k]["stack_bytes"] <= built[replace(k, mrope=())]["stack_bytes"], k.name
+
+
+def test_1d_rope_kernel_source_has_no_mrope_part():
+    """A key made without `mrope` keeps today's name and text: no rope_pos parameter, the angle from pos."""
+    one = qk_rope_kv.Key(24, 4, 256, 64, 1, 1, "int8", 64, 512, 1e-6, "sm_90")
+    assert one.name == "qk_rope_kv_q24_kv4_d256_r64_b1_t1_int8_p64x512_sm90"
+    body = codegen.render(one, "13.0").source.split("KERNEL_NAME(", 1)[1]
+    assert "rope_pos" not in body and "mrope" not in body and "v_scales) {" in body
+    assert "sincosf(__fmul_rn((float)p, inv_freq[dim % HALF]), &sn, &cs);" in body
+    three = codegen.render(replace(one, mrope=SPECS["27b"].vision.mrope_section), "13.0").source
+    assert "const int* __restrict__ rope_pos) {" in three and "(float)p," not in three
+
+
+@pytest.mark.parametrize("d,rd,section", [(256, 64, (11, 11, 10)), (64, 16, (3, 3, 2)), (256, 64, (16, 8, 8))])
+def test_template_mrope_axis_is_spec_vision_rule(d, rd, section):
+    """The template's constexpr mrope_axis gives compiler.spec_vision.mrope_axis for every frequency: NVRTC
+    evaluates static_asserts appended to the rendered source."""
+    from compiler import nvrtc
+
+    key = qk_rope_kv.Key(4, 2, d, rd, 1, 1, "int8", 64, 8, 1e-6, "sm_86", mrope=section)
+    checks = "".join(f'static_assert(mrope_axis({m}) == {mrope_axis(m, section)}, "frequency {m}");\n'
+                     for m in range(rd // 2))
+    source = codegen.render(key, "13.0").source + checks
+    options = codegen.nvrtc_options() + nvrtc.include_options(codegen.TEMPLATE_DIR)
+    nvrtc.compile_source(source, key.name, key.arch, options, ptx=True)
 
 
 def test_prefill_matmul_dispatch():

@@ -67,7 +67,7 @@ def test_from_hf_config_equals_yaml():
 
 
 def test_hf_config_defaults_fill_a_partial_vision_config():
-    """A config.json naming few vision keys (as tools.synth_checkpoint writes) takes transformers' defaults, and
+    """A config.json naming few vision keys (as a hand-edited config may) takes transformers' defaults, and
     the M-RoPE section HF applies over the text model's frequencies."""
     config = hf_config(load_spec(TINY_VL)).to_dict()
     config["vision_config"] = {"model_type": "qwen3_5_vision", "hidden_size": 64, "out_hidden_size": 128}
@@ -82,7 +82,7 @@ def test_hf_config_defaults_fill_a_partial_vision_config():
 
 
 def test_hf_vision_config_that_does_not_fit_the_text_model():
-    """tools.synth_checkpoint's config names no token ids: the defaults (248056 …) lie outside a small vocabulary.
+    """A config that names no token ids: the defaults (248056 …) lie outside a small vocabulary.
     `auto` derives the text-only spec (a text load never fails on the tower), `require` says why, `skip` skips."""
     config = hf_config(load_spec(TINY_VL)).to_dict()
     for key in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):

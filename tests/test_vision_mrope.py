@@ -209,7 +209,7 @@ def test_placeholder_errors(spec):
     pools = StatePools(1, 1, 1, kv_dtype="f32")
     with pytest.raises(ValueError, match="needs a spec with a vision section"):
         trace(load_spec(ROOT / "model_specs" / "qwen3.8-tiny.yaml"), "prefill", 1, 8, pools, mrope=True)
-    with pytest.raises(ValueError, match="in a prefill chunk only"):
-        trace(spec, "step", 1, 1, pools, mrope=True, image_tokens=1)
+    with pytest.raises(ValueError, match="in a prompt's pieces only"):
+        trace(spec, "verify", 1, 4, pools, mrope=True, image_tokens=1)
     with pytest.raises(ValueError, match="image_tokens needs mrope"):
         trace(spec, "prefill", 1, 8, pools, image_tokens=4)

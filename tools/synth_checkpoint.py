@@ -18,13 +18,14 @@ from pathlib import Path
 
 import torch
 
-from compiler.spec import ModelSpec, load_spec, tensor_table
+from compiler.spec import ModelSpec, load_spec, tensor_table, vision_tensor_table
 from ninfer_gen.weights.random_weights import draw_tensor
 from ninfer_gen.weights.safetensors_io import ShardWriter
 
 INDEX = "model.safetensors.index.json"
-# A stand-in for the vision tower released checkpoints carry (the loader ignores `model.visual.*`).
-VISION = {"model.visual.patch_embed.proj.weight": (64, 3, 2, 16, 16), "model.visual.merger.norm.weight": (64,)}
+VISION_KEYS = ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels", "patch_size",
+               "temporal_patch_size", "spatial_merge_size", "out_hidden_size", "num_position_embeddings", "hidden_act")
+TOKEN_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
 
 def hf_config(spec: ModelSpec, layout: str = "vlm") -> dict:
@@ -47,14 +48,22 @@ def hf_config(spec: ModelSpec, layout: str = "vlm") -> dict:
     }
     if layout == "text":
         return {"architectures": ["Qwen3_5ForCausalLM"], **text}
-    return {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": text,
-            "tie_word_embeddings": a.tie_word_embeddings, "dtype": "bfloat16",
-            "vision_config": {"model_type": "qwen3_5_vision", "hidden_size": 64, "out_hidden_size": a.hidden_size}}
+    config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": text,
+              "tie_word_embeddings": a.tie_word_embeddings, "dtype": "bfloat16"}
+    v = spec.vision
+    if v is not None:          # the whole tower of the spec's vision section, as released checkpoints carry it
+        text["rope_parameters"]["mrope_section"] = list(v.mrope_section)
+        config["vision_config"] = {"model_type": "qwen3_5_vision", **{k: getattr(v, k) for k in VISION_KEYS},
+                                   "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta}}
+        config |= {k: getattr(v, k) for k in TOKEN_KEYS}
+    return config
 
 
 def stored_name(name: str, layout: str) -> str:
     if name.startswith(("lm_head.", "mtp.")):
         return name
+    if name.startswith("visual."):
+        return "model." + name
     return ("model.language_model." if layout == "vlm" else "model.") + name
 
 
@@ -65,8 +74,6 @@ def _seed(seed: int, name: str) -> int:
 def draw(spec: ModelSpec, name: str, shape: tuple[int, ...], seed: int, device) -> torch.Tensor:
     """One tensor as the checkpoint stores it (bf16), from its own seeded generator."""
     gen = torch.Generator(device=device).manual_seed(_seed(seed, name))
-    if name.startswith("model.visual."):
-        return (torch.randn(shape, generator=gen, device=device) * 0.02).to(torch.bfloat16)
     w = draw_tensor(name, shape, gen)
     if name == ("embed_tokens.weight" if spec.model.tie_word_embeddings else "lm_head.weight"):
         w = w * 2.0                                # logit std ≈ 2 on normed hidden states, as random_weights
@@ -82,8 +89,9 @@ def write_synthetic(spec: ModelSpec, out, seed: int = 0, shard_bytes: int = 4 * 
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     table = [(t.name, t.shape) for t in tensor_table(spec) if with_mtp or not t.name.startswith("mtp.")]
-    items = [(n, s) for n, s in VISION.items()] if layout == "vlm" else []
-    items += [(stored_name(n, layout), s) for n, s in table]
+    if layout == "vlm":                    # the vision tower (a spec with a vision section): model.visual.*
+        table += [(t.name, t.shape) for t in vision_tensor_table(spec)]
+    items = [(stored_name(n, layout), s) for n, s in table]
     writer = ShardWriter(out, [(n, "BF16", s) for n, s in items], shard_bytes, stem="model", hashes=False)
     canonical = {stored_name(n, layout): n for n, _ in table}
     total = sum(2 * math.prod(s) for _, s in items)
@@ -113,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shard-size", type=float, default=4e9, help="largest shard in bytes (default 4e9)")
     p.add_argument("--device", default="cpu", help="where to draw: cpu or cuda")
     p.add_argument("--layout", choices=("vlm", "text"), default="vlm", help="vlm: model.language_model.* and "
-                   "a vision stand-in, as released; text: model.* (Qwen3_5ForCausalLM saves)")
+                   "the spec's vision tower (model.visual.*), as released; text: model.* (Qwen3_5ForCausalLM saves)")
     p.add_argument("--no-mtp", action="store_true", help="leave out the mtp.* tensors")
     args = p.parse_args(argv)
     r = write_synthetic(load_spec(args.spec), args.out, args.seed, int(args.shard_size), args.device, args.layout,

@@ -15,6 +15,8 @@ states the math; this family runs it on the device so a round is one CUDA graph)
 Round state: one row of ROW_WORDS int32 per lane (`ROUND_FIELDS`; float fields hold fp32 bits). A row's `k`
 (0..K) is how many of the round's K drafts its acceptance may keep: a lane asking fewer drafts than the
 bucket's K (or an adaptive policy's choice) runs in the same graph, its later drafts never accepted. A row's
+`rope_delta` is what a lane's RoPE positions add to its cache positions (a prompt with images: the 3-axis
+M-RoPE positions of its later tokens, all three equal; 0 otherwise). A row's
 `state` is RUNNING, DONE (a stop token or the budget ended it) or IDLE (no request): rows that are not
 RUNNING when a round starts are padded rows everywhere (slot −1, no keys, trash-page KV writes).
 Random numbers: a counter-based hash of (seed, round counter, stream), so replays need no RNG state
@@ -30,7 +32,8 @@ from . import KernelKey, Launch, Param
 
 # must match templates/spec_round.cu.j2
 ROUND_FIELDS = ("length", "budget", "anchor", "emitted", "state", "slot", "trash", "counter", "seed_lo",
-                "seed_hi", "top_k", "temperature", "top_p", "n_stop", "accept_prob", "stop_hit", "accepted", "k")
+                "seed_hi", "top_k", "temperature", "top_p", "n_stop", "accept_prob", "stop_hit", "accepted", "k",
+                "rope_delta")
 DRAFTS_AT, OUT_AT, STOPS_AT, MAX_STOPS, ROW_WORDS = 20, 52, 84, 8, 92
 RUNNING, DONE, IDLE = 0, 1, 2
 STAGES = ("begin", "probs", "accept", "draft")
@@ -88,7 +91,7 @@ def launch(key: Key, target: Target | None = None) -> Launch:
     return Launch((rows, 1, 1), (THREADS, 1, 1), 0)
 
 
-_INPUTS = ("tokens", "row_pos", "pos", "block_table", "slots", "seq_lens")
+_INPUTS = ("tokens", "row_pos", "pos", "block_table", "slots", "seq_lens", "mrope")     # mrope: null unless images
 
 
 def params(key: Key) -> list[Param]:

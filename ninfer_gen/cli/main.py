@@ -14,6 +14,7 @@ from ninfer_gen.cli.weights_cmds import CONVERT_DESCRIPTION, cmd_convert, cmd_dr
 EPILOG = """examples:
   ninfer-gen run --prompt "def fibonacci(n):"        the small model shipped in models/
   ninfer-gen run --weights <HF dir> --prompt "..."    any Qwen3.5/3.6/3.8 checkpoint
+  ninfer-gen run --weights <HF dir> --backend reference --image photo.png --prompt "Describe it:"
   ninfer-gen convert <HF dir> <out>                   quantise once; then run --weights <out>
   ninfer-gen check model_specs/qwen3.8-27b.yaml       validate a spec and print its sizes
   ninfer-gen plan model_specs/qwen3.8-27b.yaml --cohorts 8 --max-context 16384
@@ -264,6 +265,8 @@ def _bench_arguments(p) -> None:
                    "the first N token ids (random weights have no frequent tokens) — for a reduced MTP head")
     p.add_argument("--tp", type=int, default=1, help="engine benches: tensor parallel over N rank processes (gloo, "
                    "reference backend; default 1)")
+    p.add_argument("--no-vision", action="store_true", help="load the model as text only: without its vision tower "
+                   "and vision section (saves its memory and, on the GPU, the M-RoPE buckets; images are refused)")
     from ninfer_gen.cli.bench_cohort import add_arguments as add_cohort_arguments
     add_cohort_arguments(p)
     from ninfer_gen.cli.bench_long import add_arguments as add_long_arguments

@@ -1,10 +1,12 @@
 """run: the `ninfer-gen run` command — load a model (the GPU or the reference backend), then one prompt streamed
 as it is generated with a summary line (time to first token, decode tok/s, acceptance), or several prompts as
-one cohort (cli.run_cohort), or the same command in `--tp` rank processes (cli.ranks)."""
+one cohort (cli.run_cohort), or the same command in `--tp` rank processes (cli.ranks). `--image` files go in
+front of each prompt as the model's image placeholder blocks (no chat template: run encodes the prompt as it is)."""
 from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 from ninfer_gen.cli.run_cohort import COHORT_LANES, cohort_size, prompts_of, run_cohort
 
@@ -16,6 +18,11 @@ def cmd_run(args) -> int:
 
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)  # validate before loading
     prompts = prompts_of(args)
+    image_data = read_images(args.image)                                         # before the load, as the prompts
+    if image_data and args.no_vision:
+        raise ValueError("--image needs the model's vision tower, which --no-vision leaves out")
+    if image_data and args.tp > 1:
+        raise ValueError(f"--image runs the vision tower on one process: use it without --tp {args.tp}")
     if args.tp > 1:
         from ninfer_gen.cli.ranks import in_rank, launch_command, reference_backend
         reference_backend(args, "run")
@@ -32,21 +39,27 @@ def cmd_run(args) -> int:
                                 vram_budget=parse_bytes(args.vram_budget), use_graphs=not args.no_graphs,
                                 progress=True, compile_options=compile_options(), build_root=build_root(), draft=args.draft,
                                 verify=not args.no_verify, state_mode=args.state_mode, draft_vocab=args.draft_vocab,
-                                cohorts=cohort_size(args, prompts), arch_path=args.arch_path)
+                                cohorts=cohort_size(args, prompts), arch_path=args.arch_path, vision=not args.no_vision)
     else:
         if args.random_weights:
             raise ValueError("--random-weights draws weights on the GPU: use it with --backend gpu")
         model = ninfer_gen.load(args.weights, backend=args.backend, dtype=args.dtype, quantize=args.quantize,
                                 device=args.device, max_context=args.max_context, verify=not args.no_verify,
-                                tp=args.tp)
+                                tp=args.tp, vision=not args.no_vision)
     tok = model.tokenizer
     print(f"[model: {model.source}; backend: {args.backend} on {model.backend.device}; tokenizer: {tok.name}]",
           file=sys.stderr)
+    note = vision_note(model, not args.no_vision)
+    if note:
+        print(note, file=sys.stderr)
+    images = prepare_images(model, image_data)
     if args.backend == "gpu":
         model.lanes(cohort_size(args, prompts), round_mode=args.round_mode)     # made (captured, warm) once
     if len(prompts) > 1 or args.json:
-        return run_cohort(model, args, prompts, params, _draft(model, args.draft))
+        return run_cohort(model, args, prompts, params, _draft(model, args.draft), images)
     ids = tok.encode(prompts[0])
+    if images is not None:
+        ids = model.image_prompt(ids, images)
     if not ids:
         raise ValueError("the prompt is empty")
     draft = _draft(model, args.draft)
@@ -57,7 +70,7 @@ def cmd_run(args) -> int:
     shown = ""
     sys.stdout.write(prompts[0])
     for token in model.stream(ids, args.max_tokens, params, model.eos_ids, draft, stats,
-                              adaptive_draft=not args.fixed_draft):
+                              adaptive_draft=not args.fixed_draft, images=images):
         first = first or time.perf_counter()
         new.append(token)
         text = tok.decode([t for t in new if t not in model.eos_ids])
@@ -74,6 +87,49 @@ def cmd_run(args) -> int:
     print(f"[{len(ids)} prompt tokens, {len(new)} new tokens; time to first token "
           f"{((first or end) - t0) * 1e3:.0f} ms; decode {rate:.1f} tok/s{spec_line}]", file=sys.stderr)
     return 0
+
+
+def read_images(paths) -> list[bytes]:
+    """The bytes of each --image file, in order (a missing or unreadable file is an error naming it)."""
+    out = []
+    for i, name in enumerate(paths or (), 1):
+        path = Path(name)
+        if not path.is_file():
+            raise ValueError(f"image {i}: no such file: {path}")
+        try:
+            out.append(path.read_bytes())
+        except OSError as err:
+            raise ValueError(f"image {i}: cannot read {path}: {err.strerror or err}") from None
+    return out
+
+
+def prepare_images(model, data: list[bytes]):
+    """--image files → the model's encoder input (vision.preprocess.Processed), said on stderr; None without
+    images. A model that takes no images, or an image it cannot use, is a ValueError saying which and why."""
+    if not data:
+        return None
+    images = model.prepare_images(data)
+    tokens = ", ".join(f"{t}×{h}×{w} patches → {n} tokens" for (t, h, w), n in zip(images.grids, images.tokens))
+    print(f"[{len(data)} image{'s' if len(data) > 1 else ''}: {tokens}]", file=sys.stderr)
+    return images
+
+
+def vision_note(model, vision: bool) -> str | None:
+    """The load line about the vision tower: its size when loaded, else why images are refused (None for a
+    text model loaded as asked)."""
+    if not vision:
+        return "[vision tower not loaded (--no-vision): images are refused]"
+    v = model.spec.vision
+    if v is None:
+        return None
+    if not model.vision:
+        return "[vision tower not loaded (the checkpoint stores none): images are refused]"
+    from compiler.spec import vision_tensor_table
+    from ninfer_gen.cli.weights_cmds import fmt_bytes
+
+    fmt = model.spec.quantization.vision
+    size = sum(t.numel for t in vision_tensor_table(model.spec)) * (2 if fmt == "bf16" else 4)
+    return f"[vision tower: {v.depth} blocks, {fmt_bytes(size)} {fmt}]"
 
 
 def _draft(model, asked: int | None) -> int:
@@ -100,6 +156,11 @@ def add_run_parser(sub) -> None:
     r.add_argument("--no-verify", action="store_true", help="a converted container: skip checking its sha256 hashes")
     r.add_argument("--prompt", action="append", help="the prompt; repeat it for several, which run as one cohort "
                    "through the engine (one lane per prompt), each streamed to its own [i] lines")
+    r.add_argument("--image", action="append", metavar="PATH", help="an image file (PNG, JPEG, WEBP, GIF, BMP) "
+                   "for a model with a vision tower (reference backend); repeat it for several. The images' "
+                   "placeholder blocks go in front of the prompt, in order (every prompt of a cohort gets them)")
+    r.add_argument("--no-vision", action="store_true", help="do not load the model's vision tower: a text model "
+                   "(less memory and load time; images are refused)")
     r.add_argument("--prompts-file", default=None, help="a text file of prompts, one per line (blank lines "
                    "skipped), after any --prompt")
     r.add_argument("--lanes", type=int, default=None, help=f"several prompts: lanes of the cohort (default: one per "

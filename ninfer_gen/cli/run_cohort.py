@@ -1,6 +1,6 @@
 """run_cohort: `ninfer-gen run` with several prompts (`--prompt` repeated or `--prompts-file`) — one cohort
 through engine.Engine (ReferenceLanes on the reference backend, lanes.gpu on the GPU), each
-request streamed to its own labelled lines, or one JSON object per request."""
+request streamed to its own labelled lines, or one JSON object per request; `--image`s go with every prompt."""
 from __future__ import annotations
 
 import sys
@@ -33,10 +33,13 @@ def cohort_size(args, prompts: list[str]) -> int:
     return args.lanes or min(len(prompts), COHORT_LANES)
 
 
-def run_cohort(model, args, prompts: list[str], params, draft: int) -> int:
-    """Several prompts (or --json): one cohort through the Engine. Exit 2 if a request failed."""
+def run_cohort(model, args, prompts: list[str], params, draft: int, images=None) -> int:
+    """Several prompts (or --json): one cohort through the Engine, each prompt behind the `images`' placeholder
+    blocks (vision.preprocess.Processed; None: text only). Exit 2 if a request failed."""
     tok, eos = model.tokenizer, model.eos_ids
     ids = [tok.encode(p) for p in prompts]
+    if images is not None:
+        ids = [model.image_prompt(x, images) for x in ids]
     for i, x in enumerate(ids, 1):
         if not x:
             raise ValueError(f"prompt {i} is empty")
@@ -45,7 +48,7 @@ def run_cohort(model, args, prompts: list[str], params, draft: int) -> int:
 
     lanes = cohort_size(args, prompts)
     engine = Engine(model.lanes(lanes), lanes=lanes, max_queue=len(prompts), adaptive_draft=not args.fixed_draft)
-    handles = [engine.submit(Request(x, args.max_tokens, params, eos, draft)) for x in ids]
+    handles = [engine.submit(Request(x, args.max_tokens, params, eos, draft, images=images)) for x in ids]
     while engine.step():
         for handle, out in zip(handles, outs):
             for event in handle.poll():

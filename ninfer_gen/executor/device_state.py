@@ -4,7 +4,8 @@ codes + fp16 scales per 64 values, or bf16; per GDN layer the conv history [slot
 recurrent state [slots, Hv, Dk, Dv] fp32 and, for speculative rounds, the ReplaySSM records of a verify
 of `record_rows` × `record_tokens` (conv columns, raw k, v bf16; (g, beta) fp32); one trash page for
 padded rows) — and `StepInputs`, one bucket's per-run values (token ids, row positions, block table,
-slots, key counts, commit counts) in one int32 device buffer, plus tensor inputs (the MTP's hidden).
+slots, key counts, commit counts; with images the M-RoPE positions and the image-token count) in one int32 device
+buffer, plus tensor inputs (the MTP's hidden, a prompt piece's image tokens).
 
 The graph's reference layouts (`trace.state_avals`) are not used here: agreement with the reference
 interpreter is checked on outputs (logits), not on state bytes.
@@ -114,14 +115,20 @@ class DeviceState:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
+OPTIONAL_INPUTS = ("mrope", "image_count")        # only in the buffers of plans that read them (images)
+
+
 class StepInputs:
     """One bucket's per-run values in one int32 device buffer (one host→device copy per run)."""
 
     def __init__(self, batch: int, tokens: int, max_pages: int, trash_page: int, device,
-                 tensors: dict[str, tuple[tuple[int, ...], str]] | None = None):
-        """`tensors`: name → (shape, dtype) of the other inputs (plan.step_tensors())."""
+                 tensors: dict[str, tuple[tuple[int, ...], str]] | None = None, used=()):
+        """`tensors`: name → (shape, dtype) of the other inputs (plan.step_tensors()); `used`: the int32 inputs
+        the plan reads (plan.step_inputs()) — every STEP_INPUTS buffer is kept, but OPTIONAL_INPUTS only where
+        read (a text plan's buffer is what it was)."""
         self.batch, self.tokens, self.max_pages, self.trash_page = batch, tokens, max_pages, trash_page
-        self._layout = {name: size(batch, tokens, max_pages) for name, size in STEP_INPUTS.items()}
+        self._layout = {name: size(batch, tokens, max_pages) for name, size in STEP_INPUTS.items()
+                        if name not in OPTIONAL_INPUTS or name in used}
         self.tensors = {name: torch.zeros(shape, dtype=TORCH_DTYPES[dt], device=device)
                         for name, (shape, dt) in (tensors or {}).items()}
         self.host = torch.zeros(sum(self._layout.values()), dtype=torch.int32)
@@ -143,10 +150,29 @@ class StepInputs:
         self.host_views["commit"][:len(counts)] = torch.tensor(counts, dtype=torch.int32)
         self.views["commit"].copy_(self.host_views["commit"])
 
-    def set(self, tokens: list[list[int]], starts: list[int], tables: list[list[int]], slots: list[int]) -> None:
+    def set_images(self, rows: torch.Tensor | None) -> None:
+        """The image tokens of this run's placeholders ([n, hidden], in order; None: none), into the `images`
+        tensor and its `image_count` (a run with placeholders but no images here keeps their embeddings). Call
+        after `set`, which zeroes the count."""
+        n = 0 if rows is None else rows.shape[0]
+        if "image_count" not in self.views:
+            if n:
+                raise ExecutableError("this bucket takes no images (a profile without images)")
+            return
+        if n > self.tensors["images"].shape[0]:
+            raise ExecutableError(f"{n} image tokens exceed the bucket's {self.tensors['images'].shape[0]}")
+        if n:
+            self.tensors["images"][:n].copy_(rows)
+        self.host_views["image_count"][0] = n
+        self.views["image_count"].copy_(self.host_views["image_count"])
+
+    def set(self, tokens: list[list[int]], starts: list[int], tables: list[list[int]], slots: list[int],
+            rope: list | None = None) -> None:
         """Rows of T tokens at positions start…start+T−1. Padded rows (fewer than `batch`) get slot −1
         (the GDN kernels skip them), no keys, and a block table of the trash page (their KV writes land
-        there); so does the rest of every row's block table."""
+        there); so does the rest of every row's block table. A plan with M-RoPE gets each row's 3-axis
+        positions: `rope[r]` (compiler.multimodal.RopePositions, or None) gives them, else all three axes are
+        the row's positions."""
         b, t, h = self.batch, self.tokens, self.host_views
         if len(tokens) > b or any(len(row) != t for row in tokens):
             raise ExecutableError(f"bucket ({b}×{t}) got {len(tokens)} rows of {[len(r) for r in tokens]} tokens")
@@ -162,4 +188,8 @@ class StepInputs:
             h["block_table"][r * self.max_pages:r * self.max_pages + len(table)] = torch.tensor(table, dtype=torch.int32)
             h["slots"][r] = slot
             h["seq_lens"][r] = start + t
+            if "mrope" in h:
+                at = rope[r] if rope is not None else None
+                rows = at.rows(start, t) if at is not None else h["row_pos"][r * t:(r + 1) * t, None].expand(-1, 3)
+                h["mrope"][3 * r * t:3 * (r + 1) * t] = rows.reshape(-1)
         self.device.copy_(self.host)

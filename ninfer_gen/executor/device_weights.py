@@ -13,6 +13,10 @@ a converted container whose planes are copied as stored (`from_container`), host
 formats (`from_host`), or `random_on_device`, which draws the whole weight set on the GPU directly in its
 quantised formats (seeded) so the 27B shape can be benchmarked without a checkpoint. Every source but
 the last builds the same planes (`ninfer_gen.weights.planes`), bit for bit.
+
+The vision tower never comes here: it is no plane set (the GPU runs it in torch from its float tensors,
+weights.tower and executor.vision_encoder), so the checkpoint and container sources skip its tensors unread (the
+spec keeps its vision section unless the caller drops it) and the packer refuses them.
 """
 from __future__ import annotations
 
@@ -154,14 +158,22 @@ def from_stream(spec: ModelSpec, items, device="cuda") -> DeviceWeights:
     return dw.complete()
 
 
+def _no_tower(vision: str) -> str:
+    if vision not in ("skip", "drop"):
+        raise ValueError(f"the device runs no vision tower: vision must be 'skip' (the spec keeps its vision "
+                         f"section) or 'drop', got {vision!r}")
+    return vision
+
+
 def from_checkpoint(path, spec: ModelSpec | None = None, device="cuda", require_mtp: bool = False,
-                    progress: bool = False) -> DeviceWeights:
+                    progress: bool = False, vision: str = "skip") -> DeviceWeights:
     """An HF checkpoint streamed onto `device`: each tensor read, quantised there by the spec's recipe,
-    packed and freed before host memory holds more than about one tensor (`weights.streaming`)."""
+    packed and freed before host memory holds more than about one tensor (`weights.streaming`). The vision
+    tower is not read (`vision` "skip" keeps the spec's vision section, "drop" drops it)."""
     from ninfer_gen.weights.checkpoint import open_checkpoint
     from ninfer_gen.weights.streaming import stream_formatted
 
-    ckpt = open_checkpoint(path, spec, require_mtp)
+    ckpt = open_checkpoint(path, spec, require_mtp, _no_tower(vision))
     dw = DeviceWeights(ckpt.spec)
     packer = PlanePacker(ckpt.spec, dw.put)
     for name, value in stream_formatted(ckpt, device, progress):
@@ -173,12 +185,13 @@ def from_checkpoint(path, spec: ModelSpec | None = None, device="cuda", require_
 
 
 def from_container(path, device="cuda", verify: bool = True, spec: ModelSpec | None = None,
-                   require_mtp: bool = False, progress: bool = False) -> DeviceWeights:
+                   require_mtp: bool = False, progress: bool = False, vision: str = "skip") -> DeviceWeights:
     """A converted container's planes copied to `device` as stored (sha256-checked unless `verify` is
-    False); `spec`, when given, must be the container's (`weights.container.open_container`)."""
+    False); `spec`, when given, must be the container's (`weights.container.open_container`). The vision
+    tower's planes are not read (`vision` as in from_checkpoint)."""
     from ninfer_gen.weights.container import open_container, read_planes
 
-    box = open_container(path, spec=spec, require_mtp=require_mtp)
+    box = open_container(path, spec=spec, require_mtp=require_mtp, vision=_no_tower(vision))
     dw = DeviceWeights(box.spec)
     for plane_key, t in read_planes(box, device, verify, progress):
         dw.put(plane_key, t)

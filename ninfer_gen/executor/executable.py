@@ -155,7 +155,7 @@ class Executable:
             raise ExecutableError(f"kernels spill registers: {', '.join(spills)}")
         _, batch, tokens = plan.shape
         inputs = inputs or StepInputs(batch, tokens, plan.max_pages, self.state.trash_page, self.device,
-                                      plan.step_tensors())
+                                      plan.step_tensors(), plan.step_inputs())
         bucket = Bucket(plan.shape, plan, inputs)
         self._fit(plan, bucket)
         self._bind(bucket)

@@ -29,6 +29,7 @@ from ninfer_gen.executor.draft_head import IDS as DRAFT_IDS, add_draft_head
 from ninfer_gen.executor.device_state import DeviceState
 from ninfer_gen.executor.executable import Executable
 from ninfer_gen.executor.memory_plan import GiB, MemoryPlan, kv_pool_pages, plan_memory
+from ninfer_gen.executor.vision_encoder import DEFAULT_PATCHES, VisionEncoder
 from ninfer_gen.allocators.sequences import Sequence, SequencePool
 
 
@@ -51,7 +52,8 @@ class GpuBackend(SequencePool):
                  options: CompileOptions = CompileOptions(), all_logits: bool = False,
                  prefill_chunk: int | None = None, draft: int | None = None, round_mode: str = "fused",
                  accept_coin: bool = False, draft_vocab: list[int] | None = None, kv_pool_tokens: int | None = None,
-                 prefix_states: int = 0, arch_path: str | None = None):
+                 prefix_states: int = 0, arch_path: str | None = None, vision=None,
+                 vision_patches: int = DEFAULT_PATCHES):
         """`cohorts` lanes (the profile's step buckets: the spec's cohort sizes up to it); `all_logits`:
         prefill buckets keep every row's logits (evaluation: `Model.forward_logits`), else the last;
         `prefill_chunk`: the largest prefill bucket (default: the spec's, within the context); `draft`: the MTP
@@ -63,7 +65,11 @@ class GpuBackend(SequencePool):
         `kv_pool_tokens`: one KV pool of that many tokens shared by the lanes (default: cohorts × context);
         `prefix_states`: GDN states the prefix cache may keep (device memory, in the plan; 0: no prefix cache);
         `arch_path`: run another, older card's code path (`sm_86` or `rtx3090` on an H200: its tiles, no PDL, no
-        gemm_wg), as compute_XX PTX the driver JIT-compiles (None: the device's own arch, as cubins)."""
+        gemm_wg), as compute_XX PTX the driver JIT-compiles (None: the device's own arch, as cubins); `vision`: the
+        tower's tensors (canonical `visual.*` names, float, host or device) of a spec with a vision section — the
+        profile then takes prompts with images (M-RoPE buckets, image tokens in a prompt's pieces) and `encode`
+        runs the tower (None: text only); `vision_patches`: the largest image (in patches) the memory plan
+        holds the tower's activations for."""
         self.spec, self.device, self.use_graphs = spec, torch.device(device), use_graphs
         self.target = device_target(self.device, arch_path)          # refuses a path this device cannot run
         rt = spec.runtime
@@ -72,7 +78,8 @@ class GpuBackend(SequencePool):
         snapshots = round_mode == "snapshot"
         self.memory = memory or plan_memory(spec, cohorts, ctx, vram_budget, draft=draft, kv_dtype=kv_dtype,
                                             snapshots=snapshots, kv_pool_tokens=kv_pool_tokens,
-                                            prefix_states=prefix_states)
+                                            prefix_states=prefix_states,
+                                            vision_patches=vision_patches if vision is not None else 0)
         self.prefix_states = prefix_states
         per_seq = math.ceil(ctx / rt.page_size)
         pages = min(self.memory.kv_pages, kv_pool_pages(cohorts, ctx, rt.page_size, kv_pool_tokens))
@@ -85,7 +92,9 @@ class GpuBackend(SequencePool):
         self.profile = profile_of(spec, cohorts=cohort_sizes(rt.cohorts, cohorts),
                                   max_context=ctx, kv_dtype=kv_dtype, all_logits=all_logits, options=options,
                                   prefill_chunk=prefill_chunk, draft=draft, accept_coin=accept_coin,
-                                  draft_vocab=len(draft_vocab) if draft_vocab else 0, snapshots=snapshots)
+                                  draft_vocab=len(draft_vocab) if draft_vocab else 0, snapshots=snapshots,
+                                  images=vision is not None)
+        self.encoder = VisionEncoder(spec, vision, self.device) if vision is not None else None
         rounds = (max(self.profile.cohorts), self.profile.tail_tokens) if self.profile.speculative else (0, 0)
         self.state = DeviceState(spec, pages, cohorts, kv_dtype, self.device, *rounds, snapshots=snapshots)
         self.weights = weights
@@ -112,14 +121,17 @@ class GpuBackend(SequencePool):
             self.exe.capture(b)
         return b
 
-    def run(self, entry: str, seqs: list[Sequence], tokens: list[list[int]]):
-        """One call for B rows of T tokens each → (logits, hidden) copies; advances the lengths."""
+    def run(self, entry: str, seqs: list[Sequence], tokens: list[list[int]], images: torch.Tensor | None = None):
+        """One call for B rows of T tokens each → (logits, hidden) copies; advances the lengths. `images`: the
+        image tokens of the placeholders in a prompt piece (B = 1)."""
         B, T = len(seqs), len(tokens[0])
         bucket = self.bucket(entry, B, T)
         starts = [s.length for s in seqs]
         for s, p in zip(seqs, starts):
             self.reserve(s, p + T)
-        bucket.inputs.set(tokens, starts, [s.table.pages for s in seqs], [s.slot for s in seqs])
+        bucket.inputs.set(tokens, starts, [s.table.pages for s in seqs], [s.slot for s in seqs],
+                          [s.positions for s in seqs])
+        bucket.inputs.set_images(images)
         bucket.run(self.use_graphs)
         for s, p in zip(seqs, starts):
             s.table.length = p + T
@@ -137,7 +149,7 @@ class GpuBackend(SequencePool):
         T, start = len(tokens), seq.length
         self._verified_tokens(seq, T)
         bucket = self.bucket("verify", 1, T)
-        bucket.inputs.set([tokens], [start], [seq.table.pages], [seq.slot])
+        bucket.inputs.set([tokens], [start], [seq.table.pages], [seq.slot], [seq.positions])
         bucket.run(self.use_graphs)
         return bucket.logits.clone(), bucket.hidden.clone()
 
@@ -160,7 +172,7 @@ class GpuBackend(SequencePool):
         for t, used in pieces:
             bucket = self.bucket("mtp", 1, t)
             ids = next_ids[at:at + used] + [next_ids[at + used - 1]] * (t - used)
-            bucket.inputs.set([ids], [start + at], [seq.table.pages], [seq.slot])
+            bucket.inputs.set([ids], [start + at], [seq.table.pages], [seq.slot], [seq.positions])
             rows = bucket.inputs.tensors["hidden"]
             rows[:used].copy_(hidden[at:at + used])
             rows[used:].copy_(hidden[at + used - 1:at + used].expand(t - used, -1))
@@ -175,23 +187,35 @@ class GpuBackend(SequencePool):
         return logits.clone(), bucket.hidden[used - 1:used].clone()
 
     def prefill(self, seq: Sequence, ids: list[int], chunk: int | None = None, all_logits: bool = False,
-                all_hidden: bool = False):
+                all_hidden: bool = False, images: torch.Tensor | None = None):
         """Chunked prefill from the sequence's current length → (logits, hidden): the last row only,
         or every row with `all_logits` (tests; [n, vocab] fp32); `all_hidden` keeps every row's hidden
-        (the MTP's pass over the prompt)."""
+        (the MTP's pass over the prompt). `images`: the image tokens of the placeholders in `ids` (the
+        sequence's `positions` set), each piece given its own."""
         if all_logits and not self.profile.all_logits:
             raise ValueError("this GPU backend keeps the last row's logits of a prefill chunk; make it with "
                              "all_logits=True for every row's")
         pieces = self.profile.prompt_pieces(len(ids), chunk)
         self.reserve(seq, seq.length + len(ids))       # fail before any work when it cannot fit
-        logits, hidden, at = [], [], 0
+        logits, hidden, at, used = [], [], 0, 0
+        token = self.spec.vision.image_token_id if images is not None else None
         for entry, t in pieces:
-            lg, hd = self.run(entry, [seq], [ids[at:at + t]])
+            piece, rows = ids[at:at + t], None
+            if images is not None:
+                n = sum(x == token for x in piece)
+                rows, used = (images[used:used + n] if n else None), used + n
+            lg, hd = self.run(entry, [seq], [piece], rows)
             at += t
             logits.append(lg if all_logits else lg[-1:])
             hidden.append(hd if all_logits or all_hidden else hd[-1:])
         return (torch.cat(logits) if all_logits else logits[-1]), \
             (torch.cat(hidden) if all_logits or all_hidden else hidden[-1])
+
+    def encode(self, pixels, grids) -> torch.Tensor:
+        """The vision tower over one request's images → image tokens [Σ tokens, hidden] bf16 on the device."""
+        if self.encoder is None:
+            raise ValueError("this GPU backend was loaded without the vision tower: it takes text only")
+        return self.encoder(pixels, grids)
 
     # ------------------------------------------------------------ prefix checkpoints (allocators.prefix)
     def _gdn_tensors(self) -> list[torch.Tensor]:

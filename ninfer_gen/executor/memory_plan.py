@@ -2,6 +2,8 @@
 graph pools, GDN state slots, ReplaySSM records, headroom and — from what is left — the KV pool.
 
 Pure arithmetic on the spec; runs on any machine. Does not fit → `MemoryPlanError` naming the overflow.
+The vision tower, when images are on, is a part of its own (`vision_bytes`: its bf16 weights and one image's
+activations, executor.vision_encoder); the weights part is the text model's tensor table.
 """
 from __future__ import annotations
 
@@ -40,6 +42,8 @@ class MemoryPlan:
     prefix_states: int = 0             # prefix-cache checkpoints' saved GDN states (lanes.reuse)
     prefix_bytes: int = 0
     kv_pool_tokens: int | None = None  # a KV pool shared by the lanes (None: each lane its whole context)
+    vision: int = 0                    # the vision tower's bf16 weights and one image's activations (images on)
+    vision_patches: int = 0            # the most patches of one image the tower's activations are planned for
 
     @property
     def kv_pages(self) -> int:
@@ -65,7 +69,7 @@ class MemoryPlan:
     @property
     def total(self) -> int:
         return (self.weights + self.activations + self.graph_pools + self.state_slots + self.records
-                + self.rounds + self.prefix_bytes + self.headroom + self.kv_pool)
+                + self.rounds + self.prefix_bytes + self.vision + self.headroom + self.kv_pool)
 
     def rows(self) -> list[tuple[str, int]]:
         return [("weights", self.weights), ("activation arena", self.activations), ("graph pools", self.graph_pools),
@@ -73,6 +77,7 @@ class MemoryPlan:
                 (f"ReplaySSM records ({self.cohort} × {self.draft_tokens + 1} tokens)", self.records),
                 ("round buffers (sampling distributions)", self.rounds),
                 (f"prefix checkpoints ({self.prefix_states} GDN states)", self.prefix_bytes),
+                (f"vision tower (weights, one image of ≤ {self.vision_patches} patches)", self.vision),
                 ("context headroom", self.headroom),
                 (f"KV pool ({self.kv_pages} pages = {self.kv_tokens} tokens)", self.kv_pool)]
 
@@ -92,6 +97,29 @@ def activation_bytes(spec: ModelSpec, cohort: int, draft: int) -> int:
     return spec.runtime.prefill_chunk * per_token * 2 + 2 * rows * a.vocab_size * 4
 
 
+def vision_bytes(spec: ModelSpec, patches: int) -> int:
+    """The vision tower on the device (executor.vision_encoder): its bf16 weights, and the live activations
+    of one image of `patches` patches run eagerly in torch — per patch the bf16 input row, the residual, norm,
+    qkv, attention output and the MLP's two intermediates, and the fp32 rotary temporaries of q and k — with
+    the merger's rows on top (a bound, not a count: torch's allocator keeps freed blocks for reuse)."""
+    if spec.vision is None or patches <= 0:
+        return 0
+    from compiler.spec import vision_tensor_table
+
+    v = spec.vision
+    weights = sum(2 * _count(t.shape) for t in vision_tensor_table(spec))
+    per_patch = 2 * (v.patch_dim + 8 * v.hidden_size + 2 * v.intermediate_size) + 4 * 4 * v.hidden_size
+    merged = patches // v.merge_unit * (2 * v.merge_unit * v.hidden_size + v.out_hidden_size) * 2
+    return weights + patches * per_patch + merged
+
+
+def _count(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 def round_bytes(spec: ModelSpec, cohort: int, draft: int) -> int:
     """The one-graph round's own buffers (compiler.round): the sampled rounds' fp32 distributions of every
     verify row and every draft over the vocabulary, plus small state rows, tables and argmax partials."""
@@ -102,11 +130,12 @@ def round_bytes(spec: ModelSpec, cohort: int, draft: int) -> int:
 
 def plan_memory(spec: ModelSpec, cohort: int, max_context: int, budget: int, draft: int | None = None,
                 kv_dtype: str | None = None, snapshots: bool = False, kv_pool_tokens: int | None = None,
-                prefix_states: int = 0) -> MemoryPlan:
+                prefix_states: int = 0, vision_patches: int = 0) -> MemoryPlan:
     """`snapshots`: verify keeps K+1 state copies per lane (snapshot mode) instead of ReplaySSM records;
     `kv_pool_tokens`: the KV pool every lane shares must hold that many tokens (default: each lane its
     whole context, cohort × max_context); a lane's own limit stays `max_context`; `prefix_states`: saved
-    GDN states of the prefix cache's checkpoints (their KV pages come out of the KV pool)."""
+    GDN states of the prefix cache's checkpoints (their KV pages come out of the KV pool); `vision_patches`
+    (images on): the tower and one image of that many patches (`vision_bytes`)."""
     if cohort <= 0 or max_context <= 0 or budget <= 0:
         raise MemoryPlanError("cohort, max context and budget must be positive")
     draft = spec.runtime.draft_tokens if draft is None else draft
@@ -120,11 +149,12 @@ def plan_memory(spec: ModelSpec, cohort: int, max_context: int, budget: int, dra
                                                 record_bytes_per_token(spec)) if draft else 0,
                 rounds=round_bytes(spec, cohort, draft),
                  prefix_bytes=prefix_states * (s["gdn_state_bytes_per_sequence"] + s["conv_history_bytes_per_sequence"]),
-                 headroom=CONTEXT_HEADROOM)
+                 vision=vision_bytes(spec, vision_patches), headroom=CONTEXT_HEADROOM)
     left = budget - sum(fixed.values())
     plan = MemoryPlan(budget, cohort, draft, max_context, kv_dtype, kv_pool=max(0, left),
                       kv_bytes_per_token=per_token, page_size=spec.runtime.page_size, prefix_states=prefix_states,
-                      kv_pool_tokens=kv_pool_tokens, **fixed)
+                      kv_pool_tokens=kv_pool_tokens, vision_patches=vision_patches if fixed["vision"] else 0,
+                      **fixed)
     need_pages = kv_pool_pages(cohort, max_context, plan.page_size, kv_pool_tokens)
     if left <= 0 or plan.kv_pages < need_pages:
         parts = ", ".join(f"{name} {size / GiB:.2f} GiB" for name, size in plan.rows()[:-1])

@@ -33,6 +33,7 @@ import torch
 from compiler.kernels import spec_round as sr
 from ninfer_gen.lanes.contract import (Capabilities, LaneBackend, LaneState, check_images, check_request, choose,
                                        masked_verify)
+from ninfer_gen.lanes.images import chunk_images, open_images
 from ninfer_gen.lanes.reuse import MtpTail, PrefixReuse
 from ninfer_gen.lanes.round_costs import measure_round_costs
 from ninfer_gen.lanes.round_rows import FIELD, RoundRows, idle_rows, round_row
@@ -57,6 +58,7 @@ class _Lane:
         self.host = False                                # a grammar's speculative rounds: host-driven (below)
         self.k = lane.k                                  # drafts its rounds may keep (≤ the built K)
         self.budget = 0                                  # tokens its row may still emit when the rows are written
+        self.images: torch.Tensor | None = None          # the tower's image tokens of the request (prefill only)
 
 
 class GpuLanes(LaneBackend):
@@ -136,10 +138,7 @@ class GpuLanes(LaneBackend):
     # ------------------------------------------------------------ the contract
     def validate(self, request) -> None:
         check_request(request, self.vocab_size)
-        if request.images is not None:
-            raise ValueError("the GPU backend has no vision encoder kernels yet: requests with images run on the "
-                             "reference backend (--backend reference)")
-        check_images(request, self.be.spec.vision, False)
+        check_images(request, self.be.spec.vision, self.be.encoder is not None)
         self.check_draft(request)
         if request.draft and len(request.stop) > sr.MAX_STOPS:
             raise ValueError(f"at most {sr.MAX_STOPS} stop tokens with drafts on the GPU, got {len(request.stop)}")
@@ -147,12 +146,14 @@ class GpuLanes(LaneBackend):
     def open(self, lane: LaneState) -> None:
         lane.seq = self.be.new_sequence()
         lane.private = _Lane(lane)
+        open_images(lane, self.be.spec.vision)
         if self.reuse is not None:
             lane.private.tail = self.reuse.restore(lane)
 
     def prefill(self, lane: LaneState, ids: list[int], last: bool) -> int | None:
         be, priv, seq, start = self.be, lane.private, lane.seq, lane.length
-        logits, hidden = be.prefill(seq, list(ids), all_hidden=bool(lane.k))
+        images = chunk_images(lane, start, ids, be.spec.vision, be.encode)
+        logits, hidden = be.prefill(seq, list(ids), all_hidden=bool(lane.k), images=images)
         tail, priv.tail = priv.tail, None
         mtp_start = start
         if tail is not None and lane.k:  # a restored prefix's pending MTP rows come first
@@ -385,7 +386,8 @@ class GpuLanes(LaneBackend):
             be.reserve(lane.seq, lane.length + 1)
         bucket = be.bucket("step", batch, 1)
         bucket.inputs.set([[lane.anchor] for lane in lanes], [lane.length for lane in lanes],
-                          [lane.seq.table.pages for lane in lanes], [lane.slot for lane in lanes])
+                          [lane.seq.table.pages for lane in lanes], [lane.slot for lane in lanes],
+                          [lane.seq.positions for lane in lanes])
         bucket.run(be.use_graphs)
         logits = bucket.logits.view(batch, -1)[:len(lanes)]
         free = [lane.sampling.greedy and lane.private.matcher is None for lane in lanes]

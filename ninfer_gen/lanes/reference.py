@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from compiler.multimodal import RopePositions
 
 from ninfer_gen.lanes.contract import (Capabilities, LaneBackend, LaneState, check_images, check_request, choose,
-                                       masked_verify, prefix_key)
+                                       masked_verify)
+from ninfer_gen.lanes.images import chunk_images, open_images
 from ninfer_gen.lanes.reuse import MtpTail, PrefixReuse
 from ninfer_gen.sampling import Sampler, distribution
 from ninfer_gen.speculative import Drafter, accept_greedy, accept_sampled, truncate
@@ -76,10 +76,7 @@ class ReferenceLanes(LaneBackend):
     def open(self, lane: LaneState) -> None:
         lane.seq = self.backend.new_sequence()
         lane.private = _Private(Sampler(lane.sampling))
-        if lane.images is not None:
-            vision = self.backend.spec.vision
-            lane.seq.positions = RopePositions.of(lane.prompt, lane.images.grids, vision)
-            lane.key = prefix_key(lane.prompt, lane.images, vision.image_token_id)
+        open_images(lane, self.backend.spec.vision)
         if lane.constraint is not None:
             lane.private.matcher = lane.constraint.matcher()
         if self.reuse is not None:
@@ -87,7 +84,7 @@ class ReferenceLanes(LaneBackend):
 
     def prefill(self, lane: LaneState, ids: list[int], last: bool) -> int | None:
         b, priv, start = self.backend, lane.private, lane.length
-        logits, hidden = b.prefill(lane.seq, list(ids), images=self._image_rows(lane, start, ids))
+        logits, hidden = b.prefill(lane.seq, list(ids), images=chunk_images(lane, start, ids, b.spec.vision, b.encode))
         mtp_start, hidden = self._after_tail(lane, start, hidden)
         if not last:
             if lane.k:           # every next token of a middle chunk is known: the MTP runs over it now
@@ -125,20 +122,6 @@ class ReferenceLanes(LaneBackend):
 
     def usage(self) -> dict[str, int]:
         return self.backend.usage()
-
-    def _image_rows(self, lane: LaneState, start: int, ids: list[int]) -> torch.Tensor | None:
-        """The image tokens of the placeholders in prompt positions start .. start + len(ids) − 1; the encoder
-        runs over the request's images at the first chunk that needs them (a restored prefix may skip some)."""
-        if lane.images is None:
-            return None
-        token = self.backend.spec.vision.image_token_id
-        first = sum(t == token for t in lane.prompt[:start])
-        count = sum(t == token for t in ids)
-        if not count:
-            return None
-        if lane.private.images is None:
-            lane.private.images = self.backend.encode(lane.images.pixels, lane.images.grids)
-        return lane.private.images[first:first + count]
 
     # ------------------------------------------------------------ prefix reuse (lanes.reuse)
     @staticmethod

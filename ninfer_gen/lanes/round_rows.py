@@ -44,7 +44,8 @@ def round_row(seq, anchor: int, drafts: list[int], k: int, params: SamplingParam
     values = {"length": seq.length, "anchor": anchor, "state": sr.RUNNING, "slot": seq.slot, "k": k,
               "trash": trash_page, "seed_lo": seed & 0x7FFFFFFF, "seed_hi": (seed >> 31) & 0x7FFFFFFF,
               "top_k": params.top_k, "temperature": _f32_bits(params.temperature), "top_p": _f32_bits(params.top_p),
-              "n_stop": len(stops), "accept_prob": _f32_bits(accept_prob if accept_prob is not None else 0.0)}
+              "n_stop": len(stops), "accept_prob": _f32_bits(accept_prob if accept_prob is not None else 0.0),
+              "rope_delta": seq.positions.delta if seq.positions is not None else 0}
     for name, v in values.items():
         row[FIELD[name]] = v
     row[sr.DRAFTS_AT:sr.DRAFTS_AT + len(drafts)] = torch.tensor(drafts, dtype=torch.int32)

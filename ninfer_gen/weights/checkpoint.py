@@ -1,14 +1,17 @@
 """checkpoint: opens an HF safetensors checkpoint of the Qwen3.5 family — canonical tensor names,
 validated against the spec's tensor table (names, shapes, dtypes) from the headers alone — loads it into
-host tensors, and applies the spec's quantisation recipe on the host.
+host tensors, and applies the spec's quantisation recipe on the host. A spec with a vision section carries the
+vision tower too (`model.visual.*` → `visual.*`, checked against `vision_tensor_table`), or skips or drops it
+(`vision`: what the caller runs).
 
-Owns name mapping (prefixes, ignored vision tensors) and checkpoint errors; never touches a device
+Owns name mapping (prefixes, the tower's prefix, ignored tensors) and checkpoint errors; never touches a device
 (`streaming` reads one tensor at a time onto one).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +22,7 @@ from compiler.kquant import KFORMATS, KQTensor
 from compiler.kquant import dequantize as dequantize_kquant
 from compiler.quant import QTensor, convert, dequantize
 from compiler.schema import SpecError
-from compiler.spec import FLOAT_FORMATS, MTPSpec, ModelSpec, format_of, tensor_table
+from compiler.spec import FLOAT_FORMATS, MTPSpec, ModelSpec, TensorInfo, format_of, tensor_table, vision_tensor_table
 from compiler.spec_hf import spec_from_hf_config
 
 from .safetensors_io import CheckpointError, Entry, Reader, read_header
@@ -28,10 +31,17 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Names HF keeps outside the model prefix in every layout.
 UNPREFIXED = ("lm_head.", "mtp.")
+VISION_PREFIX = "model.visual."     # where HF checkpoints keep the vision tower
+TOWER = "visual."                   # the tower's canonical names
+# What a load does with the tower of a spec with a vision section: "load" carries it (checked like the text
+# tensors; a checkpoint that stores none loads text-only, said once on stderr); "skip" keeps the spec's vision
+# section but neither reads nor checks the tower (the GPU's planes: weights.tower reads it apart); "drop" drops
+# section and tower.
+VISION_MODES = ("load", "skip", "drop")
 FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")    # stored dtypes a weight may have
 _MAX_LISTED = 10
 __all__ = ["CheckpointError", "Checkpoint", "open_checkpoint", "load_checkpoint", "quantize_weights",
-           "dequantized", "read_hf_config", "canonical_name"]
+           "dequantized", "read_hf_config", "canonical_name", "without_vision", "weight_table"]
 
 
 def _listing(names: list[str]) -> str:
@@ -86,8 +96,12 @@ def _shard_files(path: Path) -> list[Path]:
 
 
 def canonical_name(key: str, spec: ModelSpec) -> str | None:
-    """The canonical name of checkpoint key `key`, or None when the spec says to ignore it."""
+    """The canonical name of checkpoint key `key`, or None when the spec says to ignore it. The vision tower's
+    `model.visual.*` is `visual.*` for a spec with a vision section and ignored for a text-only one, whatever
+    `ignore_prefixes` lists (the vision section decides)."""
     ck = spec.checkpoint
+    if key.startswith(VISION_PREFIX):
+        return TOWER + key[len(VISION_PREFIX):] if spec.vision is not None else None
     if key.startswith(ck.ignore_prefixes):
         return None
     if key.startswith(UNPREFIXED):
@@ -118,8 +132,35 @@ def _without_mtp(spec: ModelSpec) -> ModelSpec:
     return dataclasses.replace(spec, model=model)
 
 
-def _reconcile(spec: ModelSpec, found: dict, path: Path, require_mtp: bool) -> ModelSpec:
-    """Drop tensors the spec does not use by design, settle the MTP question; returns the final spec."""
+def without_vision(spec: ModelSpec) -> ModelSpec:
+    """The spec as a text-only model (no vision section): what a load without the tower runs."""
+    return spec if spec.vision is None else dataclasses.replace(spec, vision=None)
+
+
+def weight_table(spec: ModelSpec, tower: bool = True) -> list[TensorInfo]:
+    """The tensors a load of `spec` holds: the text model's, then (`tower`) the vision tower's."""
+    return tensor_table(spec) + (vision_tensor_table(spec) if tower else [])
+
+
+def _settle_vision(spec: ModelSpec, found: dict, path: Path, vision: str) -> ModelSpec:
+    """Apply `vision` (VISION_MODES) to the tower's entries in `found`; returns the spec the load runs."""
+    if vision not in VISION_MODES:
+        raise ValueError(f"vision must be one of {', '.join(VISION_MODES)}, got {vision!r}")
+    tower = [n for n in found if n.startswith(TOWER)]
+    if spec.vision is not None and vision != "drop" and not tower:
+        print(f"[{path}: the config has a vision_config but the checkpoint stores no model.visual.* tensors: "
+              "loading the text model only (images are refused)]", file=sys.stderr)
+    if not tower or vision == "drop":
+        spec = without_vision(spec)
+    if spec.vision is None or vision == "skip":
+        for name in tower:
+            del found[name]
+    return spec
+
+
+def _reconcile(spec: ModelSpec, found: dict, path: Path, require_mtp: bool, vision: str = "load") -> ModelSpec:
+    """Drop tensors the spec does not use by design, settle the MTP and vision questions; returns the final spec."""
+    spec = _settle_vision(spec, found, path, vision)
     has_mtp = any(n.startswith("mtp.") for n in found)
     if not spec.model.mtp.num_layers:
         # A spec without MTP never runs the draft head, so stored MTP weights are simply not loaded.
@@ -137,8 +178,8 @@ def _reconcile(spec: ModelSpec, found: dict, path: Path, require_mtp: bool) -> M
     return spec
 
 
-def _validate(spec: ModelSpec, found: dict, path: Path) -> None:
-    table = tensor_table(spec)
+def _validate(spec: ModelSpec, found: dict, path: Path, tower: bool) -> None:
+    table = weight_table(spec, tower)
     expected = {t.name: t.shape for t in table}
     missing = [t.name for t in table if t.name not in found]
     unexpected = sorted(n for n in found if n not in expected)
@@ -157,7 +198,10 @@ def _validate(spec: ModelSpec, found: dict, path: Path) -> None:
         problems.append(f"{len(dtypes)} tensor(s) not stored as {', '.join(FLOAT_DTYPES)} (FP8 or integer "
                         f"checkpoints are not supported: use the BF16 release): {_listing(dtypes)}")
     if problems:
-        raise CheckpointError(f"checkpoint {path} does not match spec {spec.name!r}: " + "; ".join(problems))
+        named = missing + unexpected + [n for n in expected if n in found and found[n].shape != expected[n]]
+        hint = "" if not any(n.startswith(TOWER) for n in named) else \
+            " (the vision tower: load without it — --no-vision, vision=False — to run the text model only)"
+        raise CheckpointError(f"checkpoint {path} does not match spec {spec.name!r}: " + "; ".join(problems) + hint)
 
 
 def _spec_for(path: Path) -> ModelSpec:
@@ -170,10 +214,11 @@ def _spec_for(path: Path) -> ModelSpec:
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """An opened, validated checkpoint: the final spec and, per tensor of its table, where it is stored."""
+    """An opened, validated checkpoint: the final spec and, per tensor of its table (and of the vision tower's
+    when it was loaded), where it is stored."""
     path: Path
     spec: ModelSpec
-    entries: dict[str, Entry]        # canonical name → entry, in tensor-table order
+    entries: dict[str, Entry]        # canonical name → entry, in tensor-table order, then the tower's
 
     @property
     def nbytes(self) -> int:
@@ -184,26 +229,30 @@ class Checkpoint:
         return sorted(self.entries.items(), key=lambda kv: (str(kv[1].path), kv[1].offset))
 
 
-def open_checkpoint(path: str | Path, spec: ModelSpec | None = None, require_mtp: bool = True) -> Checkpoint:
+def open_checkpoint(path: str | Path, spec: ModelSpec | None = None, require_mtp: bool = True,
+                    vision: str = "load") -> Checkpoint:
     """Validate a checkpoint from its config and headers alone (no tensor data is read).
 
     The spec defaults to the one derived from `config.json`. With `require_mtp=False` a checkpoint
-    without mtp.* tensors opens, and its spec has no MTP layer.
+    without mtp.* tensors opens, and its spec has no MTP layer. `vision` (VISION_MODES) says what becomes
+    of the vision tower of a spec with a vision section: loaded, skipped (section kept) or dropped.
     """
     path = _checkpoint_dir(path)
     if spec is None:
         spec = _spec_for(path)
     found = _scan(_shard_files(path), spec)
-    spec = _reconcile(spec, found, path, require_mtp)
-    _validate(spec, found, path)
-    return Checkpoint(path, spec, {t.name: found[t.name] for t in tensor_table(spec)})
+    spec = _reconcile(spec, found, path, require_mtp, vision)
+    tower = vision == "load"
+    _validate(spec, found, path, tower)
+    return Checkpoint(path, spec, {t.name: found[t.name] for t in weight_table(spec, tower)})
 
 
-def load_checkpoint(path: str | Path, spec: ModelSpec | None = None,
-                    require_mtp: bool = True) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
+def load_checkpoint(path: str | Path, spec: ModelSpec | None = None, require_mtp: bool = True,
+                    vision: str = "load") -> tuple[ModelSpec, dict[str, torch.Tensor]]:
     """Every tensor the spec needs as a float32 CPU tensor keyed by canonical name (tensor-table
-    order), read one at a time (see `open_checkpoint` for `spec` and `require_mtp`)."""
-    ckpt = open_checkpoint(path, spec, require_mtp)
+    order, then the vision tower's), read one at a time (see `open_checkpoint` for `spec`, `require_mtp`
+    and `vision`)."""
+    ckpt = open_checkpoint(path, spec, require_mtp, vision)
     tensors: dict[str, torch.Tensor] = {}
     with Reader("cpu") as reader, tqdm(total=ckpt.nbytes, desc=f"loading {ckpt.path.name}", unit="B",
                                        unit_scale=True, unit_divisor=1024, disable=None, leave=False) as bar:
@@ -216,7 +265,7 @@ def load_checkpoint(path: str | Path, spec: ModelSpec | None = None,
 def quantize_weights(spec: ModelSpec, tensors: dict) -> dict[str, torch.Tensor | QTensor | KQTensor]:
     """Each tensor in the format the spec's recipe gives it: QTensor, KQTensor or a bf16/fp32 tensor. A
     tensor already in that format (a GGUF file's blocks) passes as it is; k-quants have no quantiser."""
-    roles = {t.name: t for t in tensor_table(spec)}
+    roles = {t.name: t for t in weight_table(spec)}
     out: dict[str, torch.Tensor | QTensor | KQTensor] = {}
     for name, w in tensors.items():
         if name not in roles:

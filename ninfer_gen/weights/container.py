@@ -5,13 +5,15 @@ fingerprint, sha256 per tensor and per copied file).
 
 Owns the checks that refuse a container of another format version, spec or device layout (saying what
 differs) or with missing, truncated or altered data, and the two ways out: planes onto a device as
-stored (hashes verified by default), or canonical float tensors for the reference backend.
+stored (hashes verified by default), or canonical float tensors for the reference backend. The vision tower's
+planes (bf16/fp32, never quantised) are loaded, skipped or dropped as `checkpoint.VISION_MODES` says.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -21,7 +23,8 @@ import torch
 from compiler.schema import SpecError
 from compiler.spec import ModelSpec, load_spec
 
-from .planes import canonical_tensors, layout_fingerprint, plane_table
+from .checkpoint import VISION_MODES, without_vision
+from .planes import canonical_tensors, is_tower_key, layout_fingerprint, plane_table, vision_plane_table
 from .safetensors_io import CheckpointError, Entry, Reader, read_header
 from .streaming import DEVICE_INFLIGHT, HOST_INFLIGHT, prefetch, progress_bar, workers_for
 
@@ -119,9 +122,23 @@ def _spec(path: Path, manifest: dict, expected: ModelSpec | None) -> ModelSpec:
     return spec
 
 
-def _entries(path: Path, spec: ModelSpec, manifest: dict) -> dict[str, Entry]:
+def _settle_tower(path: Path, spec: ModelSpec, manifest: dict, vision: str) -> ModelSpec:
+    """The spec the load runs: without its vision section for `vision` "drop" or a container that holds no
+    tower (converted from a checkpoint without one; said on stderr)."""
+    if vision not in VISION_MODES:
+        raise ValueError(f"vision must be one of {', '.join(VISION_MODES)}, got {vision!r}")
+    stored = any(is_tower_key(k) for k in manifest.get("tensors") or {})
+    if spec.vision is not None and vision != "drop" and not stored:
+        print(f"[{path}: the spec has a vision section but the container holds no vision tower: loading the text "
+              "model only (images are refused)]", file=sys.stderr)
+    return without_vision(spec) if vision == "drop" or not stored else spec
+
+
+def _entries(path: Path, spec: ModelSpec, manifest: dict, tower: bool) -> dict[str, Entry]:
     stored = manifest.get("tensors") or {}
-    table = plane_table(spec)
+    if not tower:                                   # the tower's planes, if any, stay unread and unchecked
+        stored = {k: v for k, v in stored.items() if not is_tower_key(k)}
+    table = plane_table(spec) + (vision_plane_table(spec) if tower else [])
     missing = [k for k, _, _ in table if k not in stored]
     extra = sorted(set(stored) - {k for k, _, _ in table})
     if missing or extra:
@@ -146,9 +163,10 @@ def _entries(path: Path, spec: ModelSpec, manifest: dict) -> dict[str, Entry]:
     return entries
 
 
-def open_container(path, spec: ModelSpec | None = None, require_mtp: bool = False) -> Container:
+def open_container(path, spec: ModelSpec | None = None, require_mtp: bool = False, vision: str = "load") -> Container:
     """Check a container from its manifest, spec and shard headers (no tensor data is read). `spec`,
-    when given, must equal the container's in its model and quantisation sections."""
+    when given, must equal the container's in its model and quantisation sections. `vision`
+    (checkpoint.VISION_MODES): the vision tower's planes loaded, skipped (spec kept) or dropped."""
     path = Path(path)
     if not is_container(path):
         raise CheckpointError(f"{path} is not a converted container (no {MANIFEST})")
@@ -157,7 +175,8 @@ def open_container(path, spec: ModelSpec | None = None, require_mtp: bool = Fals
     if require_mtp and not spec.model.mtp.num_layers:
         raise CheckpointError(f"{path} holds no MTP layer (its source checkpoint had no mtp.* tensors), which "
                               "drafting needs: decode without drafts (--draft 0)")
-    return Container(path, spec, manifest, _entries(path, spec, manifest))
+    spec = _settle_tower(path, spec, manifest, vision)
+    return Container(path, spec, manifest, _entries(path, spec, manifest, vision == "load"))
 
 
 def file_hash(path: Path) -> str:
@@ -204,10 +223,11 @@ def read_planes(box: Container, device="cpu", verify: bool = True, progress: boo
             yield k, t
 
 
-def load_host(path, verify: bool = True, spec: ModelSpec | None = None,
-              require_mtp: bool = False) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
+def load_host(path, verify: bool = True, spec: ModelSpec | None = None, require_mtp: bool = False,
+              vision: str = "load") -> tuple[ModelSpec, dict[str, torch.Tensor]]:
     """The container's weights as float32 CPU tensors by canonical name (dequantised), for the
-    reference backend: equal to `dequantized(quantize_weights(...))` of its source checkpoint."""
-    box = open_container(path, spec, require_mtp)
+    reference backend: equal to `dequantized(quantize_weights(...))` of its source checkpoint, the vision
+    tower's tensors after the text model's (`vision`: as open_container)."""
+    box = open_container(path, spec, require_mtp, vision)
     planes = dict(read_planes(box, "cpu", verify))
     return box.spec, canonical_tensors(box.spec, planes)

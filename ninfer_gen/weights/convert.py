@@ -1,7 +1,8 @@
 """convert: `ninfer-gen convert <HF dir | model.gguf> <out>` — an HF checkpoint streamed once through the
 spec's recipe (quantised and packed on the GPU when there is one), or a GGUF file's tensors in their own
 formats (nothing requantised), into a container folder (`container` reads it):
-planes in safetensors shards, spec.yaml, the copied tokenizer / chat template / generation config /
+planes in safetensors shards (the vision tower's too, where the checkpoint has one: in the recipe's `vision`
+format, bf16 or fp32, never quantised), spec.yaml, the copied tokenizer / chat template / generation config /
 draft vocabulary, and the manifest, written last. Built in a temporary sibling folder and renamed into
 place, so a failed conversion leaves nothing that looks like a container.
 """
@@ -24,7 +25,7 @@ from .gguf_file import is_gguf, open_gguf
 from .gguf_load import folder_of, iter_tensors
 from .gguf_tokenizer import metadata_digest
 from .container import FORMAT, FORMAT_VERSION, MANIFEST, SPEC_FILE, file_hash, spec_dict, spec_hash
-from .planes import PlanePacker, layout_fingerprint, plane_table
+from .planes import PlanePacker, layout_fingerprint, plane_table, vision_plane_table
 from .safetensors_io import CheckpointError, ShardWriter
 from .streaming import stream_formatted
 
@@ -64,9 +65,10 @@ def _write_container(out: Path, spec: ModelSpec, items, files: list[Path], sourc
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        writer = ShardWriter(tmp, plane_table(spec), shard_bytes, stem="weights", metadata={"format": FORMAT})
+        writer = ShardWriter(tmp, plane_table(spec) + vision_plane_table(spec), shard_bytes, stem="weights",
+                             metadata={"format": FORMAT})
         try:
-            packer = PlanePacker(spec, writer.write)
+            packer = PlanePacker(spec, writer.write, tower=True)
             for name, value in items:
                 packer.add(name, value)
             packer.finish()
@@ -117,7 +119,7 @@ def convert_checkpoint(source, out, spec: ModelSpec | None = None, device=None, 
     return {"source": str(source), "out": str(out), "spec": ckpt.spec.name, "device": str(device),
             "read_bytes": ckpt.nbytes, "written_bytes": written, "shards": len(manifest["shards"]),
             "tensors": len(manifest["tensors"]), "mtp": manifest["mtp"], "files": sorted(files),
-            "seconds": time.perf_counter() - t0}
+            "vision": ckpt.spec.vision is not None, "seconds": time.perf_counter() - t0}
 
 
 def convert_gguf(source, out, shard_bytes: int = SHARD_BYTES, overwrite: bool = False,
@@ -135,4 +137,4 @@ def convert_gguf(source, out, shard_bytes: int = SHARD_BYTES, overwrite: bool = 
     return {"source": str(source), "out": str(out), "spec": g.spec.name, "device": "none (formats kept)",
             "read_bytes": g.nbytes, "written_bytes": written, "shards": len(manifest["shards"]),
             "tensors": len(manifest["tensors"]), "mtp": manifest["mtp"], "files": sorted(files),
-            "seconds": time.perf_counter() - t0}
+            "vision": g.spec.vision is not None, "seconds": time.perf_counter() - t0}

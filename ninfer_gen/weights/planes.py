@@ -5,7 +5,8 @@ back into canonical float tensors for the reference backend (`canonical_tensors`
 Plane keys are `<device name>#<plane>`, the planes `DeviceWeights.plane` resolves: `lo`/`hi`/`scales` of a
 packed matrix (compiler.weights: gate+up fused, a tied head packed from the embedding), `rows`/`row_scales`
 of the embedding's gather table, `tensor` of a small weight (kept in its recipe format: norms, conv,
-GDN decay). Device-agnostic: the packer runs where its inputs are.
+GDN decay). The vision tower's tensors (`vision_plane_table`) are `tensor` planes in the recipe's `vision` format
+that only a container carries: no device runs the tower. Device-agnostic: the packer runs where its inputs are.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from compiler.kernels.weight_layout import (FORMATS, group_of, pack_for_device, 
 from compiler.kquant import KFORMATS, QK_K, KQTensor
 from compiler.kquant import dequantize as dequantize_kquant
 from compiler.quant import FLOAT_FORMATS, QTensor, dequantize
-from compiler.spec import ModelSpec, format_of, tensor_table
+from compiler.spec import ModelSpec, format_of, tensor_table, vision_tensor_table
 from compiler.weights import NON_MATRIX_ROLES, packed_matrices, plane_bytes
 
 from .safetensors_io import CheckpointError
@@ -71,6 +72,17 @@ def plane_table(spec: ModelSpec) -> list[tuple[str, str, tuple[int, ...]]]:
     return out
 
 
+def vision_plane_table(spec: ModelSpec) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(key, safetensors dtype, shape) of the vision tower's planes (one `tensor` plane per tensor, in its
+    recipe format, bf16 or fp32), in vision-tensor-table order; empty for a text-only spec."""
+    return [(key(t.name, "tensor"), _DTYPE[format_of(spec, t)], t.shape) for t in vision_tensor_table(spec)]
+
+
+def is_tower_key(plane_key: str) -> bool:
+    """Whether a plane key is one of the vision tower's (`visual.*`)."""
+    return plane_key.startswith("visual.")
+
+
 # Bytes of int64 temporaries pack_for_device may hold per row chunk (~40 bytes per weight): small on the
 # host, where they count against the streaming bound; larger on a GPU, where fewer chunks launch less.
 PACK_TEMP_BYTES = {"cpu": 16 << 20, "cuda": 1 << 30}
@@ -96,11 +108,12 @@ def _pack(parts: list) -> dict[str, torch.Tensor]:
 
 class PlanePacker:
     """Receives a spec's tensors in its recipe formats (canonical names, any order, on one device) and
-    calls `emit(key, tensor)` for each plane as soon as its sources are in; gate and up wait for each other."""
+    calls `emit(key, tensor)` for each plane as soon as its sources are in; gate and up wait for each other.
+    With `tower` it takes the vision tower's tensors too (a container's planes), else it refuses them."""
 
-    def __init__(self, spec: ModelSpec, emit: Callable[[str, torch.Tensor], None]):
+    def __init__(self, spec: ModelSpec, emit: Callable[[str, torch.Tensor], None], tower: bool = False):
         self.spec, self.emit = spec, emit
-        self._roles = {t.name: t for t in tensor_table(spec)}
+        self._roles = {t.name: t for t in tensor_table(spec) + (vision_tensor_table(spec) if tower else [])}
         self._uses: dict[str, list[tuple[str, int, int]]] = {}   # source → (device name, part, parts)
         for name, infos in packed_matrices(spec):
             for i, info in enumerate(infos):
@@ -123,7 +136,7 @@ class PlanePacker:
                 self.emit(key(EMBED, "row_scales"), value.scales.contiguous())
             else:
                 self.emit(key(EMBED, "rows"), value.contiguous())
-        elif info.role in NON_MATRIX_ROLES:
+        elif info.role in NON_MATRIX_ROLES or info.role == "vision":
             self.emit(key(name, "tensor"), value.contiguous())
         for device_name, part, parts in self._uses.get(name, []):
             slots = self._waiting.setdefault(device_name, [None] * parts)
@@ -143,7 +156,8 @@ class PlanePacker:
 
 def canonical_tensors(spec: ModelSpec, planes: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Float32 tensors by canonical name from a plane set (the inverse of PlanePacker, dequantised):
-    what `dequantized(quantize_weights(...))` gives for recipes whose matrices are quantised or bf16."""
+    what `dequantized(quantize_weights(...))` gives for recipes whose matrices are quantised or bf16. The vision
+    tower's tensors follow the text model's where `planes` holds them."""
     out: dict[str, torch.Tensor] = {}
     for name, infos in packed_matrices(spec):
         if name == EMBED and spec.model.tie_word_embeddings:
@@ -169,7 +183,10 @@ def canonical_tensors(spec: ModelSpec, planes: dict[str, torch.Tensor]) -> dict[
                     dequantize(QTensor(fmt, rows, planes[key(EMBED, "row_scales")]))
         elif info.role in NON_MATRIX_ROLES:
             out[info.name] = planes[key(info.name, "tensor")].to(torch.float32)
-    return {t.name: out[t.name] for t in tensor_table(spec)}
+    text = {t.name: out[t.name] for t in tensor_table(spec)}
+    tower = {t.name: planes[key(t.name, "tensor")].to(torch.float32) for t in vision_tensor_table(spec)
+             if key(t.name, "tensor") in planes}
+    return text | tower
 
 
 @cache

@@ -15,9 +15,9 @@ from typing import Callable, Iterable, Iterator, TypeVar
 import torch
 from tqdm import tqdm
 
-from compiler.spec import format_of, tensor_table
+from compiler.spec import format_of
 
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, weight_table
 from .safetensors_io import CheckpointError, Reader
 from .stream_quant import check_finite, to_format
 
@@ -69,9 +69,9 @@ def progress_bar(total: int, desc: str, show: bool) -> tqdm:
 def stream_formatted(ckpt: Checkpoint, device="cpu", progress: bool = False,
                      workers: int | None = None) -> Iterator[tuple[str, object]]:
     """(canonical name, tensor in its recipe format on `device`: a QTensor, or a bf16 / fp32 tensor) for
-    every tensor of the checkpoint, in file order."""
+    every tensor of the checkpoint (the vision tower's too, where it was opened with it), in file order."""
     device = torch.device(device)
-    roles = {t.name: t for t in tensor_table(ckpt.spec)}
+    roles = {t.name: t for t in weight_table(ckpt.spec)}
     host = device.type == "cpu"
     items = ckpt.in_file_order()
     with Reader(device) as reader, progress_bar(ckpt.nbytes, f"loading {ckpt.path.name}", progress) as bar:

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Session 13's device call (one engine, issue 30): the GPU tier's cohort, speculative, runtime and arch-path files,
-# then the 27B C1 bench through the engine (K = 3, 32K draft head, accept 0.8) and the cohort bench C1/C8.
-# PART=tests|bench|cohort|arch (default: all, in that order). Logs to $OUT as it goes.
+# The device calls of sessions 13–14 (issues 30–34): the GPU tier's cohort, speculative, runtime and arch-path
+# files, the 27B C1 bench through the engine (K = 3, 32K draft head, accept 0.8), the cohort bench C1/C8 (fixed,
+# adaptive, plain), the sm_86 path, serve with no flags, long context, k-quants, and images (vision).
+# PART=tests,bench,cohort,arch,serve,long,kq,vision (default: all, in that order). Logs to $OUT as it goes.
+# The text benches load the 27B with --no-vision (the figures earlier sessions compare with); `vision` measures
+# the default load (tower on: M-RoPE plans, the tower's memory) beside them.
 set -uo pipefail
 : "${OUT:?set OUT}"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.:/tmp/site NINFER_BUILD_DIR=${NINFER_BUILD_DIR:-/tmp/ninfer-build}
@@ -16,20 +19,20 @@ if part tests; then
   echo "tier: rc $?"; shown $OUT/tier.log 40
 fi
 if part bench; then
-  timeout ${BENCH_S:-300} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --draft 3 --accept-prob 0.8 \
+  timeout ${BENCH_S:-300} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --no-vision --draft 3 --accept-prob 0.8 \
     --draft-vocab 32768 --output-tokens 512 --repeats 1 --prefill '' --per-k --json $OUT/bench_c1.json > $OUT/bench_c1.log 2>&1
   echo "C1 bench: rc $?"; shown $OUT/bench_c1.log 40
 fi
 if part cohort; then                 # C1 and C8, fixed K, adaptive and plain, at each accept probability in PS
   for p in ${PS:-0.8}; do
-    timeout ${COHORT_S:-300} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --concurrency ${CONC:-1,8} \
+    timeout ${COHORT_S:-300} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --no-vision --concurrency ${CONC:-1,8} \
       --draft 3 --accept-prob $p --draft-vocab 32768 --output-tokens ${TOKENS:-256} --adaptive \
       --json $OUT/bench_cohort_$p.json > $OUT/bench_cohort_$p.log 2>&1
     echo "cohort bench p=$p: rc $?"; shown $OUT/bench_cohort_$p.log 24
   done
 fi
 if part arch; then
-  timeout ${ARCH_S:-300} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --arch-path sm_86 \
+  timeout ${ARCH_S:-300} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --no-vision --arch-path sm_86 \
     --output-tokens 256 --repeats 1 --prefill '' --json $OUT/bench_sm86.json > $OUT/bench_sm86.log 2>&1
   echo "sm_86 bench: rc $?"; shown $OUT/bench_sm86.log 30
 fi
@@ -49,7 +52,7 @@ fi
 if part long; then                   # issue 31: long-context GPU tests, the 27B bench at 1K/32K/128K, the attention lab
   timeout ${LONGT_S:-200} python3 -m pytest -m gpu tests/gpu/test_long_context_gpu.py -q -s -rf -p no:cacheprovider \
     > $OUT/long_tests.log 2>&1; echo "long tests: rc $?"; shown $OUT/long_tests.log 12
-  timeout ${LONG_S:-300} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --long-context --draft 3 \
+  timeout ${LONG_S:-300} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --no-vision --long-context --draft 3 \
     --accept-prob 0.8 --json $OUT/bench_long.json > $OUT/bench_long.log 2>&1; echo "long bench: rc $?"; shown $OUT/bench_long.log 30
   timeout ${ATTN_S:-120} python3 -m lab.attn_long --out $OUT/attn_long.json --splits 132,264 > $OUT/attn_long.log 2>&1
   echo "attn lab: rc $?"; shown $OUT/attn_long.log 16
@@ -57,4 +60,13 @@ fi
 if part kq; then                     # issue 34: k-quant kernels vs reference, the GGUF GPU tests
   timeout ${KQ_S:-200} python3 -m pytest -m gpu tests/gpu/test_kquant_gpu.py tests/gpu/test_gguf_gpu.py -q -s -rf \
     -p no:cacheprovider > $OUT/kq_tests.log 2>&1; echo "k-quant tests: rc $?"; shown $OUT/kq_tests.log 16
+fi
+if part vision; then                 # issue 33: the M-RoPE kernels, images through the GPU engine, the 27B image line
+  timeout ${VISIONT_S:-200} python3 -m pytest -m gpu tests/gpu/test_vision_kernels_gpu.py tests/gpu/test_vision_gpu.py \
+    -q -s -rf -p no:cacheprovider > $OUT/vision_tests.log 2>&1; echo "vision tests: rc $?"; shown $OUT/vision_tests.log 16
+  timeout ${VISION_S:-300} python3 -m lab.vision_bench --out $OUT/vision_27b.json > $OUT/vision_27b.log 2>&1
+  echo "vision 27B: rc $?"; shown $OUT/vision_27b.log 8
+  timeout ${VSTEP_S:-200} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --output-tokens 256 --repeats 1 \
+    --prefill '' --json $OUT/bench_tower.json > $OUT/bench_tower.log 2>&1   # plain C1 with the tower (M-RoPE plans)
+  echo "C1 with the tower: rc $?"; shown $OUT/bench_tower.log 12
 fi

@@ -1,0 +1,108 @@
+"""test_vision_plans: the GPU side of prompts with images, on the CPU — an images profile's plans (every entry but
+the fold reads M-RoPE positions, a prompt's pieces take image tokens with a count), its rounds (the round kernels
+write the next entry's M-RoPE positions), the step inputs the host fills (positions of a lane with images, the
+image tokens of a piece) and the memory plan's vision part. Text profiles stay as they were.
+"""
+from pathlib import Path
+
+import pytest
+import torch
+
+from compiler.buckets import plan_bucket, plan_rounds, profile_of
+from compiler.multimodal import RopePositions
+from compiler.plan import BucketInput, Input, NULL
+from compiler.spec import load_spec
+from compiler.targets import TARGETS
+from ninfer_gen.executor.device_state import StepInputs
+from ninfer_gen.executor.memory_plan import GiB, plan_memory, vision_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_VL = load_spec(ROOT / "model_specs" / "qwen3.8-tiny-vl.yaml")
+BIG = load_spec(ROOT / "model_specs" / "qwen3.8-27b.yaml")
+T3090 = TARGETS["rtx3090"]
+
+
+def _args(plan, family):
+    return [dict(c.args) for c in plan.calls if c.key.family == family]
+
+
+@pytest.mark.parametrize("spec", [TINY_VL, BIG], ids=["tiny-vl", "27b"])
+def test_an_images_profile_reads_mrope_everywhere_and_images_in_prompt_pieces(spec):
+    images, text = profile_of(spec, cohorts=(1, 2), images=True), profile_of(spec, cohorts=(1, 2))
+    for shape in images.shapes():
+        entry, b, t = shape
+        plan, base = plan_bucket(spec, T3090, *shape, images), plan_bucket(spec, T3090, *shape, text)
+        piece = entry in ("prefill", "step") and b == 1
+        ropes = _args(plan, "qk_rope_kv")
+        if entry == "commit":
+            assert plan.keys() == base.keys()
+            continue
+        assert ropes and all(a["rope_pos"] == Input("mrope") and a["pos"] == Input("row_pos") for a in ropes)
+        assert all(c.key.mrope == spec.vision.mrope_section for c in plan.calls if c.key.family == "qk_rope_kv")
+        assert "mrope" in plan.step_inputs()
+        assert ("images" in plan.step_tensors()) == piece
+        assert plan.family_counts()["embed_images"] == int(piece)
+        assert plan.launches == base.launches + int(piece)       # the same kernels otherwise, M-RoPE keyed
+        if piece:
+            (a,) = _args(plan, "embed_images")
+            assert a["count"] == Input("image_count") and plan.step_tensors()["images"][0] == (t, spec.model.hidden_size)
+        assert all(not c.key.mrope for c in base.calls if c.key.family == "qk_rope_kv")
+        assert "mrope" not in base.step_inputs() and "images" not in base.step_tensors()
+
+
+def test_rounds_write_the_next_entrys_mrope_positions():
+    spec = TINY_VL
+    for images in (True, False):
+        rounds = plan_rounds(spec, T3090, profile_of(spec, cohorts=(1, 2), images=images))
+        for rp in rounds.values():
+            writers = [dict(s.args) for s in rp.steps if hasattr(s, "key") and s.key.family == "spec_round"
+                       and s.key.stage in ("begin", "accept", "draft")]
+            bound = [a["in_mrope"] for a in writers if a["in_tokens"] is not NULL]
+            assert bound and all(isinstance(b, BucketInput) == images and (b.name == "mrope" if images else b is NULL)
+                                 for b in bound)
+
+
+def test_step_inputs_carry_a_lanes_positions_and_a_pieces_images():
+    plan = plan_bucket(TINY_VL, T3090, "step", 1, 4, profile_of(TINY_VL, cohorts=(1, 2), images=True))
+    inputs = StepInputs(1, 4, plan.max_pages, 99, "cpu", plan.step_tensors(), plan.step_inputs())
+    rope = RopePositions([(0, 0, 0), (1, 1, 1), (1, 2, 3), (1, 2, 4)], -1)
+    inputs.set([[5, 508, 508, 7]], [2], [[0]], [0], [rope])
+    got = inputs.views["mrope"].view(4, 3).tolist()
+    assert got == [[1, 2, 3], [1, 2, 4], [3, 3, 3], [4, 4, 4]]          # prompt rows 2, 3, then 4 + delta …
+    assert inputs.views["image_count"].item() == 0
+    rows = torch.randn(2, TINY_VL.model.hidden_size).bfloat16()
+    inputs.set_images(rows)
+    assert inputs.views["image_count"].item() == 2 and torch.equal(inputs.tensors["images"][:2], rows)
+    inputs.set([[5, 6, 7, 8]], [10], [[0]], [0])                          # a text row: three equal axes
+    assert inputs.views["mrope"].view(4, 3).tolist() == [[p] * 3 for p in range(10, 14)]
+    assert inputs.views["image_count"].item() == 0
+    with pytest.raises(Exception, match="exceed"):
+        inputs.set_images(torch.zeros(5, TINY_VL.model.hidden_size))
+    text_plan = plan_bucket(TINY_VL, T3090, "step", 1, 4, profile_of(TINY_VL, cohorts=(1, 2)))
+    text = StepInputs(1, 4, text_plan.max_pages, 99, "cpu", text_plan.step_tensors(), text_plan.step_inputs())
+    assert "mrope" not in text.views and text.host.numel() < inputs.host.numel()
+
+
+def test_memory_plan_counts_the_tower_and_one_image():
+    tower = vision_bytes(BIG, 4096)
+    assert 0.8 * GiB < tower < 1.3 * GiB and vision_bytes(BIG, 16384) > tower and vision_bytes(BIG, 0) == 0
+    base = plan_memory(BIG, 8, 16384, 24 * GiB, kv_pool_tokens=100_000)
+    plan = plan_memory(BIG, 8, 16384, 24 * GiB, kv_pool_tokens=100_000, vision_patches=4096)
+    assert plan.vision == tower and plan.kv_pool == base.kv_pool - tower and plan.peak <= 24 * GiB
+    assert any("vision tower" in name and size == tower for name, size in plan.rows())
+
+
+@pytest.mark.parametrize("target", ["rtx3090", "h200"])
+def test_the_images_profiles_new_kernels_compile_without_spills(target, tmp_path):
+    """The keys an images profile adds or changes — M-RoPE qk_rope_kv, embed_images, the round kernels that write
+    the next entry's M-RoPE positions — compile with NVRTC (no GPU needed) and spill nothing."""
+    from compiler.buckets import plan_profile, profile_keys
+    from compiler.build_cache import build_kernels
+
+    profile = profile_of(TINY_VL, cohorts=(1, 2), images=True)
+    t = TARGETS[target]
+    keys = [k for k in profile_keys(plan_profile(TINY_VL, t, profile), plan_rounds(TINY_VL, t, profile))
+            if k.family in ("qk_rope_kv", "embed_images", "spec_round")]
+    summary = build_kernels(keys, jobs=2, root=tmp_path, progress=False)
+    assert summary.kernels == len(keys) and summary.compiled == len(keys) and summary.spills == 0, summary.table()
+    assert {k.family for k in keys} == {"qk_rope_kv", "embed_images", "spec_round"}
