@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 
 DEFAULT_TIMEOUT_S = 600.0        # serve.core's default (not imported: the parser must not load torch)
+MAX_IMAGES = 8                   # vision.preprocess.ImageLimits' defaults (not imported, for the same reason)
+MAX_IMAGE_PIXELS = 64 * 2**20
 GPU_LANES = 8                    # the cohort the engine is built for (the mission: 8 requests on a 24 GB card)
 CPU_LANES = 4                    # the reference backend: more lanes add no speed on a few cores
 
@@ -47,8 +49,17 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--device", default=None, help="reference: cpu or cuda (default: cuda when available)")
     s.add_argument("--max-context", type=int, default=None, help="tokens per sequence (default: the spec's)")
     s.add_argument("--no-verify", action="store_true", help="a converted container: skip checking its hashes")
+    s.add_argument("--no-vision", action="store_true", help="do not load the model's vision tower: serve it as a "
+                   "text model (less memory and load time; requests with images are refused)")
     s.add_argument("--tp", type=int, default=1, help="tensor parallel: N rank processes (gloo, reference backend), "
                    "each with 1/N of the heads and MLP columns; rank 0 serves and drives the others (default 1)")
+    s.add_argument("--max-images", type=int, default=MAX_IMAGES, metavar="N", help="images one request may send "
+                   f"(a model with a vision tower; default {MAX_IMAGES})")
+    s.add_argument("--max-image-pixels", type=int, default=MAX_IMAGE_PIXELS, metavar="N", help="pixels an image may "
+                   f"have as sent, checked from its header before decoding (default {MAX_IMAGE_PIXELS:,}; at most "
+                   "Pillow's decompression-bomb limit, 89,478,485)")
+    s.add_argument("--allow-image-urls", action="store_true", help="fetch http(s) image URLs of requests (default: "
+                   "off — data URLs and base64 only; the server then makes requests to hosts a client names)")
     s.add_argument("--no-ui", action="store_true", help="no chat page at GET / (the JSON endpoints only)")
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     s.set_defaults(func=cmd_serve)
@@ -83,11 +94,12 @@ def build_lanes(args):
                                 vram_budget=budget, progress=True, compile_options=compile_options(),
                                 build_root=build_root(), draft=args.draft, cohorts=args.lanes,
                                 kv_pool_tokens=args.kv_pool_tokens, prefix_states=args.prefix_cache,
-                                random_weights="device" if str(args.weights or "").endswith((".yaml", ".yml")) else "host")
+                                random_weights="device" if str(args.weights or "").endswith((".yaml", ".yml")) else "host",
+                                vision=not args.no_vision)
     else:
         model = ninfer_gen.load(args.weights, backend="reference", dtype=args.dtype, device=args.device,
                                 max_context=args.max_context, verify=not args.no_verify, draft=args.draft or None,
-                                tp=args.tp)
+                                tp=args.tp, vision=not args.no_vision)
     if args.draft is None:
         args.draft = min(model.spec.runtime.draft_tokens, model.max_draft)
     model.speculative(args.draft)                 # a ValueError naming why K drafts cannot run here
@@ -123,8 +135,12 @@ def _fit_gpu(args, budget: int) -> None:
     ctx = args.max_context or spec.runtime.max_context
     page = spec.runtime.page_size
 
+    from ninfer_gen.executor.vision_encoder import DEFAULT_PATCHES
+    patches = DEFAULT_PATCHES if spec.vision is not None and not args.no_vision else 0      # the tower, one image
+
     def plan(lanes: int, pool: int | None):
-        return plan_memory(spec, lanes, ctx, budget, draft=args.draft, kv_pool_tokens=pool, prefix_states=lanes)
+        return plan_memory(spec, lanes, ctx, budget, draft=args.draft, kv_pool_tokens=pool, prefix_states=lanes,
+                           vision_patches=patches)
 
     asked = args.lanes
     while True:
@@ -149,12 +165,27 @@ def _fit_gpu(args, budget: int) -> None:
           f"{args.prefix_cache} prefix checkpoints]", file=sys.stderr, flush=True)
 
 
+def image_limits(args):
+    """vision.preprocess.ImageLimits from --max-images and --max-image-pixels; a ValueError naming the flag."""
+    from PIL import Image
+
+    from ninfer_gen.vision.preprocess import ImageLimits
+
+    if args.max_images < 1:
+        raise ValueError(f"--max-images must be ≥ 1, got {args.max_images}")
+    if not 1 <= args.max_image_pixels <= Image.MAX_IMAGE_PIXELS:
+        raise ValueError(f"--max-image-pixels must be between 1 and {Image.MAX_IMAGE_PIXELS:,} (Pillow's "
+                         f"decompression-bomb limit), got {args.max_image_pixels:,}")
+    return ImageLimits(max_images=args.max_images, max_input_pixels=args.max_image_pixels)
+
+
 def build_server(args):
     """(app, engine, model) from parsed arguments (with --tp, on the lead rank: the engine over
     engine.replicated.ReplicatedLanes)."""
     from ninfer_gen.engine import Engine
     from ninfer_gen.serve.app import create_app
 
+    limits = image_limits(args)
     model, lanes = build_lanes(args)
     if args.tp > 1:
         from ninfer_gen.engine.replicated import ReplicatedLanes
@@ -163,8 +194,16 @@ def build_server(args):
     app = create_app(engine, model, served_model_name=args.served_model_name or model.spec.name,
                      api_key=args.api_key, model_folder=args.weights if args.weights and not
                      str(args.weights).endswith((".yaml", ".yml")) else None, draft=args.draft,
-                     request_timeout=args.request_timeout or None, ui=not args.no_ui)
+                     request_timeout=args.request_timeout or None, ui=not args.no_ui, image_limits=limits,
+                     allow_image_urls=args.allow_image_urls)
     return app, engine, model
+
+
+def _images_note(args, model) -> str:
+    if not model.vision:
+        return ""
+    urls = "data and http(s) URLs" if args.allow_image_urls else "data URLs only (--allow-image-urls: fetch http(s))"
+    return f", images: {args.max_images} per request of at most {args.max_image_pixels:,} pixels, {urls}"
 
 
 def cmd_serve(args) -> int:
@@ -180,12 +219,17 @@ def cmd_serve(args) -> int:
             follow(build_lanes(args)[1])
             return 0
     app, engine, model = build_server(args)
+    from ninfer_gen.cli.run import vision_note
+    note = vision_note(model, not args.no_vision)
+    if note:
+        print(note, file=sys.stderr)
     name = args.served_model_name or model.spec.name
     ranks = f", tensor parallel over {args.tp} ranks" if args.tp > 1 else ""
     print(f"[serving {name} ({model.source}) on the {args.backend} backend{ranks}, {args.lanes} lanes, max queue "
           f"{args.max_queue}, draft {args.draft} (MTP drafts per round), KV pool "
           f"{getattr(args, 'kv_pool_tokens', None) or 'one context per lane'}, request timeout {args.request_timeout or 'none'}"
-          f"{' s' if args.request_timeout else ''}; http://{args.host}:{args.port}]", file=sys.stderr, flush=True)
+          f"{' s' if args.request_timeout else ''}{_images_note(args, model)}; http://{args.host}:{args.port}]",
+          file=sys.stderr, flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:                                       # the engine has stopped with the server: release the followers

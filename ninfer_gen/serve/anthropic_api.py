@@ -2,15 +2,16 @@
 sequence message_start, content_block_start / content_block_delta / content_block_stop per block,
 message_delta, message_stop; or one `message` object) and `POST /v1/messages/count_tokens`. Owns the
 request's validation (a 400 `invalid_request_error` naming the field), its conversion to the chat
-template's messages (system, text / tool_use / tool_result / thinking blocks, tools as functions,
-`thinking` enabled/disabled as the template's enable_thinking), and the response's content blocks —
+template's messages (system, text / image / tool_use / tool_result / thinking blocks, tools as functions,
+`thinking` enabled/disabled as the template's enable_thinking; images in user messages: base64 sources, or url
+ones with `serve --allow-image-urls`, serve.prompt), and the response's content blocks —
 thinking, text, tool_use (its input streamed as input_json_delta) — with stop_reason end_turn /
 max_tokens / stop_sequence / tool_use and usage.
 
 `MessageBuilder` turns parser events (serve.parsing) into blocks and stream events; it is pure and tested
 on canned model output. tool_choice "any" or a named tool is a grammar on the engine request
-(serve.structured). Not here: images and documents (400). Thinking blocks carry an empty signature (there
-is nothing to sign)."""
+(serve.structured). Not here: documents, and images in tool results (400). Thinking blocks carry an empty
+signature (there is nothing to sign)."""
 from __future__ import annotations
 
 import json
@@ -20,8 +21,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ninfer_gen.serve.core import (APIError, Generation, ServeState, bad_request, get, json_body, new_id,
                                    sampling_params, sse, stop_strings)
+from ninfer_gen.serve.images import image_base64, image_part, image_url
 from ninfer_gen.serve.parsing import (ContentDelta, OutputParser, ReasoningDelta, ToolCallArgumentsDelta,
                                       ToolCallEnd, ToolCallInvalid, ToolCallStart)
+from ninfer_gen.serve.prompt import chat_prompt
 from ninfer_gen.serve.structured import anthropic_tool_choice, constrained, thinking_for
 
 
@@ -35,13 +38,25 @@ def _text_blocks(content, where: str) -> str:
     for i, block in enumerate(content):
         if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
             kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-            raise bad_request(f"expected a text block, got {kind!r} (this model takes text only)", f"{where}[{i}]")
+            raise bad_request(f"expected a text block, got {kind!r} (system prompts and tool results take text "
+                              "blocks only here)", f"{where}[{i}]")
         parts.append(block["text"])
     return "".join(parts)
 
 
+def _image(source, where: str):
+    """An image block's source: base64 (media_type, data) or url (serve.images)."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        return image_base64(source.get("media_type"), source.get("data"), where)
+    if kind == "url":
+        return image_url(source.get("url"), where)
+    raise bad_request(f"source.type: expected 'base64' or 'url', got {kind!r}", where)
+
+
 def chat_messages(body: dict) -> list[dict]:
-    """system + messages → the chat template's messages (tool results become `tool` messages)."""
+    """system + messages → the chat template's messages (tool results become `tool` messages; a user message with
+    images keeps its blocks in order as parts, images as serve.images' parts)."""
     out = []
     system = body.get("system")
     if system is not None:
@@ -62,12 +77,15 @@ def chat_messages(body: dict) -> list[dict]:
             continue
         if not isinstance(content, list):
             raise bad_request("expected a string or a list of content blocks", where + ".content")
-        text, calls, thinking, results = [], [], [], []
+        text, calls, thinking, results, parts = [], [], [], [], []
         for j, block in enumerate(content):
             bw = f"{where}.content.{j}"
             kind = block.get("type") if isinstance(block, dict) else None
             if kind == "text" and isinstance(block.get("text"), str):
                 text.append(block["text"])
+                parts.append({"type": "text", "text": block["text"]})
+            elif kind == "image" and role == "user":
+                parts.append(image_part(_image(block.get("source"), bw)))
             elif kind == "tool_use" and role == "assistant":
                 if not isinstance(block.get("name"), str) or not isinstance(block.get("input", {}), dict):
                     raise bad_request("a tool_use block needs a name (string) and an input (object)", bw)
@@ -82,11 +100,14 @@ def chat_messages(body: dict) -> list[dict]:
                 if isinstance(block.get("thinking"), str):
                     thinking.append(block["thinking"])
             else:
-                raise bad_request(f"a {kind!r} block is not supported in a {role} message here "
-                                  "(text, tool_use, tool_result and thinking blocks are)", bw + ".type")
+                raise bad_request(f"a {kind!r} block is not supported in a {role} message here (text, image, "
+                                  "tool_result in user messages; text, tool_use, thinking in assistant ones)",
+                                  bw + ".type")
         if role == "user":
             out.extend(results)              # tool results answer the previous turn's calls first
-            if text or not results:
+            if len(parts) > len(text):       # images: the blocks in order, as parts
+                out.append({"role": "user", "content": parts})
+            elif text or not results:
                 out.append({"role": "user", "content": "".join(text)})
         else:
             msg = {"role": "assistant", "content": "".join(text)}
@@ -131,13 +152,12 @@ def _thinking(body: dict) -> bool | None:
     return kind != "disabled"
 
 
-def _prompt(state: ServeState, body: dict):
+async def _prompt(state: ServeState, body: dict):
     messages = chat_messages(body)
     tools = chat_tools(body)
     structured = anthropic_tool_choice(body.get("tool_choice"), tools)
     thinking = thinking_for(structured, _thinking(body))
-    text = state.render_chat(messages, tools, thinking)
-    return text, state.encode(text), tools, thinking, structured
+    return await chat_prompt(state, messages, tools, thinking), tools, thinking, structured
 
 
 # ---------------------------------------------------------------------------------------- builder
@@ -219,8 +239,8 @@ def router(state: ServeState) -> APIRouter:
     async def count_tokens(request: HTTPRequest):
         body = await json_body(request)
         state.check_model(body.get("model"))
-        _, prompt, _, _, _ = _prompt(state, body)
-        return {"input_tokens": len(prompt)}
+        prompt, _, _, _ = await _prompt(state, body)
+        return {"input_tokens": len(prompt.ids)}
 
     @api.post("/v1/messages")
     async def messages(request: HTTPRequest):
@@ -231,12 +251,14 @@ def router(state: ServeState) -> APIRouter:
         sampling = sampling_params(get(body, "temperature", "number", maximum=1), get(body, "top_p", "number"),
                                    get(body, "top_k", "integer"), None)
         stop = stop_strings(body.get("stop_sequences"), "stop_sequences", most=64)
-        text, prompt, tools, thinking, structured = _prompt(state, body)
+        chat, tools, thinking, structured = await _prompt(state, body)
+        text, prompt = chat.text, chat.ids
         budget = state.prompt_budget(prompt, max_tokens, "max_tokens")
         mid = new_id("msg_")
         parser = OutputParser.for_prompt(text, thinking=thinking is not False, parse_tool_calls=bool(tools),
                                          tools=tools)
-        gen = Generation(await constrained(state, structured, text, thinking), prompt, budget, sampling, stop, mid)
+        gen = Generation(await constrained(state, structured, text, thinking), prompt, budget, sampling, stop, mid,
+                         images=chat.images)
         builder = MessageBuilder()
         base = {"id": mid, "type": "message", "role": "assistant", "model": state.served_model_name}
 

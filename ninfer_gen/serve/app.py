@@ -27,6 +27,7 @@ from ninfer_gen.serve import anthropic_api, openai_api, responses_api
 from ninfer_gen.serve import ui as ui_page
 from ninfer_gen.serve.core import DEFAULT_TIMEOUT_S, ENDPOINT, APIError, ServeState
 from ninfer_gen.serve.metrics import endpoint_label
+from ninfer_gen.vision.preprocess import ImageLimits
 
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -42,12 +43,14 @@ def _render(request: HTTPRequest, err: APIError) -> JSONResponse:
 
 def create_app(engine, model, *, served_model_name: str, api_key: str | None = None, chat=None,
                model_folder: str | Path | None = None, draft: int = 0,
-               request_timeout: float | None = DEFAULT_TIMEOUT_S, ui: bool = True) -> FastAPI:
+               request_timeout: float | None = DEFAULT_TIMEOUT_S, ui: bool = True, image_limits=None,
+               allow_image_urls: bool = False) -> FastAPI:
     """The server over a cohort `engine` (engine.Engine) and the loaded `model` it runs (its tokenizer and
     EOS ids). `chat`: a serve.chat.ChatFormat, else read from `model_folder` (else the model's own folder
     when the engine knows it; none: the chat endpoints answer 400). `draft`: MTP drafts per round.
     `request_timeout`: seconds a generation may run from its submission (None or 0: no limit). `ui`: serve the
-    chat page at `GET /`."""
+    chat page at `GET /`. `image_limits`: what one request's images may be (vision.preprocess.ImageLimits;
+    None: its defaults); `allow_image_urls`: fetch http(s) image URLs (off: data URLs only)."""
     if chat is None:
         from ninfer_gen.serve.chat import load_chat_format
 
@@ -60,7 +63,8 @@ def create_app(engine, model, *, served_model_name: str, api_key: str | None = N
                     break
         chat = load_chat_format(folder) if folder is not None else None
     state = ServeState(engine=engine, model=model, chat=chat, served_model_name=served_model_name, draft=draft,
-                       request_timeout=request_timeout or None)
+                       request_timeout=request_timeout or None, image_limits=image_limits or ImageLimits(),
+                       allow_image_urls=allow_image_urls)
 
     @asynccontextmanager
     async def lifespan(app):

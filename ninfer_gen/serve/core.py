@@ -1,12 +1,13 @@
 """core: what every API of the server shares, between an HTTP handler and the cohort engine —
 `ServeState` (the engine, the model, its tokenizer and chat format, the served name, the engine's stop
-tokens, the draft length), `APIError` (a 4xx/5xx the app renders in the caller's API shape), sampling
-parameters from request fields, and `Generation`: one engine request turned into text deltas (incremental
-detokenisation that holds back incomplete UTF-8, stop strings matched across deltas and held back until
-decided) with its finish reason and usage. Waiting is asyncio-friendly (the engine runs in its own
-thread; a handle's events are polled), and a generation that ends early — a stop string, a client that
-went away, an exception, the server's request timeout — cancels its engine request, which frees its lane,
-slot and pages. A generation reports its tokens, latencies and end to the server's `metrics.Metrics`.
+tokens, the draft length, the image limits), `APIError` (a 4xx/5xx the app renders in the caller's API
+shape), sampling parameters from request fields, and `Generation`: one engine request (images included)
+turned into text deltas (incremental detokenisation that holds back incomplete UTF-8, stop strings matched
+across deltas and held back until decided) with its finish reason and usage. Waiting is asyncio-friendly (the
+engine runs in its own thread; a handle's events are polled), and a generation that ends early — a stop
+string, a client that went away, an exception, the server's request timeout — cancels its engine request,
+which frees its lane, slot and pages. A generation reports its tokens, latencies and end to the server's
+`metrics.Metrics`.
 
 The HTTP endpoints and wire formats live in openai_api, anthropic_api and responses_api; the app in app."""
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ninfer_gen.engine.engine import Engine
 from ninfer_gen.engine.requests import EngineFull, Request
 from ninfer_gen.sampling import SamplingParams
 from ninfer_gen.serve.metrics import Metrics
+from ninfer_gen.vision.preprocess import ImageLimits
 
 POLL_S = 0.005                      # how often a waiting handler looks at its request's events
 DISCONNECT_POLL_S = 0.25            # how often a non-streamed request checks that its client is still there
@@ -56,7 +58,9 @@ class ServeState:
     """The served model: `engine` (running in its background thread while the app lives), `model` (a loaded
     ninfer_gen Model: tokenizer, spec, EOS ids), `chat` (a serve.chat.ChatFormat, or None: chat endpoints
     then answer 400), `served_model_name`, `draft` (MTP drafts per round for every request),
-    `request_timeout` (seconds a generation may take from its submission; None: no limit), `metrics`."""
+    `request_timeout` (seconds a generation may take from its submission; None: no limit), `metrics`,
+    `image_limits` (what one request's images may be: count, bytes, input pixels) and `allow_image_urls`
+    (fetch http(s) image URLs; off: data URLs only)."""
     engine: Engine
     model: object
     chat: object | None
@@ -64,6 +68,8 @@ class ServeState:
     draft: int = 0
     request_timeout: float | None = DEFAULT_TIMEOUT_S
     metrics: Metrics = field(default_factory=Metrics)
+    image_limits: ImageLimits = ImageLimits()
+    allow_image_urls: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -168,13 +174,14 @@ class Delta:
 
 class Generation:
     """One engine request, submitted at construction (APIError 429 when the engine is full, 400 for what the
-    backend refuses). Iterate `deltas(is_disconnected)` for its text; `prompt_tokens`, `completion_tokens`
+    backend refuses). `images`: the prompt's (vision.preprocess.Processed; the prompt holds their placeholders
+    expanded). Iterate `deltas(is_disconnected)` for its text; `prompt_tokens`, `completion_tokens`
     are the usage. If the iteration stops early for any reason, the engine request is cancelled. Past the
     server's request timeout the engine request is cancelled (a timer on the event loop, so a client that
     stopped reading cannot hold its lane) and the iteration raises a 504 APIError."""
 
     def __init__(self, state: ServeState, prompt: list[int], max_tokens: int, sampling: SamplingParams,
-                 stop: list[str], request_id: str):
+                 stop: list[str], request_id: str, images=None):
         self.state, self.prompt, self.stop = state, prompt, stop
         self.prompt_tokens = len(prompt)
         self.cached_tokens = 0                     # of them, restored from the prefix cache (known at the end)
@@ -183,7 +190,8 @@ class Generation:
         self.endpoint = ENDPOINT.get()
         try:
             self.handle = state.engine.submit(Request(tuple(prompt), max_tokens=max_tokens, sampling=sampling,
-                                                      stop=state.stop_ids, draft=state.draft, id=request_id))
+                                                      stop=state.stop_ids, draft=state.draft, id=request_id,
+                                                      images=images))
         except EngineFull as err:
             raise APIError(429, f"the server is busy: {err}", kind="rate_limit", code="rate_limit_exceeded",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None

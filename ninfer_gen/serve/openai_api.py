@@ -1,7 +1,8 @@
 """openai_api: the OpenAI-compatible endpoints — `POST /v1/chat/completions` and `POST /v1/completions`,
 streamed (SSE `chat.completion.chunk` / `text_completion` objects, then `data: [DONE]`) and not: request
 validation (a 400 naming the field for what is malformed or not supported here), the conversion to a
-prompt (the checkpoint's chat template, tools, `chat_template_kwargs.enable_thinking`) and to an engine
+prompt (the checkpoint's chat template, tools, `chat_template_kwargs.enable_thinking`, `image_url` parts of
+user messages: data URLs, or http(s) URLs with `serve --allow-image-urls`; serve.prompt) and to an engine
 request, and the responses in OpenAI's shapes — reasoning as `reasoning_content`, Qwen tool-call markup
 as `tool_calls` (arguments streamed as the model writes them), usage (with a field of ours, `usage.ninfer`:
 the engine's TTFT, decode speed, MTP rounds and acceptance), ids, finish_reason stop / length / tool_calls.
@@ -24,8 +25,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ninfer_gen.serve.core import (APIError, Generation, ServeState, bad_request, get, json_body, new_id,
                                    sampling_params, sse, stop_strings)
+from ninfer_gen.serve.images import image_part, image_url
 from ninfer_gen.serve.parsing import (ContentDelta, OutputParser, ReasoningDelta, ToolCallArgumentsDelta,
                                       ToolCallEnd, ToolCallInvalid, ToolCallStart)
+from ninfer_gen.serve.prompt import chat_prompt
 from ninfer_gen.serve.structured import (Structured, constrained, openai_tool_choice, response_format, thinking_for,
                                          with_answer)
 
@@ -43,8 +46,9 @@ def _refuse_unsupported(body: dict, names) -> None:
             raise bad_request(f"{name}={json.dumps(value)} is not supported by this server", name)
 
 
-def _text_content(content, where: str, allow_none: bool = False):
-    """A message's content as the template takes it: a string, or a list of text parts."""
+def _content(content, where: str, allow_none: bool = False, images: bool = False):
+    """A message's content as the template takes it: a string, or a list of text parts — and, with `images`
+    (user messages), image parts (serve.images) for `image_url` parts."""
     if content is None:
         if allow_none:
             return None
@@ -55,9 +59,15 @@ def _text_content(content, where: str, allow_none: bool = False):
         raise bad_request("expected a string or a list of content parts", where)
     parts = []
     for i, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") != "text":
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise bad_request(f"content part of type {kind!r}: this model takes text parts only", f"{where}[{i}]")
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind == "image_url" and images:
+            url = part.get("image_url")
+            parts.append(image_part(image_url(url.get("url") if isinstance(url, dict) else url, f"{where}[{i}]")))
+            continue
+        if kind != "text":
+            why = "images go in user messages only" if kind == "image_url" else \
+                f"only text{' and image_url' if images else ''} parts are taken here"
+            raise bad_request(f"content part of type {kind!r}: {why}", f"{where}[{i}]")
         if not isinstance(part.get("text"), str):
             raise bad_request("expected a string", f"{where}[{i}].text")
         parts.append({"type": "text", "text": part["text"]})
@@ -65,7 +75,8 @@ def _text_content(content, where: str, allow_none: bool = False):
 
 
 def chat_messages(body: dict) -> list[dict]:
-    """The request's messages, checked, in the shape chat templates read (tool-call arguments as objects)."""
+    """The request's messages, checked, in the shape chat templates read (tool-call arguments as objects; images
+    as serve.images' parts, which serve.prompt turns into the template's)."""
     messages = get(body, "messages", "array", required=True)
     if not messages:
         raise bad_request("at least one message is required", "messages")
@@ -79,8 +90,8 @@ def chat_messages(body: dict) -> list[dict]:
             raise bad_request(f"role must be one of {', '.join(ROLES)}, got {role!r}", where + ".role")
         msg = {"role": "system" if role == "developer" else role}
         calls = m.get("tool_calls") if role == "assistant" else None
-        msg["content"] = _text_content(m.get("content"), where + ".content",
-                                       allow_none=role == "assistant" and bool(calls))
+        msg["content"] = _content(m.get("content"), where + ".content", allow_none=role == "assistant" and bool(calls),
+                                  images=role == "user")
         if role == "assistant":
             reasoning = m.get("reasoning_content", m.get("reasoning"))
             if reasoning is not None:
@@ -254,15 +265,15 @@ def router(state: ServeState) -> APIRouter:
         sampling = sampling_params(get(body, "temperature", "number"), get(body, "top_p", "number"),
                                    get(body, "top_k", "integer"), get(body, "seed", "integer"))
         stop = stop_strings(body.get("stop"), "stop")
-        prompt_text = state.render_chat(messages, tools, thinking)
-        prompt = state.encode(prompt_text)
+        chat = await chat_prompt(state, messages, tools, thinking)
+        prompt_text, prompt = chat.text, chat.ids
         budget = state.prompt_budget(prompt, max_tokens, "max_tokens" if "max_tokens" in body
                                      else "max_completion_tokens")
         rid, created = new_id("chatcmpl-"), int(time.time())
         parser = OutputParser.for_prompt(prompt_text, thinking=thinking is not False, parse_tool_calls=bool(tools),
                                          tools=tools)
         gen = Generation(await constrained(state, structured, prompt_text, thinking), prompt, budget, sampling,
-                         stop, rid)
+                         stop, rid, images=chat.images)
         builder = ChatBuilder()
 
         if not stream:

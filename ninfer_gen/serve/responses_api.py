@@ -7,11 +7,12 @@ or response.incomplete when max_output_tokens cut it, as OpenAI does), `GET` and
 Owns the request's validation (a 400 naming the field), `input` (a string, or items: messages of role
 user / system / developer / assistant with input_text / output_text parts, function_call and
 function_call_output items as the chat template's assistant tool calls and tool messages, reasoning items
-as the next assistant turn's reasoning) with `instructions` into the chat template's messages, the response
-object, its usage and ids, and the stream's sequence numbers. The output items and their stream events come
+as the next assistant turn's reasoning, input_image parts of user messages — data URLs, or http(s) URLs with
+`serve --allow-image-urls` — as images, serve.prompt) with `instructions` into the chat template's messages,
+the response object, its usage and ids, and the stream's sequence numbers. The output items and their stream events come
 from serve.responses_output's `ResponseBuilder`. text.format json_schema / json_object and tool_choice
 "required" or named are a grammar on the engine request (serve.structured). Not here: built-in tools (web
-search, files, …: 400), background mode, conversations, item_reference, images and files."""
+search, files, …: 400), background mode, conversations, item_reference, input_file and images by file_id."""
 from __future__ import annotations
 
 import json
@@ -23,11 +24,14 @@ from fastapi.responses import StreamingResponse
 
 from ninfer_gen.serve.core import (APIError, Generation, ServeState, bad_request, get, json_body, new_id,
                                    sampling_params, sse)
+from ninfer_gen.serve.images import ImageRef, image_part, image_url
 from ninfer_gen.serve.parsing import OutputParser
+from ninfer_gen.serve.prompt import chat_prompt
 from ninfer_gen.serve.responses_output import ResponseBuilder
-from ninfer_gen.serve.structured import constrained_now, openai_tool_choice, response_format, thinking_for, with_answer
+from ninfer_gen.serve.structured import constrained, openai_tool_choice, response_format, thinking_for, with_answer
 
 STORE_SIZE = 256                       # responses kept for previous_response_id and GET (least recently used out)
+STORE_IMAGE_BYTES = 256 * 2**20        # and the images their conversations hold, at most (least recently used out)
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text")
 # fields the API defines that this server does not implement: a 400 naming the field unless default
@@ -35,18 +39,25 @@ _UNSUPPORTED = {"background": False, "conversation": None, "prompt": None, "top_
                 "truncation": "disabled"}
 
 
+def _image_bytes(conversation: list[dict]) -> int:
+    return sum(part["image"].size for m in conversation if isinstance(m.get("content"), list)
+               for part in m["content"] if isinstance(part, dict) and isinstance(part.get("image"), ImageRef))
+
+
 class ResponseStore:
     """The last `size` stored responses: id → (the response object, the conversation it ends — the chat
-    template's messages, instructions apart, as previous_response_id continues it)."""
+    template's messages, instructions apart, as previous_response_id continues it, images included), within
+    `image_bytes` of images (counted per response, so images shared by a continued conversation count again)."""
 
-    def __init__(self, size: int = STORE_SIZE):
-        self.size, self._items = size, OrderedDict()
+    def __init__(self, size: int = STORE_SIZE, image_bytes: int = STORE_IMAGE_BYTES):
+        self.size, self.image_bytes, self._items, self._held = size, image_bytes, OrderedDict(), {}
 
     def put(self, response: dict, conversation: list[dict]) -> None:
         self._items[response["id"]] = (response, conversation)
         self._items.move_to_end(response["id"])
-        while len(self._items) > self.size:
-            self._items.popitem(last=False)
+        self._held[response["id"]] = _image_bytes(conversation)
+        while len(self._items) > self.size or (len(self._items) > 1 and sum(self._held.values()) > self.image_bytes):
+            del self._held[self._items.popitem(last=False)[0]]
 
     def get(self, response_id, param: str | None = None) -> tuple[dict, list[dict]]:
         if not isinstance(response_id, str) or response_id not in self._items:
@@ -58,10 +69,21 @@ class ResponseStore:
 
     def delete(self, response_id: str) -> None:
         self.get(response_id)
-        del self._items[response_id]
+        del self._items[response_id], self._held[response_id]
 
 
 # ---------------------------------------------------------------------------------------- request → prompt
+
+
+def _part_text(part, where: str, parts=TEXT_PARTS, images: bool = False) -> str:
+    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+    if kind not in parts:
+        also = " and input_image" if images else ""
+        raise bad_request(f"a content part of type {kind!r}: only {', '.join(parts)}{also} parts are taken here",
+                          where)
+    if not isinstance(part.get("text"), str):
+        raise bad_request("expected a string", f"{where}.text")
+    return part["text"]
 
 
 def _text(content, where: str, parts=TEXT_PARTS) -> str:
@@ -70,16 +92,26 @@ def _text(content, where: str, parts=TEXT_PARTS) -> str:
         return content
     if not isinstance(content, list):
         raise bad_request("expected a string or a list of content parts", where)
-    texts = []
+    return "".join(_part_text(part, f"{where}[{j}]", parts) for j, part in enumerate(content))
+
+
+def _user_content(content, where: str):
+    """A user message's content: its text joined, or — with input_image parts — its parts in order (images as
+    serve.images' parts)."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "input_image"
+                                                for p in content):
+        return _text(content, where)
+    parts = []
     for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-        if kind not in parts:
-            raise bad_request(f"a content part of type {kind!r}: this model takes text parts only "
-                              f"({', '.join(parts)})", f"{where}[{j}]")
-        if not isinstance(part.get("text"), str):
-            raise bad_request("expected a string", f"{where}[{j}].text")
-        texts.append(part["text"])
-    return "".join(texts)
+        w = f"{where}[{j}]"
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            if part.get("image_url") is None and part.get("file_id") is not None:
+                raise bad_request("input_image with a file_id: this server has no files API; send image_url (a data "
+                                  "URL, or an http(s) URL with serve --allow-image-urls)", w)
+            parts.append(image_part(image_url(part.get("image_url"), w)))
+        else:
+            parts.append({"type": "text", "text": _part_text(part, w, images=True)})
+    return parts
 
 
 def _string(item: dict, key: str, where: str) -> str:
@@ -128,7 +160,7 @@ def input_messages(items, where: str = "input") -> list[dict]:
             role = item.get("role")
             if role not in ROLES:
                 raise bad_request(f"role must be one of {', '.join(ROLES)}, got {role!r}", w + ".role")
-            text = _text(item.get("content"), w + ".content")
+            text = (_user_content if role == "user" else _text)(item.get("content"), w + ".content")
             if role == "assistant":
                 assistant(True)["content"] = text
             else:
@@ -195,8 +227,8 @@ def _reasoning(body: dict) -> tuple[str | None, bool | None]:
 
 
 class _Turn:
-    """One POST /v1/responses: the checked request, its generation (submitted at construction, after every
-    check), and its response object as it goes (`snapshot`) and at the end (`finish`, which stores it)."""
+    """One POST /v1/responses: the checked request, its generation (submitted by `start`, after every check), and
+    its response object as it goes (`snapshot`) and at the end (`finish`, which stores it)."""
 
     def __init__(self, state: ServeState, store: ResponseStore, body: dict):
         state.check_model(body.get("model"))
@@ -216,11 +248,10 @@ class _Turn:
         thinking = thinking_for(structured, thinking)
         max_out = get(body, "max_output_tokens", "integer", minimum=1)
         temperature, top_p = get(body, "temperature", "number"), get(body, "top_p", "number")
-        sampling = sampling_params(temperature, top_p, get(body, "top_k", "integer"), get(body, "seed", "integer"))
-        messages = [{"role": "system", "content": instructions}] * bool(instructions) + self.conversation
-        prompt_text = state.render_chat(messages, tools, thinking, param="input")
-        prompt = state.encode(prompt_text)
-        budget = state.prompt_budget(prompt, max_out, "max_output_tokens", prompt_param="input")
+        self._sampling = sampling_params(temperature, top_p, get(body, "top_k", "integer"),
+                                         get(body, "seed", "integer"))
+        self._messages = [{"role": "system", "content": instructions}] * bool(instructions) + self.conversation
+        self._tools, self._thinking, self._structured, self._max_out = tools, thinking, structured, max_out
         self.base = {
             "id": new_id("resp_"), "object": "response", "created_at": int(time.time()), "background": False,
             "instructions": instructions, "max_output_tokens": max_out, "max_tool_calls": None,
@@ -231,11 +262,18 @@ class _Turn:
             "tool_choice": body.get("tool_choice") or "auto", "tools": _echo_tools(tools, body.get("tools")),
             "top_p": 1.0 if top_p is None else top_p, "truncation": "disabled", "user": get(body, "user", "string"),
             "metadata": get(body, "metadata", "object", default={})}
-        self.parser = OutputParser.for_prompt(prompt_text, thinking=thinking is not False,
-                                              parse_tool_calls=bool(tools), tools=tools)
         self.builder = ResponseBuilder()
-        self.gen = Generation(constrained_now(state, structured, prompt_text, thinking), prompt, budget, sampling, [],
-                              self.base["id"])
+
+    async def start(self) -> "_Turn":
+        """The prompt (images loaded and preprocessed) and its generation, submitted."""
+        state, tools, thinking = self.state, self._tools, self._thinking
+        chat = await chat_prompt(state, self._messages, tools, thinking, param="input")
+        budget = state.prompt_budget(chat.ids, self._max_out, "max_output_tokens", prompt_param="input")
+        self.parser = OutputParser.for_prompt(chat.text, thinking=thinking is not False, parse_tool_calls=bool(tools),
+                                              tools=tools)
+        self.gen = Generation(await constrained(state, self._structured, chat.text, thinking), chat.ids, budget,
+                              self._sampling, [], self.base["id"], images=chat.images)
+        return self
 
     def snapshot(self, status: str, usage: dict | None = None, error: dict | None = None) -> dict:
         return {**self.base, "status": status, "error": error, "output": self.builder.output() if usage else [],
@@ -298,7 +336,7 @@ def router(state: ServeState, store: ResponseStore | None = None) -> APIRouter:
 
     @api.post("/v1/responses")
     async def create(request: HTTPRequest):
-        turn = _Turn(state, store, await json_body(request))
+        turn = await _Turn(state, store, await json_body(request)).start()
         if not turn.stream:
             return await turn.whole(request.is_disconnected)
         return StreamingResponse(turn.events(), media_type="text/event-stream")
