@@ -121,7 +121,10 @@ class Model:
         from ninfer_gen.vision.preprocess import ImageLimits, preprocess
 
         self.check_vision()
-        return preprocess(list(items), config or self.image_config, limits or ImageLimits())
+        limits = limits or ImageLimits()
+        if limits.max_tokens is None:              # images that could never fit the context fail before patchifying
+            limits = dataclasses.replace(limits, max_tokens=self.backend.max_context)
+        return preprocess(list(items), config or self.image_config, limits)
 
     def expand_images(self, ids: list[int], images) -> list[int]:
         """Token ids with one image placeholder per image (as a chat template writes it) → the prompt the model

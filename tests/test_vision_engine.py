@@ -150,3 +150,10 @@ def test_refusals(model, case):
         text.prepare_images([Image.new("RGB", (32, 32))])
     with pytest.raises(ValueError, match="preprocessed"):
         Request([1, 2], 4, images=[b"png"])
+
+
+def test_images_beyond_the_context_are_refused_before_patchifying():
+    small = load("model_specs/qwen3.8-tiny-vl.yaml", max_context=512)
+    with pytest.raises(ValueError, match=r"image 1: 992×992 pixels after resizing: .* 3,844 image tokens, over the 512"):
+        small.prepare_images([Image.new("RGB", (1000, 1000))])
+    assert small.prepare_images([Image.new("RGB", (100, 100))]).tokens == (64,)

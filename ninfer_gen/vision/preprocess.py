@@ -78,10 +78,11 @@ class ImageLimits:
     max_images: int = 8
     max_bytes: int = 20 * 2**20
     max_input_pixels: int = 64 * 2**20
+    max_tokens: int | None = None       # image tokens of the whole request (its context); None: no bound
 
     def __post_init__(self):
-        for name in ("max_images", "max_bytes", "max_input_pixels"):
-            if getattr(self, name) <= 0:
+        for name in ("max_images", "max_bytes", "max_input_pixels", "max_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"ImageLimits.{name}: expected a positive integer, got {getattr(self, name)}")
 
 
@@ -252,13 +253,23 @@ def preprocess(images: Sequence[bytes | Image.Image], config: ImageConfig = Imag
     """A request's images (encoded bytes, or decoded Pillow images) → the encoder's input, in order."""
     if len(images) > limits.max_images:
         raise ImageError(f"{len(images)} images in one request exceeds the limit of {limits.max_images}")
-    rows, grids = [], []
+    rows, grids, tokens = [], [], 0
     for i, item in enumerate(images):
         if isinstance(item, Image.Image):
             _check_size(*item.size, limits, i)
             image = item
         else:
             image = decode(item, limits, i)
+        if limits.max_tokens is not None:          # before the patch rows are made (a large image's are ~100s of MB)
+            width, height = image.size
+            try:
+                h, w = smart_resize(height, width, config.factor, config.min_pixels, config.max_pixels)
+            except ImageError as err:
+                raise ImageError(str(err), i) from None
+            tokens += h * w // config.factor ** 2
+            if tokens > limits.max_tokens:
+                raise ImageError(f"{w}×{h} pixels after resizing: the request's images come to {tokens:,} image "
+                                 f"tokens, over the {limits.max_tokens:,} tokens of the model's context", i)
         r, grid = preprocess_image(image, config, i)
         rows.append(r)
         grids.append(grid)
