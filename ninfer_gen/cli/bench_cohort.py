@@ -83,6 +83,9 @@ def add_arguments(p) -> None:
                    "(default 7)")
     p.add_argument("--prefill-budget", type=int, default=None, help="cohort bench: prompt tokens the engine "
                    "prefills per step between decode rounds (default: the backend's prefill chunk)")
+    p.add_argument("--max-gap-ms", type=float, default=None, help="--long-prompt: the engine prefills only as many "
+                   "prompt tokens per step as keep a decoding lane's gap between tokens under this bound "
+                   "(engine.prefill_policy; default: no bound, the whole --prefill-budget every step)")
     p.add_argument("--backend", choices=("auto", "gpu", "reference"), default="auto", help="cohort bench: gpu "
                    "(the compiled kernels, lanes.gpu), reference (the interpreter on the CPU, "
                    "ReferenceLanes) or auto (default: gpu when a CUDA device is visible)")
@@ -100,6 +103,8 @@ def _check(args, k: int) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(args, name)}")
     if args.prefill_budget is not None and args.prefill_budget < 1:
         raise ValueError(f"--prefill-budget must be ≥ 1, got {args.prefill_budget}")
+    if args.max_gap_ms is not None and args.max_gap_ms <= 0:
+        raise ValueError(f"--max-gap-ms must be positive, got {args.max_gap_ms}")
     if args.long_prompt is not None and args.long_prompt < 0:
         raise ValueError(f"--long-prompt must be ≥ 1 tokens, got {args.long_prompt}")
 
@@ -155,7 +160,8 @@ def _sizes(args, sweep: list[int], n: int, k: int) -> tuple[int, int, int]:
     """(lanes, context per lane, shared KV pool tokens) for the sweep and the long prompt; the running lanes
     of --long-prompt decode for WINDOW steps each side of its prefill of ≤ n / MIN_CHUNK steps."""
     run_ctx = args.prompt_tokens + args.output_tokens + 2 * k + 16 if sweep else 0
-    steps = 2 * WINDOW + -(-n // (args.prefill_budget or MIN_CHUNK)) + 8
+    smallest = 16 if args.max_gap_ms is not None else (args.prefill_budget or MIN_CHUNK)     # the pacer's floor
+    steps = 2 * WINDOW + -(-n // smallest) + 8
     long_run_ctx = args.prompt_tokens + steps * (k + 1) if n else 0
     long_ctx = n + (WINDOW + 2) * (k + 1) + 16 if n else 0
     lanes = max(sweep + ([args.running_lanes + 1] if n else []))

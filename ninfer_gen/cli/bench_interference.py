@@ -1,8 +1,9 @@
 """bench_interference: `ninfer-gen bench --long-prompt N` — what a long prompt arriving costs the lanes that
 decode. `--running-lanes` (7) requests decode through engine.Engine; after WINDOW steps an N-token request
-arrives and the engine prefills it `--prefill-budget` tokens per step, one chunk between the running lanes'
-rounds. Reported: its TTFT (and alone, the engine otherwise idle: the second of two runs, the first warming
-the chunk shapes up), and the gaps between a running lane's token arrivals (one arrival per round) before,
+arrives and the engine prefills it `--prefill-budget` tokens per step (or, with `--max-gap-ms`, as many as keep
+the running lanes' gap under that bound: engine.prefill_policy), one chunk between the running lanes' rounds.
+Reported: its TTFT (and alone, the engine otherwise idle: the second of two runs, the first warming the chunk
+shapes up), and the gaps between a running lane's token arrivals (one arrival per round) before,
 during and after that prefill — p50, p99 and max over WINDOW steps each side. The stepping, stamps and
 memory are bench_common's; this module owns the scenario and its table lines."""
 from __future__ import annotations
@@ -18,7 +19,8 @@ def interference(lanes, prompts: list[list[int]], n: int, k: int, args, memory: 
     from ninfer_gen.engine import Engine, Request
 
     r = args.running_lanes
-    engine = Engine(lanes, lanes=r + 1, max_queue=r + 1, prefill_budget=args.prefill_budget)
+    gap = args.max_gap_ms / 1e3 if args.max_gap_ms is not None else None
+    engine = Engine(lanes, lanes=r + 1, max_queue=r + 1, prefill_budget=args.prefill_budget, max_gap_s=gap)
     long_prompt = random_ids(n, vocab, 7)
     alone = []
     for _ in range(2):                                       # the first also warms the chunk shapes up
@@ -53,6 +55,7 @@ def interference(lanes, prompts: list[list[int]], n: int, k: int, args, memory: 
                 if lo < step <= hi:
                     gaps[name].append(((t1 - t0) * 1e3, n_tokens))
     return {"prompt_tokens": n, "running_lanes": r, "draft": k, "prefill_budget": engine.prefill_budget,
+            "max_gap_ms": args.max_gap_ms,
             "ttft_ms": late.final.stats.ttft_s * 1e3, "ttft_alone_ms": alone[-1] * 1e3,
             "prefill_steps": first - submitted,
             "gap_ms": {name: _gap_figures(g) for name, g in gaps.items()}, "window_steps": WINDOW}
@@ -67,8 +70,9 @@ def _gap_figures(gaps: list[tuple[float, int]]) -> dict | None:
             "ms_per_token": sum(ms) / sum(n for _, n in gaps)}
 
 def table_lines(x: dict) -> list[str]:
+    paced = f", paced to a {x['max_gap_ms']:g} ms gap" if x.get("max_gap_ms") else ""
     lines = [f"long prompt: {x['prompt_tokens']:,} tokens arriving while {x['running_lanes']} lanes decode "
-             f"(K = {x['draft']}), prefill budget {x['prefill_budget']} tokens per step:",
+             f"(K = {x['draft']}), prefill budget {x['prefill_budget']} tokens per step{paced}:",
              f"  TTFT {x['ttft_ms']:,.0f} ms (alone {x['ttft_alone_ms']:,.0f} ms), {x['prefill_steps']} steps",
              f"  {'ms between a running lane’s arrivals':<36} {'p50':>8} {'p99':>8} {'max':>8} {'gaps':>5} "
              f"{'ms/token':>9}"]

@@ -33,6 +33,9 @@ def add_serve_parser(sub) -> None:
                    f"and answered 504 (streamed: an error event) (default {DEFAULT_TIMEOUT_S:g}; 0: no limit)")
     s.add_argument("--draft", type=int, default=None, help="MTP speculative decoding with K drafts per round "
                    "(default: the spec's runtime.draft_tokens where the model has an MTP layer; 0: plain decode)")
+    s.add_argument("--max-gap-ms", type=float, default=None, help="while requests stream, a long prompt is prefilled "
+                   "in chunks small enough to keep their gap between tokens under this many ms (measured by the engine; "
+                   "its TTFT grows instead). Default: no bound, one full prefill chunk per step")
     s.add_argument("--fixed-draft", action="store_true", help="keep K drafts per round for every request (default: "
                    "adaptive — a lane whose drafts do not pay for their rounds, by the round cost measured at start-up, "
                    "drops to plain steps; lossless either way)")
@@ -190,7 +193,10 @@ def build_server(args):
     if args.tp > 1:
         from ninfer_gen.engine.replicated import ReplicatedLanes
         lanes = ReplicatedLanes(lanes)
-    engine = Engine(lanes, lanes=args.lanes, max_queue=args.max_queue, adaptive_draft=not args.fixed_draft)
+    if args.max_gap_ms is not None and args.max_gap_ms <= 0:
+        raise ValueError(f"--max-gap-ms must be positive, got {args.max_gap_ms}")
+    engine = Engine(lanes, lanes=args.lanes, max_queue=args.max_queue, adaptive_draft=not args.fixed_draft,
+                    max_gap_s=args.max_gap_ms / 1e3 if args.max_gap_ms is not None else None)
     app = create_app(engine, model, served_model_name=args.served_model_name or model.spec.name,
                      api_key=args.api_key, model_folder=args.weights if args.weights and not
                      str(args.weights).endswith((".yaml", ".yml")) else None, draft=args.draft,

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from ninfer_gen.lanes.contract import LaneBackend, LaneState
 from ninfer_gen.engine.draft_policy import DraftPolicy
+from ninfer_gen.engine.prefill_policy import PrefillPacer
 from ninfer_gen.engine.requests import EngineFull, Event, Handle, Request, RequestStats
 
 @dataclass(eq=False)
@@ -41,10 +42,12 @@ class Engine:
     """`lanes` requests run at once (≤ the backend's state slots); `max_queue` more may wait for a lane;
     `prefill_budget` prompt tokens run per step (default: the backend's prefill chunk); `clock` stamps
     the per-request statistics (a fake one makes them deterministic); `adaptive_draft`: a lane whose drafts do
-    not pay for their rounds (engine.draft_policy, on the backend's measured round costs) drops to plain steps."""
+    not pay for their rounds (engine.draft_policy, on the backend's measured round costs) drops to plain steps;
+    `max_gap_s`: while lanes decode, a step prefills only as many prompt tokens as keep a decoding lane's gap
+    between tokens under it (engine.prefill_policy, from the step times `clock` measures; at most the budget)."""
 
     def __init__(self, backend: LaneBackend, *, lanes: int = 8, max_queue: int = 64, prefill_budget: int | None = None,
-                 clock=time.monotonic, adaptive_draft: bool = False):
+                 clock=time.monotonic, adaptive_draft: bool = False, max_gap_s: float | None = None):
         if not 1 <= lanes <= backend.capacity:
             raise ValueError(f"lanes must be between 1 and the backend's {backend.capacity} state slots, got {lanes}")
         if max_queue < 0:
@@ -55,6 +58,8 @@ class Engine:
         self.backend, self.max_queue, self.clock = backend, max_queue, clock
         costs = dict(backend.caps.round_cost)
         self.policy = DraftPolicy(costs) if adaptive_draft and costs else None
+        self.pacer = (PrefillPacer(max_gap_s, self.prefill_budget, min(16, self.prefill_budget))
+                      if max_gap_s is not None else None)
         self._lanes: list[_Live | None] = [None] * lanes
         self._waiting: deque[_Live] = deque()
         self._live: dict[str, _Live] = {}
@@ -215,8 +220,12 @@ class Engine:
             return False
         live = min(pending, key=lambda x: x.order)
         lane = live.lane
-        ids = lane.prompt[lane.prefilled:lane.prefilled + self.prefill_budget]
+        budget = self.prefill_budget
+        if self.pacer is not None:
+            budget = self.pacer.budget(any(x is not None and x.lane.anchor is not None for x in self._lanes))
+        ids = lane.prompt[lane.prefilled:lane.prefilled + budget]
         last = lane.prefilled + len(ids) == len(lane.prompt)
+        t0 = self.clock()
         try:
             token = self.backend.prefill(lane, ids, last)
             if last and not isinstance(token, int):
@@ -224,6 +233,8 @@ class Engine:
         except Exception as err:
             self._fail(live, err)
             return True
+        if self.pacer is not None:
+            self.pacer.prefilled(len(ids), self.clock() - t0)
         lane.prefilled += len(ids)
         with self._lock:
             self._count["prefill_tokens"] += len(ids)
@@ -240,10 +251,13 @@ class Engine:
             for live in ready:
                 self._count[f"k{live.lane.k}"] += 1
         before = {live: (live.lane.stats.drafted, live.lane.stats.accepted) for live in ready}
+        t0 = self.clock()
         try:
             results = self.backend.round([live.lane for live in ready])
         except Exception as err:
             results = {live.lane.lane: err for live in ready}
+        if self.pacer is not None:
+            self.pacer.rounded(self.clock() - t0)
         with self._lock:
             self._count["rounds"] += 1
             self._count["lane_rounds"] += len(ready)
