@@ -2,7 +2,7 @@
 # The device calls of sessions 13–14 (issues 30–34): the GPU tier's cohort, speculative, runtime and arch-path
 # files, the 27B C1 bench through the engine (K = 3, 32K draft head, accept 0.8), the cohort bench C1/C8 (fixed,
 # adaptive, plain), the sm_86 path, serve with no flags, long context, k-quants, and images (vision).
-# PART=tests,bench,cohort,arch,serve,long,kq,vision (default: all, in that order). Logs to $OUT as it goes.
+# PART=tests,bench,cohort,arch,serve,long,pace,kq,vision (default: all, in that order). Logs to $OUT as it goes.
 # The text benches load the 27B with --no-vision (the figures earlier sessions compare with); `vision` measures
 # the default load (tower on: M-RoPE plans, the tower's memory) beside them.
 set -uo pipefail
@@ -56,6 +56,14 @@ if part long; then                   # issue 31: long-context GPU tests, the 27B
     --accept-prob 0.8 --json $OUT/bench_long.json > $OUT/bench_long.log 2>&1; echo "long bench: rc $?"; shown $OUT/bench_long.log 30
   timeout ${ATTN_S:-120} python3 -m lab.attn_long --out $OUT/attn_long.json --splits 132,264 > $OUT/attn_long.log 2>&1
   echo "attn lab: rc $?"; shown $OUT/attn_long.log 16
+fi
+if part pace; then                   # issue 31 item 6: a 32K prompt beside 7 decoding lanes, unpaced and paced to a gap
+  for gap in "" ${GAPS:-40}; do
+    timeout ${PACE_S:-240} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --no-vision --long-prompt 32768 \
+      --running-lanes 7 --draft 3 --accept-prob 0.8 --draft-vocab 32768 ${gap:+--max-gap-ms $gap} \
+      --json $OUT/bench_pace_${gap:-none}.json > $OUT/bench_pace_${gap:-none}.log 2>&1
+    echo "long prompt, gap bound ${gap:-none}: rc $?"; shown $OUT/bench_pace_${gap:-none}.log 8
+  done
 fi
 if part kq; then                     # issue 34: k-quant kernels vs reference, the GGUF GPU tests
   timeout ${KQ_S:-200} python3 -m pytest -m gpu tests/gpu/test_kquant_gpu.py tests/gpu/test_gguf_gpu.py -q -s -rf \
