@@ -81,14 +81,14 @@ def cmd_plan(args) -> int:
 
 
 def _profile(spec, cohorts: str | None = None, draft: int | None = None, max_context: int | None = None,
-             kv: str | None = None):
+             kv: str | None = None, images: bool = False):
     """The runtime profile the command plans: the spec's, with the command's choices and the NINFER_*
-    compile options."""
+    compile options (`images`: the M-RoPE plans a load with the vision tower runs)."""
     from compiler.buckets import profile_of
     from ninfer_gen.cli.env import compile_options
 
     return profile_of(spec, cohorts=_int_list(cohorts) if cohorts else None, draft=draft, max_context=max_context,
-                      kv_dtype=kv, options=compile_options())
+                      kv_dtype=kv, options=compile_options(), images=images)
 
 
 def cmd_build(args) -> int:
@@ -102,7 +102,8 @@ def cmd_build(args) -> int:
     if args.tp > 1:
         check_quantised_shares(spec)
     target = resolve(args.target, args.arch)
-    profile = _profile(spec, args.cohorts, args.draft, args.max_context, args.kv)
+    images = spec.vision is not None and not args.no_vision and args.tp == 1       # what a GPU load with the tower runs
+    profile = _profile(spec, args.cohorts, args.draft, args.max_context, args.kv, images)
     plans = plan_profile(spec, target, profile)
     rank = f"; each of {args.tp} ranks, {sum(len(p.collectives()) for p in plans.values())} collectives in its " \
         "buckets (the NCCL runtime that would launch them is not built yet)" if args.tp > 1 else ""
@@ -191,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--jobs", type=int, default=None, help="parallel compiles (default: CPU count)")
     b.add_argument("--build-dir", default="build", help="cache root (default: build/)")
     b.add_argument("--ptx", action="store_true", help="also emit PTX for the arch (compute_XX)")
+    b.add_argument("--no-vision", action="store_true", help="a spec with a vision tower: build the text model's "
+                   "plans (what `--no-vision` loads run) instead of the M-RoPE plans a load with the tower runs")
     b.set_defaults(func=cmd_build)
     i = sub.add_parser("inspect", help="trace an entry point and print its graph IR, or (--plan) its lowered plan")
     i.add_argument("spec", help="path to a model spec YAML")
