@@ -2,12 +2,17 @@
 selenium, against `serve --backend reference` (the CLI's build_server, uvicorn in a thread) on the shipped small
 model with 2 lanes and 2 MTP drafts. A conversation streams token by token, a stop mid-answer frees the lane
 (read from /metrics), a new chat empties the page; a canned answer checks the Markdown, reasoning and
-tool-call rendering; a wrong API key is answered with a readable message in the page. Screenshots go to the
+tool-call rendering; a wrong API key is answered with a readable message in the page. With the tiny vision model
+(test_serve_images' server, behind a spy on the request bodies) an attached image goes out as an image_url part,
+shows in the transcript and is sent again on the next turn; files the page refuses, and an image the server
+refuses, read as messages with nothing lost; a text model's page offers no attach button. Screenshots go to the
 test's tmp folder (their paths are printed). Without chromium and chromedriver (tools/setup.sh installs them)
 the browser tests skip, saying so; the page's routes are checked without a browser."""
 from __future__ import annotations
 
 import argparse
+import base64
+import json
 import shutil
 import time
 from pathlib import Path
@@ -15,9 +20,15 @@ from pathlib import Path
 import pytest
 
 httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
 
+import ninfer_gen  # noqa: E402
 from ninfer_gen.cli.serve import add_serve_parser, build_server  # noqa: E402
+from ninfer_gen.engine import Engine  # noqa: E402
+from ninfer_gen.lanes.reference import ReferenceLanes  # noqa: E402
+from ninfer_gen.serve.app import create_app  # noqa: E402
 from tests.test_serve import Server  # noqa: E402
+from tests.test_serve_images import CHAT, PNG, VL_SPEC, data_url, png  # noqa: E402
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "qwen3.8-small-py"
 KEY = "ui-test-key"
@@ -112,7 +123,8 @@ def test_page_routes_and_no_ui_flag(served):
     page = httpx.get(served.url + "/", timeout=10)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "default-src 'none'" in page.headers["content-security-policy"] and '/ui/app.js' in page.text
-    for name, kind in (("app.js", "text/javascript"), ("markdown.js", "text/javascript"), ("style.css", "text/css")):
+    for name, kind in (("app.js", "text/javascript"), ("markdown.js", "text/javascript"),
+                       ("attach.js", "text/javascript"), ("style.css", "text/css")):
         r = httpx.get(f"{served.url}/ui/{name}", timeout=10)
         assert r.status_code == 200 and r.headers["content-type"].startswith(kind), name
     assert httpx.get(served.url + "/ui/..%2fui.py", timeout=10).status_code == 404
@@ -266,3 +278,123 @@ def test_wrong_api_key_reads_as_a_message(browser, tmp_path):
         _until(lambda: answer.get_attribute("data-state") == "done", 30, "an answer with the right key")
     finally:
         srv.close()
+
+
+class _Spy:
+    """The app behind an ASGI wrapper that keeps the JSON body of every chat completion: what the page sent."""
+
+    def __init__(self, app):
+        self.app, self.bodies = app, []
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] != "/v1/chat/completions":
+            return await self.app(scope, receive, send)
+        chunks = []
+
+        async def tap():
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            if message["type"] == "http.request" and not message.get("more_body"):
+                self.bodies.append(json.loads(b"".join(chunks)))
+            return message
+
+        await self.app(scope, tap, send)
+
+
+@pytest.fixture(scope="module")
+def vision_served():
+    model = ninfer_gen.load(VL_SPEC)
+    engine = Engine(ReferenceLanes.for_model(model, 1), lanes=1, max_queue=4)
+    spy = _Spy(create_app(engine, model, served_model_name="vl", chat=CHAT))
+    srv = Server(spy, engine)
+    srv.model, srv.bodies = model, spy.bodies
+    yield srv
+    srv.close()
+
+
+GIVE = """
+const [how, name, type, b64, size] = arguments;        // a file dropped on the composer or pasted into the prompt
+const bytes = b64 ? Uint8Array.from(atob(b64), (c) => c.charCodeAt(0)) : new Uint8Array(size);
+const files = new DataTransfer();
+files.items.add(new File([bytes], name, {type}));
+const init = {bubbles: true, cancelable: true};
+document.getElementById(how === "drop" ? "composer" : "prompt").dispatchEvent(how === "drop"
+  ? new DragEvent("drop", {...init, dataTransfer: files}) : new ClipboardEvent("paste", {...init, clipboardData: files}));
+"""
+
+
+def _prompt_tokens(answer) -> int:
+    return int(answer.find_element("css selector", '[data-stat="tokens"]').get_attribute("title").split()[1])
+
+
+def test_images_attach_send_resend_and_refuse(vision_served, browser, tmp_path):
+    driver, srv = browser, vision_served
+    models = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0).models.list()
+    assert models.data[0].capabilities == {"vision": True}          # the extension survives the SDK's parsing
+    driver.get(srv.url + "/")
+    _until(lambda: _by(driver, "#attach")[0].is_displayed(), 15, "the attach button of a vision model")
+
+    def thumbs():
+        return _by(driver, "#attachments .thumb")
+
+    red, blue = tmp_path / "red.png", tmp_path / "blue.png"
+    red.write_bytes(PNG)
+    blue.write_bytes(png(40, 40, (0, 60, 200)))
+    _by(driver, "#files")[0].send_keys(f"{red}\n{blue}")
+    _until(lambda: len(thumbs()) == 2, 5, "two thumbnails")
+    thumbs()[1].find_element("css selector", ".remove").click()
+    assert len(thumbs()) == 1
+
+    answer = _send(driver, "What is in the picture?", 2)
+    _until(lambda: answer.get_attribute("data-state") == "done", 30, "the answer about the image")
+    sent = srv.bodies[-1]["messages"]
+    user = {"role": "user", "content": [{"type": "text", "text": "What is in the picture?"},
+                                        {"type": "image_url", "image_url": {"url": data_url(PNG)}}]}
+    assert sent == [user] and not thumbs()
+    shown = _by(driver, "article.user .thumbs img")
+    assert len(shown) == 1 and shown[0].get_attribute("src") == data_url(PNG) and shown[0].is_displayed()
+    text_only = httpx.post(srv.url + "/v1/chat/completions", timeout=30, json={
+        "model": "vl", "max_tokens": 1, "messages": [{"role": "user", "content": [user["content"][0]]}]})
+    text_only = text_only.json()["usage"]["prompt_tokens"]
+    image_tokens = srv.model.prepare_images([PNG]).tokens[0]
+    assert _prompt_tokens(answer) == text_only + image_tokens + 2        # the image's tokens, its start and end
+
+    sent = len(srv.bodies)
+    answer = _send(driver, "And now?", 2)                  # the stateless server gets the first image again
+    _until(lambda: answer.get_attribute("data-state") == "done", 30, "the second answer")
+    assert len(srv.bodies) == sent + 1
+    assert srv.bodies[-1]["messages"][0] == user and srv.bodies[-1]["messages"][-1]["content"] == "And now?"
+
+    # refused in the page: not an image, too large (dropped); an image pasted is attached
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a picture")
+    _by(driver, "#files")[0].send_keys(str(notes))
+    error = _by(driver, "#attach-error")[0]
+    _until(lambda: "notes.txt is not a PNG, JPEG, WebP, GIF or BMP image" in error.text, 5, "the refusal")
+    assert error.is_displayed() and not thumbs()
+    driver.execute_script(GIVE, "drop", "huge.png", "image/png", "", 21 * 2**20)
+    _until(lambda: "huge.png is 21.0 MiB, over the 20 MiB limit" in error.text, 5, "the size refusal")
+    broken = PNG[:60] + b"x" * 30
+    driver.execute_script(GIVE, "paste", "broken.png", "image/png", base64.b64encode(broken).decode(), 0)
+    _until(lambda: len(thumbs()) == 1 and not error.text, 5, "the pasted image's thumbnail")
+
+    # refused by the server (a corrupt PNG): the 400 is shown, and the text and image are back in the composer
+    answer = _send(driver, "Is this one broken?", 2)
+    _until(lambda: answer.get_attribute("data-state") == "error", 30, "the bad image's error")
+    message = answer.find_element("css selector", ".error").text
+    assert "400" in message and "corrupt or truncated PNG" in message and "back in the composer" in message, message
+    assert _by(driver, "#prompt")[0].get_attribute("value") == "Is this one broken?" and len(thumbs()) == 1
+    shot = tmp_path / "images.png"
+    driver.save_screenshot(str(shot))
+    print(f"\nimages screenshot: {shot}")
+    assert _page_errors(driver) == []
+
+
+def test_text_model_offers_no_attach(served, browser):
+    driver = browser
+    assert httpx.get(served.url + "/v1/models", timeout=10).json()["data"][0]["capabilities"] == {"vision": False}
+    driver.get(served.url + "/")
+    _until(lambda: _by(driver, '[data-field="model"]')[0].text == "small", 15, "the model's name in the strip")
+    assert not _by(driver, "#attach")[0].is_displayed() and "Text only" in _by(driver, "#vision-note")[0].text
+    driver.execute_script(GIVE, "drop", "cat.png", "image/png", base64.b64encode(PNG).decode(), 0)
+    assert "takes text only" in _by(driver, "#attach-error")[0].text and not _by(driver, "#attachments .thumb")

@@ -10,6 +10,7 @@ it), 500 with the message for an unexpected internal error — which fails that 
 response is counted in the metrics by endpoint and status. The engine's background loop runs while the
 app lives (started at startup unless already running, stopped at shutdown when the app started it).
 The chat page (serve.ui) is at `GET /` unless `ui=False`; like /health, it is not behind the key.
+Each model of `/v1/models` carries `capabilities: {"vision": bool}` (an extension; the chat page reads it).
 
 Not here (yet): structured output, prefix reuse."""
 from __future__ import annotations
@@ -141,8 +142,10 @@ def create_app(engine, model, *, served_model_name: str, api_key: str | None = N
 
     @app.get("/v1/models")
     async def models():
+        # `capabilities`: an extra field, which OpenAI's model object allows (the SDKs keep it as an attribute)
         return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": state.created,
-                                            "owned_by": "ninfer-gen", "max_model_len": state.max_context}]}
+                                            "owned_by": "ninfer-gen", "max_model_len": state.max_context,
+                                            "capabilities": {"vision": model.vision}}]}
 
     app.include_router(openai_api.router(state))
     app.include_router(anthropic_api.router(state))

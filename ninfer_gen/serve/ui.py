@@ -1,7 +1,8 @@
 """ui: the chat page — `GET /` and its static files under `/ui/` (serve/ui/: HTML, CSS, plain JavaScript
 modules; no CDN, no framework, no build step). The page is a client of the public API only (streamed
 /v1/chat/completions, /health, /metrics, /v1/models): it has no endpoint of its own and never reaches the
-engine. Like /health it is not behind the API key: the page asks for the key when /v1 answers 401."""
+engine. Like /health it is not behind the API key: the page asks for the key when /v1 answers 401. Images go
+as data-URL image_url parts, offered only when /v1/models gives the model `capabilities.vision`."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,17 +1,20 @@
 // app: the chat page's wiring — the conversation (user turns and AnswerViews), the composer with send and
 // stop (stop aborts the fetch; the server sees the connection close and frees the lane), new chat, the
 // settings sent with each request (system prompt, temperature, max tokens, reasoning on/off), the API key
-// panel shown when /v1 answers 401, and the status strip.
-// Images: no attach button. The model has no vision tower yet and the server takes text content parts only;
-// attaching comes with the issue "images in".
+// panel shown when /v1 answers 401, and the status strip. Images (attach.js) are offered only when /v1/models
+// says the model takes them; a message's images go with it and are sent again with every later turn (the server
+// keeps no conversation). A message the server refuses goes back to the composer, text and images.
 
 import { AnswerView } from "./answer.js";
 import { Api, ApiError, explain } from "./api.js";
+import { Attachments, thumbnails, userMessage } from "./attach.js";
 import { StatusStrip } from "./status.js";
 
 const $ = (id) => document.getElementById(id);
 const api = new Api();
 const status = new StatusStrip($("status"), api);
+const attachments = new Attachments({ zone: $("composer"), list: $("attachments"), error: $("attach-error"),
+  button: $("attach"), input: $("files") });
 const page = {
   model: null,             // the served model's id, from /v1/models
   history: [],             // the conversation as sent back to the server (no system prompt)
@@ -19,12 +22,14 @@ const page = {
   running: null,           // {view, controller} of the answer being streamed
 };
 
-function addUser(text) {
+function addUser(text, images) {
   $("empty").hidden = true;
   const msg = document.createElement("article");
   msg.className = "msg user";
-  msg.textContent = text;                // plain text, as typed
+  if (images.length) msg.append(thumbnails(images));
+  if (text) msg.append(text);            // plain text, as typed
   $("conversation").append(msg);
+  return msg;
 }
 
 function scrollDown(force) {
@@ -51,14 +56,17 @@ function requestBody(messages) {
 }
 
 async function send() {
+  if (page.running) return;
+  await attachments.ready;               // files still being read belong to this message
   const text = $("prompt").value.trim();
-  if (!text || page.running) return;
+  if ((!text && !attachments.images.length) || page.running) return;
   if (page.model === null && !(await loadModel())) return;
-  const user = { role: "user", content: text };
+  const images = attachments.take();
+  const user = userMessage(text, images);
   const system = $("system").value.trim();
   const messages = [...(system ? [{ role: "system", content: system }] : []), ...page.history, user];
   $("prompt").value = "";
-  addUser(text);
+  const bubble = addUser(text, images);
   const chat = page.chat;
   const view = new AnswerView($("conversation"));
   const controller = new AbortController();
@@ -86,6 +94,14 @@ async function send() {
       if (err instanceof ApiError && err.status === 401) askKey(message);
     }
   }
+  if (state === "error" && chat === page.chat) {
+    // nothing is lost: the refused message goes back to the composer, to be fixed (an image removed) and resent
+    bubble.dataset.state = "refused";
+    if (!$("prompt").value) $("prompt").value = text;
+    attachments.restore(images);
+    message = `${message.replace(/[.\s]*$/, ".")} Your message${images.length ? " and its images are" : " is"} ` +
+      "back in the composer.";
+  }
   view.end(state, message);
   if (state !== "error" && chat === page.chat) {
     const answer = view.message();
@@ -108,6 +124,7 @@ function newChat() {
   $("conversation").replaceChildren($("empty"));
   $("empty").hidden = false;
   $("prompt").value = "";
+  attachments.take();
   $("prompt").focus();
 }
 
@@ -123,6 +140,11 @@ async function loadModel() {
     const models = await api.json("/v1/models");
     page.model = models.data[0].id;
     status.model(models.data[0]);
+    const vision = models.data[0].capabilities?.vision === true;
+    attachments.enable(vision);
+    $("vision-note").textContent = vision
+      ? "Images: attach, paste or drop PNG, JPEG, WebP, GIF or BMP files (up to 20 MiB each)."
+      : "Text only: this model takes no images.";
     $("key-panel").hidden = true;
     $("key-error").textContent = "";
     return true;
