@@ -62,8 +62,6 @@ class Profile:
             raise ValueError(f"max context {self.max_context} is shorter than the prefill chunk {self.prefill_chunk}")
         if self.kv_dtype not in ("int8", "bf16"):
             raise ValueError(f"KV dtype {self.kv_dtype!r}: expected int8 or bf16")
-        if self.images and self.snapshots:
-            raise ValueError("images run in the ReplaySSM state mode (the snapshot mode is a comparison build)")
 
     @property
     def pages_per_seq(self) -> int:

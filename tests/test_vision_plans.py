@@ -106,3 +106,10 @@ def test_the_images_profiles_new_kernels_compile_without_spills(target, tmp_path
     summary = build_kernels(keys, jobs=2, root=tmp_path, progress=False)
     assert summary.kernels == len(keys) and summary.compiled == len(keys) and summary.spills == 0, summary.table()
     assert {k.family for k in keys} == {"qk_rope_kv", "embed_images", "spec_round"}
+
+
+def test_the_snapshot_state_mode_takes_images_too():
+    """The comparison build (K+1 state copies instead of ReplaySSM records) plans its verify with M-RoPE as well."""
+    profile = profile_of(TINY_VL, cohorts=(1, 2), images=True, snapshots=True)
+    verify = plan_bucket(TINY_VL, T3090, "verify", 2, profile.tail_tokens, profile)
+    assert "mrope" in verify.step_inputs() and plan_rounds(TINY_VL, T3090, profile)
