@@ -11,7 +11,7 @@ from PIL import Image
 from compiler.multimodal import RopePositions, mrope_positions, multimodal_forward
 from ninfer_gen.api import load
 from ninfer_gen.engine import Engine, Request
-from ninfer_gen.lanes.contract import prefix_key
+from ninfer_gen.lanes.images import prefix_key
 from ninfer_gen.lanes.reference import ReferenceLanes
 from ninfer_gen.sampling import SamplingParams
 

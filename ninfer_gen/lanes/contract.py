@@ -23,7 +23,8 @@ LaneBackend — what an adapter provides:
                       run `ids`, the next chunk of `lane.prompt` (positions lane.length .. +len(ids)), into
                       the lane's KV and state. `last`: the chunk ends the prompt — return the first output
                       token (chosen with the lane's sampling parameters and RNG) and set `lane.anchor` to it;
-                      else return None.
+                      else return None. A lane with images (`lane.images`): the chunk's placeholders take their
+                      image tokens, and every call of the lane runs at its M-RoPE positions (lanes.images).
   round(lanes) -> dict[int, list[int] | BaseException]
                       one decode round over every decode-ready lane given (keyed by `lane.lane`). Per lane,
                       from its committed length L and anchor a (the last output token, not yet run):
@@ -158,53 +159,6 @@ class LaneBackend(ABC):
             raise ValueError(f"this backend runs at most {self.caps.max_draft} drafts per round "
                              f"({'no MTP layer or no speculative buckets' if not self.caps.max_draft else 'its built K'}): "
                              f"ask for draft 0..{self.caps.max_draft}, not {request.draft}")
-
-
-def prefix_key(prompt: list[int], images, image_token_id: int) -> list[int]:
-    """The token chain a prefix checkpoint of this prompt is found by (lanes.reuse): the prompt itself, with
-    each image token replaced by a negative id drawn from its image's content digest and its place in the
-    image — two prompts share a checkpoint only where their images are the same pictures, not only the same
-    placeholders. The images (vision.preprocess.Processed) fill the placeholders in order."""
-    if images is None:
-        return list(prompt)
-    import hashlib
-
-    counts, digests = list(images.tokens), list(images.digests)
-    key, image, offset = [], 0, 0
-    for tok in prompt:
-        if tok != image_token_id:
-            key.append(tok)
-            continue
-        if offset == counts[image]:
-            image, offset = image + 1, 0
-        h = hashlib.blake2b(digests[image] + offset.to_bytes(4, "little"), digest_size=7).digest()
-        key.append(-1 - int.from_bytes(h, "little"))
-        offset += 1
-    return key
-
-
-def check_images(request, vision, tower: bool) -> None:
-    """A request's images against the model's vision section (`vision`, None: a text model) and whether its
-    tower runs here: placeholders and images must match one for one (compiler.multimodal.mrope_positions says
-    where not); a prompt with placeholders needs its images."""
-    images = request.images
-    if images is None:
-        if vision is not None and vision.image_token_id in request.prompt:
-            raise ValueError(f"the prompt holds image placeholder tokens (id {vision.image_token_id}) but no images")
-        return
-    if vision is None:
-        raise ValueError("this model has no vision tower: it takes text only")
-    if not tower:
-        raise ValueError("the vision tower is not loaded here: this model takes text only")
-    from compiler.multimodal import mrope_positions
-
-    if images.merge_size != vision.spatial_merge_size:
-        raise ValueError(f"the images were preprocessed for a {images.merge_size}×{images.merge_size} merge, the "
-                         f"model merges {vision.spatial_merge_size}×{vision.spatial_merge_size}")
-    if images.pixels.shape[1] != vision.patch_dim:
-        raise ValueError(f"the images' patch rows have {images.pixels.shape[1]} values, the model's tower takes "
-                         f"{vision.patch_dim}")
-    mrope_positions(list(request.prompt), images.grids, vision)
 
 
 def check_request(request, vocab_size: int) -> None:

@@ -31,9 +31,8 @@ import dataclasses
 import torch
 
 from compiler.kernels import spec_round as sr
-from ninfer_gen.lanes.contract import (Capabilities, LaneBackend, LaneState, check_images, check_request, choose,
-                                       masked_verify)
-from ninfer_gen.lanes.images import chunk_images, open_images
+from ninfer_gen.lanes.contract import Capabilities, LaneBackend, LaneState, check_request, choose, masked_verify
+from ninfer_gen.lanes.images import check_images, chunk_images, open_images
 from ninfer_gen.lanes.reuse import MtpTail, PrefixReuse
 from ninfer_gen.lanes.round_costs import measure_round_costs
 from ninfer_gen.lanes.round_rows import FIELD, RoundRows, idle_rows, round_row

@@ -11,9 +11,8 @@ from typing import Any
 import torch
 
 
-from ninfer_gen.lanes.contract import (Capabilities, LaneBackend, LaneState, check_images, check_request, choose,
-                                       masked_verify)
-from ninfer_gen.lanes.images import chunk_images, open_images
+from ninfer_gen.lanes.contract import Capabilities, LaneBackend, LaneState, check_request, choose, masked_verify
+from ninfer_gen.lanes.images import check_images, chunk_images, open_images
 from ninfer_gen.lanes.reuse import MtpTail, PrefixReuse
 from ninfer_gen.sampling import Sampler, distribution
 from ninfer_gen.speculative import Drafter, accept_greedy, accept_sampled, truncate

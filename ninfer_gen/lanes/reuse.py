@@ -6,7 +6,7 @@ engine chunk that crossed a multiple of `checkpoint_every` prompt tokens, and th
 finished normally (stop or length: n = prompt + output − 1, the last output token is not in the state yet;
 a cancelled or failed request leaves none). A new lane restores the longest checkpoint that is a proper
 prefix of its prompt and prefills only the rest (a prompt with images is matched by `lane.key`, in which each image
-token stands for its picture's content: lanes.contract.prefix_key) (`lane.prefilled` starts at n; `lane.cached` = n).
+token stands for its picture's content: lanes.images.prefix_key) (`lane.prefilled` starts at n; `lane.cached` = n).
 
 The MTP layer's KV lives in the same pages, but its last slots wait for the token after them: a lane with
 drafts checkpoints its pending MTP input (`MtpTail`: the MTP KV holds slots 0..start−1, `hidden` the main
