@@ -8,7 +8,9 @@ B·T ≤ 32 rows, and `prefill` (one sequence) at the chunk and every 16·2^i be
 into full chunks, then prefill pieces of decreasing powers of two, then steps for the last < 16 tokens.
 With drafts and an MTP layer, speculative rounds add per cohort size `verify` and `commit` of T = draft
 + 1, `mtp` of T = draft + 1 (the committed slots, padded) and T = 1 (chained drafts), and `mtp` at the
-prefill sizes (the teacher-forced pass over a prompt, cut like the prompt).
+prefill sizes (the teacher-forced pass over a prompt, cut like the prompt). With the fold_in_verify option the
+rounds' verifies are `verify.rec` and `verify.rec1` (each writes its record set and first folds the other's), and
+`commit.rec1` folds the second set when no next round will.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from .passes import run_pipeline
 from .plan import Plan
 from .spec import ModelSpec
 from .targets import Target
-from .trace import StatePools, trace
+from .trace import RECORD_SETS, StatePools, trace
 
 if TYPE_CHECKING:
     from .round import RoundPlan
@@ -105,6 +107,8 @@ class Profile:
         if self.speculative:
             rounds = [b for b in cohorts if b * self.tail_tokens <= MAX_ROWS]
             out += [(e, b, self.tail_tokens) for b in rounds for e in ("verify", "commit", "mtp")]
+            if self.options.fold_in_verify and not self.snapshots:     # compiler.round.record_buckets
+                out += [(e, b, self.tail_tokens) for b in rounds for e in ("verify.rec", "verify.rec1", "commit.rec1")]
             out += [("mtp", b, 1) for b in rounds] + [("mtp", 1, t) for t in self.prefill_sizes()]
         return list(dict.fromkeys(out))
 
@@ -165,11 +169,13 @@ def plan_bucket(spec: ModelSpec, target: Target, entry: str, batch: int, tokens:
     per_seq = profile.pages_per_seq
     pools = StatePools(per_seq * batch, batch, per_seq, profile.page_size, profile.kv_dtype)
     last = entry in ("prefill", "mtp") and batch == 1 and tokens > MAX_ROWS and not profile.all_logits
+    entry, _, records = entry.partition(".")            # verify.<set>: folds the other set first; commit.<set>
+    fold_from = next(x for x in RECORD_SETS if x != records) if entry == "verify" and records else None
     mrope = profile.images and entry != "commit"
     images = tokens if mrope and entry in ("prefill", "step") and batch == 1 else 0
     graph = trace(spec, entry, batch, tokens, pools, "bf16", last_logits=last,
                   draft_rows=profile.draft_vocab if entry == "mtp" else 0, snapshots=profile.snapshots,
-                  mrope=mrope, image_tokens=images)
+                  mrope=mrope, image_tokens=images, records=records or "rec", fold_from=fold_from)
     return lower(run_pipeline(graph, profile.options), spec, target, profile.options)
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 from .arena import VIEWS, ArenaLayout, allocate
 from .ir import Graph, Var, value_names
 from .kernels import module_of
-from .lower_rules import RULES, ZEROED_WORKSPACE, Ctx, LoweringError, Val, align
+from .lower_ctx import ZEROED_WORKSPACE, Ctx, LoweringError, Val, align
+from .lower_rules import RULES
 from .options import CompileOptions
 from .plan import Arena, Call, Collective, Input, Output, Plan, PlanError, Weight, Workspace, check_args
 from .spec import DRAFT_HEAD, ModelSpec, draft_head_info, format_of, tensor_table

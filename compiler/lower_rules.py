@@ -3,118 +3,27 @@ with its key and a binding for every kernel parameter (plan.Arena via `Val`, ste
 state buffer, workspace, constant, null). A rule may instead launch nothing: views (reshape, slice)
 alias their input, `positions` is the `row_pos` step input. Matrix-multiply dispatch (skinny GEMV up to
 32 rows, else the prefill GEMM — Hopper warpgroup MMA behind an activation permute where the arch and
-format allow) and the prefill GDN choice (chunked from 64 tokens) live here.
+format allow) lives here; the GDN layers' rules are lower_gdn's, what every rule works with lower_ctx's.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Callable
 
-from .ir import Eqn, Graph, Var
+from .ir import Eqn, Var
 from .kernels import (KernelKey, attn_combine, attn_decode, attn_prefill, concat, embed, embed_images, gated_rmsnorm,
-                      gdn_chunk, gdn_conv, gdn_step, gemm, gemm_wg, gemv, module_of, qk_rope_kv, rmsnorm, xperm)
+                      gemm, gemm_wg, gemv, qk_rope_kv, rmsnorm, xperm)
+from .lower_ctx import Arg, Ctx, Lowered, LoweringError, Val
+from .lower_gdn import GDN_RULES
 from .options import CompileOptions
-from .plan import NULL, Binding, Collective, Const, Input, State, Weight, Workspace
-from .spec import DRAFT_HEAD, ModelSpec
+from .plan import NULL, Collective, Const, Input, State, Weight
+from .spec import DRAFT_HEAD
 from .targets import Target
-from .weights import gate_up_name, planes_of
+from .weights import gate_up_name
 
-ZEROED_WORKSPACE = ("tickets", "counters")    # workspace the kernels expect zero and leave zero
 EMBEDDING = "embed_tokens.weight"
-
-
-class LoweringError(ValueError):
-    pass
-
-
-@dataclass(frozen=True)
-class Val:
-    """A graph value bound by where it lives, resolved after the arena is laid out: arena bytes (through
-    views), a step input (graph inputs, `positions`), or a small weight's tensor."""
-    var: Var
-
-
-Arg = Binding | Val
-
-
-@dataclass
-class Lowered:
-    calls: list[tuple[KernelKey, dict[str, Arg]]] = field(default_factory=list)
-    out_dtype: str | None = None        # the dtype the kernels write to output 0, where wider than the graph's
-    alias: Binding | None = None        # launches nothing: output 0 is this binding
-    scratch: tuple | None = None        # what lane 0's scratch holds afterwards (a permuted input), if known
-    in_place: int | None = None         # output 0 overwrites this input's bytes (its last reader)
-
-
-@dataclass
-class Ctx:
-    spec: ModelSpec
-    target: Target
-    graph: Graph
-    options: CompileOptions
-    weight_format: dict[int, str]
-    weight_name: dict[int, str]
-    state_name: dict[int, str]
-    scratch: tuple | None = None        # Lowered.scratch of the previous equation that launched anything
-    wide: dict[int, str] = field(default_factory=dict)   # value → the dtype its kernel writes, where wider
-
-    @property
-    def b(self) -> int:
-        return self.graph.params["batch"]
-
-    @property
-    def t(self) -> int:
-        return self.graph.params["tokens"]
-
-    @property
-    def m(self) -> int:
-        return self.b * self.t
-
-    @property
-    def prefill(self) -> bool:
-        """Prefill attention: a prompt chunk (of the model, or of the MTP's teacher-forced pass over a
-        prompt: one row of ≥ 16 tokens), or more rows than the decode kernels take."""
-        entry = self.graph.params["entry"]
-        return entry == "prefill" or self.m > 32 or (entry == "mtp" and self.b == 1 and self.t >= 16)
-
-    @property
-    def max_pages(self) -> int:
-        return self.graph.inputs["block_table"].shape[1]
-
-    @property
-    def kv_dtype(self) -> str:
-        return "int8" if self.graph.params["kv"] == "int8" else "bf16"
-
-    def layer(self, state: Var) -> str:
-        """The layer a state value belongs to: `gdn.3.conv` → 3, `kv.mtp.codes` → mtp."""
-        return self.state_name[state.uid].split(".")[1]
-
-    def pages(self, cache_first: Var) -> dict[str, Binding]:
-        """The attention layer's K/V pages (and INT8 scales; null for bf16 pages) as kernel parameters."""
-        layer, int8 = self.layer(cache_first), self.kv_dtype == "int8"
-        return {"k_pages": State(f"kv.{layer}.k"), "v_pages": State(f"kv.{layer}.v"),
-                "k_scales": State(f"kv.{layer}.k_scales") if int8 else NULL,
-                "v_scales": State(f"kv.{layer}.v_scales") if int8 else NULL}
-
-    def planes(self, name: str, fmt: str) -> dict[str, Binding]:
-        """A packed matrix's planes as the matmul parameters; the planes its format lacks are null."""
-        have = planes_of(fmt)
-        return {f"w_{p}": Weight(name, p) if p in have else NULL for p in ("lo", "hi", "scales")}
-
-    def workspace(self, key: KernelKey) -> dict[str, Workspace]:
-        """The call's workspace regions (`workspace(key)` of its family) in its lane, 256-byte aligned."""
-        fn = getattr(module_of(key), "workspace", None)
-        out, at = {}, {"scratch": 0, "zeroed": 0}
-        for name, size in (fn(key) if fn else {}).items():
-            pool = "zeroed" if name in ZEROED_WORKSPACE else "scratch"
-            out[name], at[pool] = Workspace(pool, at[pool]), at[pool] + align(size)
-        return out
-
-
-def align(n: int, a: int = 256) -> int:
-    return -(-n // a) * a
 
 
 # ---------------------------------------------------------------------------------------------- matmul
@@ -235,85 +144,6 @@ def _embed(ctx, e):
                            "scales": scales})])
 
 
-def _gdn_conv(ctx, e):
-    """gdn_conv (writes the history) or gdn_conv_record (a verify: history read, columns logged)."""
-    x, w, history, _, *rec = e.inputs
-    mode = "record" if rec else "update"
-    key = gdn_conv.Key(x.shape[2], ctx.b, ctx.t, w.shape[2], mode, ctx.target.arch)
-    layer = ctx.layer(history)
-    return Lowered([(key, {"y": Val(e.outputs[0]), "x": Val(x), "w": Val(w), "hist": State(f"gdn.{layer}.conv"),
-                           "slots": Input("slots"), "rec": State(f"rec.{layer}.conv") if rec else NULL,
-                           "commit": NULL, "prev_rec": NULL})])
-
-
-def _gdn_conv_fold(ctx, e):
-    history, _, rec, _ = e.inputs
-    layer = ctx.layer(history)
-    key = gdn_conv.Key(rec.shape[2], rec.shape[0], rec.shape[1], history.shape[2] + 1, "fold", ctx.target.arch)
-    return Lowered([(key, {"y": NULL, "x": NULL, "w": NULL, "hist": State(f"gdn.{layer}.conv"), "slots": Input("slots"),
-                           "rec": State(f"rec.{layer}.conv"), "commit": Input("commit"), "prev_rec": NULL})])
-
-
-def prefill_gdn_key(hk, hv, dk, dv, t: int, target: Target) -> KernelKey:
-    """The GDN recurrence of a one-sequence prefill chunk: chunked (WY) from 64 tokens, else sequential."""
-    if t >= 64 and t % 16 == 0:
-        return gdn_chunk.make_key(hk, hv, dk, dv, t, target)
-    return gdn_step.make_key(hk, hv, dk, dv, 1, t, "step", target)
-
-
-RECORD_PARAMS = {"rec_k": "k", "rec_v": "v", "rec_g": "g"}      # gdn_step parameter → the layer's record buffer
-FOLD_PARAMS = ("commit", "prev_k", "prev_v", "prev_g")
-SNAPSHOT_PRIMS = ("gdn_step_snapshot",)
-
-
-def _records(layer: str) -> dict[str, Binding]:
-    return {p: State(f"rec.{layer}.{part}") for p, part in RECORD_PARAMS.items()}
-
-
-def _gdn_step(ctx, e):
-    """gdn_step, or gdn_step_record (a verify: the committed state read, k, v, g and beta logged).
-    Prefill chunks of one sequence take the chunked kernel from 64 tokens."""
-    q, _, v, a, b, a_log, dt_bias, state, _, *rec = e.inputs
-    hk, dk, hv, dv = q.shape[2], q.shape[3], v.shape[2], v.shape[3]
-    snapshots = e.prim in SNAPSHOT_PRIMS
-    if ctx.graph.params["entry"] == "prefill" and ctx.b == 1:
-        key = prefill_gdn_key(hk, hv, dk, dv, ctx.t, ctx.target)
-    else:
-        mode = "snapshot" if snapshots else "record" if rec else "step"
-        key = gdn_step.make_key(hk, hv, dk, dv, ctx.b, ctx.t, mode, ctx.target)
-    layer = ctx.layer(state)
-    args = {"o": Val(e.outputs[0]), "qkv": Val(q), "a": Val(a), "b": Val(b), "a_log": Val(a_log),
-            "dt_bias": Val(dt_bias), "state": State(f"gdn.{layer}.state"), "slots": Input("slots")}
-    if key.family == "gdn_step":
-        args |= (_records(layer) if rec and not snapshots else dict.fromkeys(RECORD_PARAMS, NULL)) | \
-            dict.fromkeys(FOLD_PARAMS, NULL) | {"snap": State(f"snap.{layer}") if snapshots else NULL}
-    return Lowered([(key, args)], out_dtype="f32")
-
-
-def _gdn_fold(ctx, e):
-    """The ReplaySSM fold: the first commit[r] logged tokens of row r into its state (the step's key fields,
-    so the same update runs: fold == that many steps, bit for bit)."""
-    state, _, rec_k, rec_v, _, _ = e.inputs
-    b, t, hk, dk = rec_k.shape
-    key = gdn_step.make_key(hk, rec_v.shape[2], dk, rec_v.shape[3], b, t, "fold", ctx.target)
-    layer = ctx.layer(state)
-    args = dict.fromkeys(("o", "qkv", "a", "b", "a_log", "dt_bias", "prev_k", "prev_v", "prev_g", "snap"), NULL)
-    return Lowered([(key, args | {"state": State(f"gdn.{layer}.state"), "slots": Input("slots"),
-                                  "commit": Input("commit")} | _records(layer))])
-
-
-def _gdn_snapshot_restore(ctx, e):
-    """Snapshot mode's commit: the state after the m-th verified token becomes the committed state."""
-    state, _, snaps, _ = e.inputs
-    b, t, hv, dk, dv = snaps.shape
-    hk = ctx.spec.model.linear_attention.num_key_heads
-    key = gdn_step.make_key(hk, hv, dk, dv, b, t, "restore", ctx.target)
-    layer = ctx.layer(state)
-    args = dict.fromkeys(("o", "qkv", "a", "b", "a_log", "dt_bias", "prev_k", "prev_v", "prev_g", *RECORD_PARAMS), NULL)
-    return Lowered([(key, args | {"state": State(f"gdn.{layer}.state"), "slots": Input("slots"),
-                                  "commit": Input("commit"), "snap": State(f"snap.{layer}")})])
-
-
 def _gated_rmsnorm(ctx, e):
     """gated_rmsnorm, or gated_rmsnorm_tiled (its heads written in a GGUF out_proj's tiled order)."""
     _, hv, dv = e.inputs[0].shape
@@ -398,14 +228,12 @@ def _concat(ctx, e):
 RULES: dict[str, Callable[[Ctx, Eqn], Lowered]] = {
     "embed": _embed, "linear": _projection("none"), "linear_residual": _linear_residual,
     "linear_silu_mul": _projection("silu_mul"),
-    "rmsnorm": _norm, "add_rmsnorm": _add_norm, "gdn_conv": _gdn_conv, "gdn_step": _gdn_step,
-    "gdn_conv_record": _gdn_conv, "gdn_step_record": _gdn_step, "gdn_conv_fold": _gdn_conv_fold, "gdn_fold": _gdn_fold,
-    "gdn_step_snapshot": _gdn_step, "gdn_snapshot_restore": _gdn_snapshot_restore,
+    "rmsnorm": _norm, "add_rmsnorm": _add_norm,
     "all_reduce": _collective("all_reduce"), "all_gather": _collective("all_gather"),
     "gated_rmsnorm": _gated_rmsnorm, "gated_rmsnorm_tiled": _gated_rmsnorm,
     "qk_rope_kv": _qk_rope_kv, "paged_attention": _attention(False),
     "gated_paged_attention": _attention(True), "linear_residual_norm": _linear_residual_norm,
     "scaled_linear": _scaled(_projection("none")), "scaled_linear_silu_mul": _scaled(_projection("silu_mul")),
     "linear_conv": _with_conv(_projection("none")), "scaled_linear_conv": _scaled(_with_conv(_projection("none"))),
-    "positions": _positions, "concat": _concat, "embed_images": _embed_images,
+    "positions": _positions, "concat": _concat, "embed_images": _embed_images, **GDN_RULES,
 }

@@ -29,6 +29,8 @@ class Batch:
     records: Callable[[str], Any] | None = None     # verify (ReplaySSM): GDN layers log, never write state
     snapshots: bool = False                         # verify/commit in snapshot mode: K+1 state copies per row
     mrope: Any = None                               # i32[N, 3] M-RoPE positions (prompts with images); None: 1-D
+    fold: Any = None                                # verify: (the previous round's records, commit counts): folded
+                                                    # into the state before this verify reads it (REPLAYSSM.md)
 
     def kv(self, layer: str) -> tuple:
         if self.kv_int8:
@@ -56,6 +58,9 @@ def gdn_mixer(ops: Ops, spec: ModelSpec, W, p: str, h, batch: Batch, layer: int)
     stateful = batch.state is not None
     history = batch.state(f"gdn.{layer}.conv") if stateful else None
     rec = batch.records
+    if batch.fold is not None:
+        prev, counts = batch.fold
+        ops.gdn_conv_fold(history, batch.slots, prev(f"rec.{layer}.conv"), counts)
     if rec is None:
         c = ops.gdn_conv(c, W(f"{p}conv1d.weight"), history, batch.slots)
     else:
@@ -67,6 +72,8 @@ def gdn_mixer(ops: Ops, spec: ModelSpec, W, p: str, h, batch: Batch, layer: int)
     decay = ops.reshape(decay, B, T, g.num_value_heads)
     beta = ops.reshape(beta, B, T, g.num_value_heads)
     state = batch.state(f"gdn.{layer}.state") if stateful else None
+    if batch.fold is not None:
+        ops.gdn_fold(state, batch.slots, *(prev(f"rec.{layer}.{part}") for part in ("k", "v", "g")), counts)
     if rec is None:
         o = ops.gdn_recurrence(q, k, v, decay, beta, state, batch.slots)
     elif batch.snapshots:

@@ -17,6 +17,9 @@ class CompileOptions:
     concurrency: int = 4         # independent GEMVs that may run at once as graph branches (1 = serial)
     gemv: str = ""               # experiment rules for decode-GEMV key fields (gemv.parse_overrides)
     debug: int = 0               # 1: type-check after every pass (else once per pipeline); 2: also print
+    fold_in_verify: bool = False  # fused rounds fold the previous round's records inside the next verify (the GDN
+                                  # kernels' commit_record modes, two record sets used in turn) instead of a
+                                  # commit bucket at the round's start: −2 launches per GDN layer and round
 
     def __post_init__(self):
         if not isinstance(self.concurrency, int) or not 1 <= self.concurrency <= 8:

@@ -187,6 +187,36 @@ def fuse_gdn_gates(g: Graph) -> Graph:
     return _rewrite(g, match)
 
 
+FOLDS_INTO = {"gdn_conv_record": ("gdn_conv_fold", "gdn_conv_commit_record", 2),      # record prim → (its fold,
+              "gdn_step_record": ("gdn_fold", "gdn_step_commit_record", 7)}          # the fused prim, state input)
+
+
+def fuse_fold_into_verify(g: Graph) -> Graph:
+    """A verify that folds the previous round's records first (trace fold_from): gdn_conv_fold → gdn_conv_record
+    and gdn_fold → gdn_step_record on the same history / state and slots, nothing between touching it → one
+    equation at the record's place (the kernels' commit_record modes: fold, then verify, one state pass)."""
+    folds = {}                                     # (state uid, slots uid) → index of the last fold of it
+    for i, e in enumerate(g.eqns):
+        if e.prim in ("gdn_conv_fold", "gdn_fold"):
+            folds[(e.inputs[0].uid, e.inputs[1].uid)] = i
+
+    def touches(e, uid: int) -> bool:
+        return any(isinstance(x, Var) and x.uid == uid for x in (*e.inputs, *e.outputs))
+
+    def match(g, i, uses, prod):
+        e = g.eqns[i]
+        if e.prim not in FOLDS_INTO:
+            return None
+        fold_prim, fused_prim, at = FOLDS_INTO[e.prim]
+        state, slots = e.inputs[at], e.inputs[at + 1]
+        j = folds.get((state.uid, slots.uid))
+        if j is None or j > i or g.eqns[j].prim != fold_prim or any(touches(x, state.uid) for x in g.eqns[j + 1:i]):
+            return None
+        _, _, *prev, counts = g.eqns[j].inputs
+        return Eqn(fused_prim, [*e.inputs, *prev, counts], dict(e.params), e.outputs), {j}
+    return _rewrite(g, match)
+
+
 ATTENTION_CACHE_AT = {"paged_attention": 3, "gated_paged_attention": 4}    # where an attention's cache inputs start
 
 
@@ -338,7 +368,7 @@ def pipeline(options: CompileOptions = CompileOptions()) -> list[Pass]:
     folds = ([fold_norms_into_projections] if options.norm_fold else []) + \
         ([fold_conv_into_projection] if options.conv_fold else [])
     return [fuse_linear_residual, fuse_add_rmsnorm, fuse_silu_mul, fuse_gate_up, fuse_norm_rope, fuse_gdn_gates,
-            fuse_output_gate, fuse_qk_rope_kv, fuse_tiled_heads, *folds, dead_code]
+            fuse_fold_into_verify, fuse_output_gate, fuse_qk_rope_kv, fuse_tiled_heads, *folds, dead_code]
 
 
 def run_pipeline(g: Graph, options: CompileOptions = CompileOptions(), passes: list[Pass] | None = None) -> Graph:

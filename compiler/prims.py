@@ -277,6 +277,22 @@ def _gdn_step_record(q, k, v, a, b, a_log, dt_bias, state, slots, rec_k, rec_v, 
     return _gdn_step(q, k, v, a, b, a_log, dt_bias, state, slots)
 
 
+@_prim("gdn_conv_commit_record", replay.gdn_conv_commit_record, effectful=True)
+def _gdn_conv_commit_record(c, w, history, slots, rec, prev_rec, commit):
+    _gdn_conv_fold(history, slots, prev_rec, commit)
+    _check(prev_rec.shape == rec.shape, lambda: f"gdn_conv_commit_record: previous records {prev_rec} for {rec}")
+    return _gdn_conv_record(c, w, history, slots, rec)
+
+
+@_prim("gdn_step_commit_record", replay.gdn_step_commit_record, effectful=True)
+def _gdn_step_commit_record(q, k, v, a, b, a_log, dt_bias, state, slots, rec_k, rec_v, rec_g, prev_k, prev_v, prev_g,
+                            commit):
+    _gdn_fold(state, slots, prev_k, prev_v, prev_g, commit)
+    _check((prev_k.shape, prev_v.shape, prev_g.shape) == (rec_k.shape, rec_v.shape, rec_g.shape),
+           lambda: f"gdn_step_commit_record: previous records {prev_k} {prev_v} {prev_g} for {rec_k} {rec_v} {rec_g}")
+    return _gdn_step_record(q, k, v, a, b, a_log, dt_bias, state, slots, rec_k, rec_v, rec_g)
+
+
 @_prim("gdn_step_snapshot", replay.gdn_step_snapshot, effectful=True)
 def _gdn_step_snapshot(q, k, v, a, b, a_log, dt_bias, state, slots, snaps):
     _snapshots(v, state, snaps, "gdn_step_snapshot")

@@ -81,6 +81,21 @@ def gdn_step_record(q, k, v, a, b, a_log, dt_bias, state, slots, rec_k, rec_v, r
     return gdn_recurrence_record(q, k, v, g.reshape(shape), beta.reshape(shape), state, slots, rec_k, rec_v, rec_g)
 
 
+def gdn_conv_commit_record(c, w, history, slots, rec, prev_rec, commit):
+    """The previous round's first m columns folded into the history (gdn_conv_fold), then this verify's conv
+    (gdn_conv_record): passes.fuse_fold_into_verify."""
+    gdn_conv_fold(history, slots, prev_rec, commit)
+    return gdn_conv_record(c, w, history, slots, rec)
+
+
+def gdn_step_commit_record(q, k, v, a, b, a_log, dt_bias, state, slots, rec_k, rec_v, rec_g, prev_k, prev_v, prev_g,
+                           commit):
+    """The previous round's first m records folded into the state (gdn_fold), then this verify's recurrence
+    (gdn_step_record): passes.fuse_fold_into_verify."""
+    gdn_fold(state, slots, prev_k, prev_v, prev_g, commit)
+    return gdn_step_record(q, k, v, a, b, a_log, dt_bias, state, slots, rec_k, rec_v, rec_g)
+
+
 def gdn_fold(state, slots, rec_k, rec_v, rec_g, commit):
     """state[slot] ← the recurrence over the first m logged tokens of row r (m = min(commit[r], T))."""
     hk = rec_k.shape[2]

@@ -4,7 +4,8 @@ ninfer_gen.speculative states the round's math; this module orders it for the de
 
   [commit B×(K+1)]       fused mode: the previous round's accepted records folded in (m = 0: nothing)
   spec_round begin       verify inputs from the round-state rows
-  verify B×(K+1)         the target in record mode
+  verify B×(K+1)         the target in record mode (fold_in_verify: record set `parity`, which first folds the
+                         previous round's records of the other set: no commit step; rounds alternate parity)
   argmax | probs verify  the target's choice (greedy, coin) or distributions (sampled)
   spec_round accept      acceptance, truncation, the state update; the fold's and the MTP's inputs
   mtp B×(K+1)            the MTP over the committed slots (padded to K+1)
@@ -23,6 +24,7 @@ from .kernels import argmax, module_of, spec_round
 from .plan import NULL, BucketInput, BucketOutput, Call, RoundBuffer, Weight, check_args
 from .spec import ModelSpec
 from .targets import Target, supports_pdl
+from .trace import RECORD_SETS
 
 ACCEPTANCE = ("greedy", "sampled", "coin")
 _INPUTS = ("tokens", "row_pos", "pos", "block_table", "slots", "seq_lens")
@@ -33,7 +35,8 @@ class RoundPlan:
     batch: int
     draft: int
     acceptance: str                     # greedy | sampled | coin (the bench's --accept-prob)
-    fold: bool                          # fused mode: the commit bucket is the round's first step
+    fold: bool                          # fused mode: the previous round's records are folded inside the round
+    parity: int = 0                     # fold_in_verify: the record set this round's verify writes (RECORD_SETS)
     steps: list = field(default_factory=list)       # bucket shapes (entry, B, T) and Calls, in launch order
     buffers: dict[str, tuple[tuple[int, ...], str, bool]] = field(default_factory=dict)  # name → shape, dtype, zeroed
 
@@ -52,9 +55,18 @@ class RoundPlan:
                          for i, s in enumerate(self.steps))
 
 
+def record_buckets(batch: int, tokens: int, parity: int) -> tuple[tuple, tuple, tuple]:
+    """fold_in_verify's buckets of a round of parity p: (its verify — writing set p, folding set 1 − p —, the
+    next round's verify, the commit bucket of set p: what a flush runs when no next round folds them)."""
+    verify = lambda p: (f"verify.{RECORD_SETS[p]}", batch, tokens)
+    commit = ("commit", batch, tokens) if parity == 0 else (f"commit.{RECORD_SETS[1]}", batch, tokens)
+    return verify(parity), verify(1 - parity), commit
+
+
 def plan_round(spec: ModelSpec, target: Target, profile, batch: int, acceptance: str = "greedy",
-               fold: bool = True) -> RoundPlan:
-    """The round of `batch` lanes with the profile's K drafts (profile: compiler.buckets.Profile)."""
+               fold: bool = True, parity: int = 0) -> RoundPlan:
+    """The round of `batch` lanes with the profile's K drafts (profile: compiler.buckets.Profile); with the
+    profile's fold_in_verify (fused mode) the round of record set `parity`."""
     if acceptance not in ACCEPTANCE:
         raise ValueError(f"acceptance {acceptance!r}: expected one of {', '.join(ACCEPTANCE)}")
     if not profile.speculative:
@@ -63,8 +75,12 @@ def plan_round(spec: ModelSpec, target: Target, profile, batch: int, acceptance:
     t, v, vd, h, p = k + 1, a.vocab_size, profile.draft_rows(spec), a.hidden_size, profile.pages_per_seq
     pdl = profile.options.pdl and supports_pdl(target.arch)
     verify, mtp_all, mtp_one, commit = ("verify", batch, t), ("mtp", batch, t), ("mtp", batch, 1), ("commit", batch, t)
+    in_verify = fold and profile.options.fold_in_verify
+    following = commit                                   # whose `commit` input takes this round's counts
+    if in_verify:
+        verify, following, commit = record_buckets(batch, t, parity)
     ids = NULL if vd == v else Weight("mtp.draft_ids", "tensor")         # draft row → token id
-    rp = RoundPlan(batch, k, acceptance, fold)
+    rp = RoundPlan(batch, k, acceptance, fold, parity if in_verify else 0)
     rows = batch * t
     rp.buffers = {"round": ((batch, spec_round.ROW_WORDS), "i32", False), "tables": ((batch, p), "i32", False),
                   "best_verify": ((rows,), "i32", False), "best_mtp": ((rows,), "i32", False),
@@ -91,9 +107,9 @@ def plan_round(spec: ModelSpec, target: Target, profile, batch: int, acceptance:
 
     state = {"round": RoundBuffer("round"), "tables": RoundBuffer("tables")}
     key = lambda stage, mode, **kw: spec_round.make_key(stage, mode, batch, k, target, v=v, vd=vd, h=h, p=p, **kw)
-    if fold:
+    if fold and not in_verify:
         rp.steps.append(commit)
-    call(key("begin", ""), **state, **inputs(verify))
+    call(key("begin", "fold" if in_verify else ""), **state, **inputs(verify))
     rp.steps.append(verify)
     if sampled:
         call(key("probs", "verify"), round=RoundBuffer("round"), logits=BucketOutput(verify, "logits"), ids=NULL,
@@ -103,7 +119,7 @@ def plan_round(spec: ModelSpec, target: Target, profile, batch: int, acceptance:
     call(key("accept", acceptance), **state, best=NULL if sampled else RoundBuffer("best_verify"),
          p_dist=RoundBuffer("p_dist") if sampled else NULL, q_dist=RoundBuffer("q_dist") if sampled else NULL,
          hidden=BucketOutput(verify, "hidden"), fold_slots=BucketInput(commit, "slots"),
-         fold_commit=BucketInput(commit, "commit"), **inputs(mtp_all, True))
+         fold_commit=BucketInput(following, "commit"), **inputs(mtp_all, True))
     rp.steps.append(mtp_all)
     mode = "sampled" if sampled else "greedy"
     for j in range(k):

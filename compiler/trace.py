@@ -56,22 +56,26 @@ def state_avals(spec: ModelSpec, pools: StatePools) -> dict[str, tuple[tuple[int
     return out
 
 
+RECORD_SETS = ("rec", "rec1")     # the ReplaySSM record sets: rounds that fold inside the next verify use both in turn
+
+
 def record_avals(spec: ModelSpec, batch: int, tokens: int, act_dtype: str,
-                 snapshots: bool = False) -> dict[str, tuple[tuple[int, ...], str]]:
+                 snapshots: bool = False, prefix: str = "rec") -> dict[str, tuple[tuple[int, ...], str]]:
     """Name → (shape, dtype) of the ReplaySSM records of a verify step of `batch` rows × `tokens`, per
     GDN layer: pre-conv columns, raw k, v (activation dtype) and (g, beta) fp32 (REPLAYSSM.md); with
-    `snapshots`, the columns and the state after each token (fp32 [rows, tokens, Hv, Dk, Dv])."""
+    `snapshots`, the columns and the state after each token (fp32 [rows, tokens, Hv, Dk, Dv]). `prefix`: the
+    record set (RECORD_SETS)."""
     g = spec.model.linear_attention
     out = {}
     for i, kind in enumerate(spec.model.layers.kinds):
         if kind == "linear_attention":
-            out[f"rec.{i}.conv"] = ((batch, tokens, g.conv_dim), act_dtype)
+            out[f"{prefix}.{i}.conv"] = ((batch, tokens, g.conv_dim), act_dtype)
             if snapshots:
                 out[f"snap.{i}"] = ((batch, tokens, g.num_value_heads, g.key_head_dim, g.value_head_dim), "f32")
                 continue
-            out[f"rec.{i}.k"] = ((batch, tokens, g.num_key_heads, g.key_head_dim), act_dtype)
-            out[f"rec.{i}.v"] = ((batch, tokens, g.num_value_heads, g.value_head_dim), act_dtype)
-            out[f"rec.{i}.g"] = ((batch, tokens, g.num_value_heads, 2), "f32")
+            out[f"{prefix}.{i}.k"] = ((batch, tokens, g.num_key_heads, g.key_head_dim), act_dtype)
+            out[f"{prefix}.{i}.v"] = ((batch, tokens, g.num_value_heads, g.value_head_dim), act_dtype)
+            out[f"{prefix}.{i}.g"] = ((batch, tokens, g.num_value_heads, 2), "f32")
     return out
 
 
@@ -82,7 +86,7 @@ def _weight_dtype(spec: ModelSpec, info) -> str:
 
 def trace(spec: ModelSpec, entry: str, batch: int, tokens: int, pools: StatePools,
           act_dtype: str = "f32", last_logits: bool = False, draft_rows: int = 0, snapshots: bool = False,
-          mrope: bool = False, image_tokens: int = 0) -> Graph:
+          mrope: bool = False, image_tokens: int = 0, records: str = "rec", fold_from: str | None = None) -> Graph:
     """Trace one entry point at one static shape. Quantised weights appear as their dequantised
     dtype; the weight format is a property of the binding. `last_logits` (one-sequence chunks): the
     vocab projection runs for the chunk's last token alone, as serving needs. `draft_rows` (mtp): the head
@@ -91,7 +95,9 @@ def trace(spec: ModelSpec, entry: str, batch: int, tokens: int, pools: StatePool
     `mrope` (prefill, step, verify, mtp of a spec with a vision section; a sequence with images): input `mrope`
     i32[B·T, 3], the tokens' RoPE positions (compiler.multimodal), which differ from their cache positions `pos`
     after an image. `image_tokens` (with mrope): input `images` [image_tokens, hidden], the image tokens of the
-    chunk's placeholders. Both off: the text-only graph."""
+    chunk's placeholders. Both off: the text-only graph. `records` (verify, commit): the record set it writes or
+    folds (RECORD_SETS); `fold_from` (verify): first fold the first `commit[r]` records of that set into each row's
+    state (input `commit` i32[batch]) — the previous round's, so a round needs no commit entry of its own."""
     if entry not in ENTRIES:
         raise ValueError(f"unknown entry point {entry!r} (expected one of {', '.join(ENTRIES)})")
     if entry == "prefill" and batch != 1:
@@ -104,13 +110,20 @@ def trace(spec: ModelSpec, entry: str, batch: int, tokens: int, pools: StatePool
         raise ValueError("image_tokens: images enter the model in a prompt's pieces only (prefill, step)")
     if image_tokens and not mrope:
         raise ValueError("image_tokens needs mrope: a chunk with images has 3-axis positions")
+    if records not in RECORD_SETS or (fold_from is not None and (fold_from not in RECORD_SETS or fold_from == records)):
+        raise ValueError(f"record sets: write one of {RECORD_SETS} and fold the other, got {records!r}, {fold_from!r}")
+    if (records != "rec" and entry not in ("verify", "commit")) or (fold_from and (entry != "verify" or snapshots)):
+        raise ValueError("a record set other than 'rec' belongs to verify and commit; folding inside a verify to "
+                         "a ReplaySSM verify")
     ops = TraceOps(act_dtype)
     table = {t.name: t for t in tensor_table(spec)}
     if draft_rows:
         table[DRAFT_HEAD] = draft_head_info(spec, draft_rows)
     weights, state = {}, {}
-    svals = state_avals(spec, pools) | (record_avals(spec, batch, tokens, act_dtype, snapshots)
+    svals = state_avals(spec, pools) | (record_avals(spec, batch, tokens, act_dtype, snapshots, records)
                                         if entry in ("verify", "commit") else {})
+    if fold_from:
+        svals |= record_avals(spec, batch, tokens, act_dtype, False, fold_from)
 
     def W(name):
         if name not in weights:
@@ -128,8 +141,11 @@ def trace(spec: ModelSpec, entry: str, batch: int, tokens: int, pools: StatePool
               "block_table": ops.new_var((batch, pools.pages_per_seq), "i32")}
     b = model.Batch(batch, tokens, inputs["pos"], inputs["block_table"], None, S, pools.page_size,
                     pools.kv_dtype == "int8")
+    def record_set(prefix: str):             # the model names records `rec.<layer>.<part>`: the set's own names
+        return lambda name: S(prefix + name[3:] if name.startswith("rec.") else name)
+
     if entry in ("verify", "commit"):
-        b.records = S
+        b.records = record_set(records)
         b.snapshots = snapshots
     outputs = {}
     if entry == "mtp":
@@ -144,6 +160,9 @@ def trace(spec: ModelSpec, entry: str, batch: int, tokens: int, pools: StatePool
         model.commit(ops, spec, b, inputs["commit"])
     else:
         inputs["slots"] = b.slots = ops.new_var((batch,), "i32")
+        if fold_from:
+            inputs["commit"] = ops.new_var((batch,), "i32")
+            b.fold = (record_set(fold_from), inputs["commit"])
         images = None
         if mrope:
             b.mrope = inputs["mrope"] = ops.new_var((batch * tokens, 3), "i32")
@@ -162,6 +181,10 @@ def trace(spec: ModelSpec, entry: str, batch: int, tokens: int, pools: StatePool
         params["images"] = image_tokens
     if snapshots and entry in ("verify", "commit"):
         params["state"] = "snapshots"
+    if records != "rec":
+        params["records"] = records
+    if fold_from:
+        params["fold"] = fold_from
     g = Graph(f"{spec.name}.{entry}", inputs, weights, dict(sorted(state.items())), ops.eqns, outputs, params)
     typecheck(g)
     return g

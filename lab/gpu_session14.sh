@@ -2,7 +2,7 @@
 # The device calls of sessions 13–14 (issues 30–34): the GPU tier's cohort, speculative, runtime and arch-path
 # files, the 27B C1 bench through the engine (K = 3, 32K draft head, accept 0.8), the cohort bench C1/C8 (fixed,
 # adaptive, plain), the sm_86 path, serve with no flags, long context, k-quants, and images (vision).
-# PART=tests,bench,cohort,arch,serve,long,pace,kq,vision (default: all, in that order). Logs to $OUT as it goes.
+# PART=tests,bench,fold,cohort,arch,serve,long,pace,kq,vision (default: all, in that order). Logs to $OUT as it goes.
 # The text benches load the 27B with --no-vision (the figures earlier sessions compare with); `vision` measures
 # the default load (tower on: M-RoPE plans, the tower's memory) beside them.
 set -uo pipefail
@@ -22,6 +22,14 @@ if part bench; then
   timeout ${BENCH_S:-300} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --no-vision --draft 3 --accept-prob 0.8 \
     --draft-vocab 32768 --output-tokens 512 --repeats 1 --prefill '' --per-k --json $OUT/bench_c1.json > $OUT/bench_c1.log 2>&1
   echo "C1 bench: rc $?"; shown $OUT/bench_c1.log 40
+fi
+if part fold; then                   # issue 32 item 3: rounds that fold inside the next verify, tier test and C1/C8 bench
+  timeout ${FOLDT_S:-150} python3 -m pytest -m gpu tests/gpu/test_fold_in_verify_gpu.py -q -s -rf -p no:cacheprovider \
+    > $OUT/fold_tests.log 2>&1; echo "fold-in-verify tests: rc $?"; shown $OUT/fold_tests.log 8
+  NINFER_FOLD_IN_VERIFY=1 timeout ${FOLD_S:-300} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --no-vision \
+    --draft 3 --accept-prob 0.8 --draft-vocab 32768 --output-tokens 512 --repeats 1 --prefill '' \
+    --json $OUT/bench_fold_c1.json > $OUT/bench_fold_c1.log 2>&1
+  echo "C1 bench, fold in verify: rc $?"; shown $OUT/bench_fold_c1.log 24
 fi
 if part cohort; then                 # C1 and C8, fixed K, adaptive and plain, at each accept probability in PS
   for p in ${PS:-0.8}; do

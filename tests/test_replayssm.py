@@ -164,3 +164,41 @@ def test_snapshot_mode_commits_the_same_state_as_replayssm(weights, fused):
         assert torch.allclose(states["rec"][0], states["snap"][0], rtol=1e-5, atol=1e-5)
         for k, v in states["rec"][1].items():
             assert torch.allclose(states["snap"][1][k], v, rtol=1e-5, atol=1e-6), f"m = {m}: {k}"
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_verify_that_folds_first_equals_commit_then_verify(weights, fused):
+    """CompileOptions.fold_in_verify's graph: a verify writing the other record set that first folds the previous
+    round's first m records (trace fold_from) leaves the state, logits and records of a commit followed by a
+    plain verify, bit for bit — per row its own m (0 and T included) — unfused (folds, then the record prims)
+    and fused (the commit_record prims, passes.fuse_fold_into_verify)."""
+    prep = (lambda g: run_pipeline(g)) if fused else (lambda g: g)
+    first = prep(trace(SPEC, "verify", B, T, POOLS))
+    commit = prep(trace(SPEC, "commit", B, T, POOLS))
+    verify = prep(trace(SPEC, "verify", B, T, POOLS, records="rec1"))
+    folding = prep(trace(SPEC, "verify", B, T, POOLS, records="rec1", fold_from="rec"))
+    if fused:
+        prims = {e.prim for e in folding.eqns}
+        assert {"gdn_conv_commit_record", "gdn_step_commit_record"} <= prims and not prims & {"gdn_fold", "gdn_conv_fold"}
+    gen = torch.Generator().manual_seed(4)
+    tokens = [torch.randint(0, SPEC.model.vocab_size, (B, T), generator=gen).tolist() for _ in range(2)]
+    second = {name: torch.full(shape, float("nan"), dtype=torch_dtype(dt))
+              for name, (shape, dt) in record_avals(SPEC, B, T, "f32", prefix="rec1").items()}
+    for m in ((0, T), (2, 1)):
+        counts = {"slots": torch.tensor([1, 0], dtype=torch.int32), "commit": torch.tensor(m, dtype=torch.int32)}
+        outs, states = [], []
+        for together in (False, True):
+            state, records, later = _state(0), _records(), {k: v.clone() for k, v in second.items()}
+            run_graph(first, _inputs(tokens[0], 5), weights, state | records)
+            if together:
+                out = run_graph(folding, _inputs(tokens[1], 5) | {"commit": counts["commit"]}, weights,
+                                state | records | later)
+            else:
+                run_graph(commit, counts, weights, state | records)
+                out = run_graph(verify, _inputs(tokens[1], 5), weights, state | later)
+            outs.append((out["logits"], later))
+            states.append(_gdn(state))
+        assert torch.equal(outs[0][0], outs[1][0]), f"m = {m}: logits"
+        assert all(torch.equal(outs[0][1][k], outs[1][1][k]) for k in second), f"m = {m}: this round's records"
+        assert all(torch.equal(states[0][k], states[1][k]) for k in states[0]), f"m = {m}: the committed state"

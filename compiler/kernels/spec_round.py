@@ -1,7 +1,9 @@
 """spec_round: the speculative round's device-side steps between the model's entries (ninfer_gen.speculative
 states the math; this family runs it on the device so a round is one CUDA graph):
 
-  begin   verify inputs of each row from its round state: [anchor, drafts], positions L..L+K, table;
+  begin   verify inputs of each row from its round state: [anchor, drafts], positions L..L+K, table; mode `fold`
+          (the verify folds the previous round's records first, CompileOptions.fold_in_verify): a DONE row keeps
+          its slot, so the round that finished it still has its accepted records folded;
   probs   sampling distributions (temperature, top-k, top-p; greedy rows one-hot) of logits rows into a
           full-vocabulary fp32 buffer: `verify` every row of the verify, `draft` draft j's row of the MTP
           output (also draws the draft);
@@ -37,7 +39,7 @@ ROUND_FIELDS = ("length", "budget", "anchor", "emitted", "state", "slot", "trash
 DRAFTS_AT, OUT_AT, STOPS_AT, MAX_STOPS, ROW_WORDS = 20, 52, 84, 8, 92
 RUNNING, DONE, IDLE = 0, 1, 2
 STAGES = ("begin", "probs", "accept", "draft")
-MODES = {"begin": ("",), "probs": ("verify", "draft"), "accept": ("greedy", "sampled", "coin"),
+MODES = {"begin": ("", "fold"), "probs": ("verify", "draft"), "accept": ("greedy", "sampled", "coin"),
          "draft": ("greedy", "sampled")}
 THREADS = 512
 

@@ -48,7 +48,8 @@ def speculative_figures(model, args, plain: dict, copy_gbs: float) -> dict:
     n_gdn = sum(kind == "linear_attention" for kind in spec.model.layers.kinds)
     state = n_gdn * g.num_value_heads * g.key_head_dim * g.value_head_dim * 4
     lanes_n = max(be.profile.cohorts)                    # the records hold one row per lane of a round
-    records = sum(t.numel() * t.element_size() for layer in be.state.records.values() for t in layer.values()) // lanes_n
+    records = sum(t.numel() * t.element_size() for store in (be.state.records, be.state.records1)
+                  for layer in store.values() for t in layer.values()) // lanes_n
     plain_ms = 1e3 / plain["decode_tok_s"]
     out |= {"draft": k, "accept_prob": args.accept_prob, "bytes_per_round": moved,
             "state_mode": "snapshot" if snapshots else "replayssm", "draft_vocab": be.profile.draft_vocab,

@@ -16,6 +16,8 @@ VARIABLES = {
     "NINFER_CONV_FOLD": "0 keeps the GDN conv kernel of one-token steps (A/B measurements)",
     "NINFER_PDL": "0 turns off programmatic dependent launch on sm_90+",
     "NINFER_GEMV": "experiment rules for decode-GEMV key fields, e.g. 5120x6144:min_blocks=3;prefetch=1",
+    "NINFER_FOLD_IN_VERIFY": "1 folds each speculative round's records inside the next round's verify (two record "
+                             "sets in turn) instead of a commit step at the round's start",
 }
 
 
@@ -43,7 +45,8 @@ def compile_options(environ: Mapping[str, str] = os.environ, **overrides) -> Com
                   conv_fold=_flag(environ, "NINFER_CONV_FOLD", d.conv_fold),
                   pdl=_flag(environ, "NINFER_PDL", d.pdl),
                   concurrency=_int(environ, "NINFER_CONCURRENCY", d.concurrency),
-                  gemv=environ.get("NINFER_GEMV", d.gemv), debug=_int(environ, "NINFER_DEBUG", d.debug))
+                  gemv=environ.get("NINFER_GEMV", d.gemv), debug=_int(environ, "NINFER_DEBUG", d.debug),
+                  fold_in_verify=_flag(environ, "NINFER_FOLD_IN_VERIFY", d.fold_in_verify))
     return CompileOptions(**(fields | overrides))
 
 

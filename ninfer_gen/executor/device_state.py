@@ -29,8 +29,10 @@ class DeviceState:
     """KV pages and GDN state slots in the kernels' layouts."""
 
     def __init__(self, spec: ModelSpec, num_pages: int, num_slots: int, kv_dtype: str = "int8", device="cuda",
-                 record_rows: int = 0, record_tokens: int = 0, snapshots: bool = False):
-        """`num_pages` usable pages plus one trash page (the last) for padded rows and warm-up runs."""
+                 record_rows: int = 0, record_tokens: int = 0, snapshots: bool = False, record_sets: int = 1):
+        """`num_pages` usable pages plus one trash page (the last) for padded rows and warm-up runs;
+        `record_sets` 2: a second set of ReplaySSM records (`rec1.*`: rounds that fold inside the next verify
+        write the two sets in turn, CompileOptions.fold_in_verify)."""
         a, at, g = spec.model, spec.model.attention, spec.model.linear_attention
         page = spec.runtime.page_size
         self.num_pages, self.num_slots, self.kv_dtype = num_pages, num_slots, kv_dtype
@@ -40,6 +42,7 @@ class DeviceState:
         self.conv: dict[str, torch.Tensor] = {}
         self.ssm: dict[str, torch.Tensor] = {}
         self.records: dict[str, dict[str, torch.Tensor]] = {}
+        self.records1: dict[str, dict[str, torch.Tensor]] = {}      # the second set (record_sets = 2)
         pages = (num_pages, at.num_kv_heads, page, at.head_dim)
         if a.mtp.num_layers:
             self.kv["mtp"] = self._kv_layer(pages, kv_dtype, device)
@@ -55,11 +58,13 @@ class DeviceState:
                                             dtype=torch.float32, device=device)}
                 elif record_rows and record_tokens:
                     rt = (record_rows, record_tokens)
-                    self.records[str(i)] = {
-                        "conv": torch.zeros(*rt, g.conv_dim, dtype=torch.bfloat16, device=device),
-                        "k": torch.zeros(*rt, g.num_key_heads, g.key_head_dim, dtype=torch.bfloat16, device=device),
-                        "v": torch.zeros(*rt, g.num_value_heads, g.value_head_dim, dtype=torch.bfloat16, device=device),
-                        "g": torch.zeros(*rt, g.num_value_heads, 2, dtype=torch.float32, device=device)}
+                    for store in (self.records, self.records1)[:record_sets]:
+                        store[str(i)] = {
+                            "conv": torch.zeros(*rt, g.conv_dim, dtype=torch.bfloat16, device=device),
+                            "k": torch.zeros(*rt, g.num_key_heads, g.key_head_dim, dtype=torch.bfloat16, device=device),
+                            "v": torch.zeros(*rt, g.num_value_heads, g.value_head_dim, dtype=torch.bfloat16,
+                                             device=device),
+                            "g": torch.zeros(*rt, g.num_value_heads, 2, dtype=torch.float32, device=device)}
                 self.conv[str(i)] = torch.zeros(num_slots, g.conv_kernel - 1, g.conv_dim, dtype=torch.bfloat16,
                                                 device=device)
                 self.ssm[str(i)] = torch.zeros(num_slots, g.num_value_heads, g.key_head_dim, g.value_head_dim,
@@ -78,13 +83,13 @@ class DeviceState:
 
     def buffer(self, name: str) -> torch.Tensor:
         """A state buffer by its plan name: `kv.<layer>.k|v|k_scales|v_scales`, `gdn.<layer>.state|conv`,
-        `rec.<layer>.conv|k|v|g`, `snap.<layer>` (snapshot mode)."""
+        `rec.<layer>.conv|k|v|g` (and `rec1.…`, the second set), `snap.<layer>` (snapshot mode)."""
         kind, layer, part = (name.split(".") + ["", ""])[:3]
         try:
             if kind == "kv":
                 return self.kv[layer][part]
-            if kind == "rec":
-                return self.records[layer][part]
+            if kind in ("rec", "rec1"):
+                return (self.records if kind == "rec" else self.records1)[layer][part]
             if kind == "snap":
                 return self.records[layer]["snap"]
             if kind == "gdn" and part in ("state", "conv"):
@@ -101,7 +106,7 @@ class DeviceState:
 
     def tensors(self) -> list[torch.Tensor]:
         return [*(t for layer in self.kv.values() for t in layer.values()), *self.conv.values(), *self.ssm.values(),
-                *(t for layer in self.records.values() for t in layer.values())]
+                *(t for store in (self.records, self.records1) for layer in store.values() for t in layer.values())]
 
     def snapshot(self) -> list[torch.Tensor]:
         return [t.clone() for t in self.tensors()]

@@ -267,17 +267,18 @@ class Executable:
         bucket.graph = graph
 
     # ------------------------------------------------------------ speculative rounds
-    def round(self, batch: int, acceptance: str, fold: bool = True) -> Round:
+    def round(self, batch: int, acceptance: str, fold: bool = True, parity: int = 0) -> Round:
         """The profile's round of `batch` lanes (compiler.round), bound on first use; `fold` False: the eager
-        variant, without the commit bucket (the caller runs it after reading the round)."""
-        key = (batch, acceptance, fold)
+        variant, without the commit bucket (the caller runs it after reading the round); `parity`: with the
+        profile's fold_in_verify, the round writing record set `parity` (rounds alternate)."""
+        key = (batch, acceptance, fold, parity)
         if key not in self.rounds:
             self.keys()
             if (batch, acceptance) not in self._round_plans:
                 raise ExecutableError(f"no {acceptance} round of {batch} lanes in the runtime profile "
                                       f"({self.profile.describe()}): it has {sorted(self._round_plans) or 'none'}")
-            plan = self._round_plans[(batch, acceptance)] if fold else \
-                plan_round(self.spec, self.target, self.profile, batch, acceptance, fold=False)
+            plan = self._round_plans[(batch, acceptance)] if fold and not parity else \
+                plan_round(self.spec, self.target, self.profile, batch, acceptance, fold=fold, parity=parity)
             self.kernels.build(plan.keys())
             steps = [self.bucket(*s) if isinstance(s, tuple) else
                      self.kernels.bind(s.key, [self.resolve(b, None) for _, b in s.args], programmatic=s.programmatic)

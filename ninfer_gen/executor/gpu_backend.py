@@ -78,6 +78,7 @@ class GpuBackend(SequencePool):
         snapshots = round_mode == "snapshot"
         self.memory = memory or plan_memory(spec, cohorts, ctx, vram_budget, draft=draft, kv_dtype=kv_dtype,
                                             snapshots=snapshots, kv_pool_tokens=kv_pool_tokens,
+                                            record_sets=2 if options.fold_in_verify and not snapshots else 1,
                                             prefix_states=prefix_states,
                                             vision_patches=vision_patches if vision is not None else 0)
         self.prefix_states = prefix_states
@@ -96,7 +97,9 @@ class GpuBackend(SequencePool):
                                   images=vision is not None)
         self.encoder = VisionEncoder(spec, vision, self.device) if vision is not None else None
         rounds = (max(self.profile.cohorts), self.profile.tail_tokens) if self.profile.speculative else (0, 0)
-        self.state = DeviceState(spec, pages, cohorts, kv_dtype, self.device, *rounds, snapshots=snapshots)
+        sets = 2 if options.fold_in_verify and not snapshots else 1        # compiler.round.record_buckets
+        self.state = DeviceState(spec, pages, cohorts, kv_dtype, self.device, *rounds, snapshots=snapshots,
+                                 record_sets=sets)
         self.weights = weights
         self.kernels = KernelCache(build_root, jobs=jobs, progress=progress,
                                    jit_ptx=self.target.arch != device_arch(self.device))

@@ -130,12 +130,13 @@ def round_bytes(spec: ModelSpec, cohort: int, draft: int) -> int:
 
 def plan_memory(spec: ModelSpec, cohort: int, max_context: int, budget: int, draft: int | None = None,
                 kv_dtype: str | None = None, snapshots: bool = False, kv_pool_tokens: int | None = None,
-                prefix_states: int = 0, vision_patches: int = 0) -> MemoryPlan:
+                prefix_states: int = 0, vision_patches: int = 0, record_sets: int = 1) -> MemoryPlan:
     """`snapshots`: verify keeps K+1 state copies per lane (snapshot mode) instead of ReplaySSM records;
     `kv_pool_tokens`: the KV pool every lane shares must hold that many tokens (default: each lane its
     whole context, cohort × max_context); a lane's own limit stays `max_context`; `prefix_states`: saved
     GDN states of the prefix cache's checkpoints (their KV pages come out of the KV pool); `vision_patches`
-    (images on): the tower and one image of that many patches (`vision_bytes`)."""
+    (images on): the tower and one image of that many patches (`vision_bytes`); `record_sets` 2: the rounds
+    fold inside the next verify and keep two record sets (CompileOptions.fold_in_verify)."""
     if cohort <= 0 or max_context <= 0 or budget <= 0:
         raise MemoryPlanError("cohort, max context and budget must be positive")
     draft = spec.runtime.draft_tokens if draft is None else draft
@@ -146,7 +147,7 @@ def plan_memory(spec: ModelSpec, cohort: int, max_context: int, budget: int, dra
                  graph_pools=GRAPH_POOLS,
                  state_slots=cohort * (s["gdn_state_bytes_per_sequence"] + s["conv_history_bytes_per_sequence"]),
                  records=cohort * (draft + 1) * (snapshot_bytes_per_token(spec) if snapshots else
-                                                record_bytes_per_token(spec)) if draft else 0,
+                                                record_sets * record_bytes_per_token(spec)) if draft else 0,
                 rounds=round_bytes(spec, cohort, draft),
                  prefix_bytes=prefix_states * (s["gdn_state_bytes_per_sequence"] + s["conv_history_bytes_per_sequence"]),
                  vision=vision_bytes(spec, vision_patches), headroom=CONTEXT_HEADROOM)

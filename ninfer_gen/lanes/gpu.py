@@ -92,7 +92,7 @@ class GpuLanes(LaneBackend):
                              f"model with prefix_states={n} (it has {be.prefix_states})")
         self.reuse = PrefixReuse(be, n, checkpoint_every) if n else None      # n states: the plan's
         depth = 1 if round_mode == "eager" else in_flight
-        self.rows = RoundRows(be, depth) if self.k else None     # which lane is in which row; rounds in flight
+        self.rows = RoundRows(be, depth, round_mode == "fused") if self.k else None     # rows; rounds in flight
         self.caps = Capabilities(lanes=be.slots.num_slots, max_context=be.max_context,
                                  prefill_chunk=be.profile.prefill_chunk, max_draft=self.k,
                                  cohort_sizes=tuple(self.round_sizes), rounds_in_flight=depth if self.k else 1,
@@ -121,15 +121,18 @@ class GpuLanes(LaneBackend):
         be = self.be
         be.capture_profile()
         kinds = ("coin",) if self.accept_prob is not None else ("greedy", "sampled")
+        parities = (0, 1) if self.rows is not None and self.rows.in_verify else (0,)
         for b in self.round_sizes:
             for acceptance in kinds:
-                self.round_graph(b, acceptance)
+                for parity in parities:
+                    self.round_graph(b, acceptance, parity)
             be.bucket("commit", b, self.T).inputs.set([], [], [], [])      # nothing to fold
         torch.cuda.synchronize(be.device)
 
-    def round_graph(self, batch: int, acceptance: str):
-        """The `batch`-lane round graph of an acceptance kind, captured on first use."""
-        rnd = self.be.exe.round(batch, acceptance, fold=self.round_mode == "fused")
+    def round_graph(self, batch: int, acceptance: str, parity: int = 0):
+        """The `batch`-lane round graph of an acceptance kind (and record set, when the rounds fold inside the
+        next verify: round_rows), captured on first use."""
+        rnd = self.be.exe.round(batch, acceptance, fold=self.round_mode == "fused", parity=parity)
         if self.be.use_graphs and rnd.graph is None:
             self.be.exe.capture_round(rnd, lambda: idle_rows(self.be, self.rows.device, batch))
         return rnd
@@ -275,9 +278,9 @@ class GpuLanes(LaneBackend):
             lanes, batch = ready, next(b for b in self.round_sizes if b >= len(ready))
             rows.place(lanes, batch)
             rows.write()
-        rnd = self.round_graph(batch, self._acceptance(lanes))
-        self._launch(rnd, batch, lanes)
-        while len(rows.inflight) < rows.depth and self._launch(rnd, batch, lanes):
+        acceptance = self._acceptance(lanes)
+        self._launch(acceptance, batch, lanes)
+        while len(rows.inflight) < rows.depth and self._launch(acceptance, batch, lanes):
             pass
         if self.round_mode == "eager":                   # the fold waits for the host's read of the round
             self._take(rows.collect())
@@ -295,7 +298,7 @@ class GpuLanes(LaneBackend):
             return "coin"
         return ACCEPTANCE_OF[all(lane.sampling.greedy for lane in lanes)]
 
-    def _launch(self, rnd, batch: int, lanes: list[LaneState]) -> bool:
+    def _launch(self, acceptance: str, batch: int, lanes: list[LaneState]) -> bool:
         """One more round of the placed lanes, when every lane's context has room for it (its verify and
         chained drafts after the rounds already in flight); its pages are reserved first."""
         rows, T = self.rows, self.T
@@ -308,7 +311,7 @@ class GpuLanes(LaneBackend):
         hidden = None
         if self.reuse is not None:                       # the MTP pass's input rows, padded with the last committed
             hidden = self.be.bucket("mtp", batch, T).inputs.tensors["hidden"].view(batch, T, -1)[:, T - 1]
-        rows.launch(rnd, hidden)
+        rows.launch(self.round_graph(batch, acceptance, rows.parity), hidden)
         return True
 
     def _take(self, flight) -> None:

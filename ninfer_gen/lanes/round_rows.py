@@ -12,6 +12,11 @@ drafts, the budget left, stop tokens, RNG counter), so the host launches the nex
 last one back (`launch` copies the rows to a pinned buffer and records an event; `collect` waits for the
 oldest). The host writes the rows from its mirrors (`write`) only when the layout changes, after a drain.
 A row whose lane finished on the device (DONE) emits nothing in the rounds launched after it.
+
+With CompileOptions.fold_in_verify there is no commit step in a fused round: round N's accepted records (record
+set N mod 2) are folded by round N+1's verify (which writes the other set), from the counts round N's accept wrote
+into that verify's `commit` input. `parity` is the set of the next round; a flush folds the last round's records
+with the commit bucket of its set (compiler.round.record_buckets).
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from compiler.kernels import spec_round as sr
+from compiler.round import record_buckets
 from ninfer_gen.lanes.contract import LaneState
 from ninfer_gen.sampling import SamplingParams
 
@@ -55,16 +61,22 @@ def round_row(seq, anchor: int, drafts: list[int], k: int, params: SamplingParam
 
 def idle_rows(backend, rows: torch.Tensor, batch: int):
     """For a round capture (Executable.capture_round): every lane idle and nothing to fold in the `batch`-lane
-    commit bucket, so the warm-up touches no state; returns the function that puts both back."""
+    commit bucket (and, with fold_in_verify, the verifies' fold counts), so the warm-up touches no state;
+    returns the function that puts them back."""
     saved = rows.clone()
-    fold = backend.bucket("commit", batch, backend.profile.tail_tokens).inputs
-    fold_saved = fold.device.clone()
+    T, profile = backend.profile.tail_tokens, backend.profile
+    folds = [backend.bucket("commit", batch, T).inputs]
+    if profile.options.fold_in_verify and not profile.snapshots:
+        folds += [backend.bucket(*record_buckets(batch, T, p)[0]).inputs for p in (0, 1)]
+    kept = [f.device.clone() for f in folds]
     rows[:, FIELD["state"]] = sr.IDLE
-    fold.set([], [], [], [])
+    for f in folds:
+        f.set([], [], [], [])
 
     def restore():
         rows.copy_(saved)
-        fold.device.copy_(fold_saved)
+        for f, k in zip(folds, kept):
+            f.device.copy_(k)
     return restore
 
 
@@ -83,7 +95,9 @@ class RoundRows:
     `private` carries `row` (its host mirror), `pages` (block-table pages written to its row) and `q` (the
     first drafts' distributions, sampled, until it takes a row)."""
 
-    def __init__(self, backend, depth: int = 2):
+    def __init__(self, backend, depth: int = 2, fused: bool = True):
+        """`fused`: the rounds fold the previous round's records themselves (else the host runs the commit
+        bucket after reading each round: lanes.gpu's eager mode)."""
         self.be, self.T = backend, backend.profile.tail_tokens
         self.k = self.T - 1
         self.depth = depth                               # rounds kept in flight (1: read back every round)
@@ -96,6 +110,8 @@ class RoundRows:
         self.layout: list[LaneState | None] = []         # the lanes in the rows of the bucket now
         self.fold_pending = False                        # the last launched round's records are not folded yet
         self.inflight: deque[Flight] = deque()
+        self.in_verify = fused and backend.profile.options.fold_in_verify and not backend.profile.snapshots
+        self.parity = 0                                  # in_verify: the record set the next round writes
 
     # ------------------------------------------------------------ layout
     def steady(self, lanes: list[LaneState], batch: int) -> bool:
@@ -146,6 +162,8 @@ class RoundRows:
         self.device[:batch].copy_(host)
         if not self.fold_pending:                        # nothing of an earlier layout may be folded
             self._fold_bucket().inputs.set([], [], [], [])
+            if self.in_verify:
+                self._next_verify().inputs.set_commit([])
         self.tables_changed()
 
     def tables_changed(self) -> None:
@@ -160,6 +178,8 @@ class RoundRows:
         `hidden` (prefix reuse): the MTP pass's input rows to keep a copy of, [batch, H]."""
         rnd.run(self.be.use_graphs)
         self.fold_pending = True
+        if self.in_verify:
+            self.parity = 1 - self.parity
         batch = len(self.layout)
         self._ring_at = (self._ring_at + 1) % len(self.ring)
         buf = self.ring[self._ring_at][:batch]
@@ -183,6 +203,10 @@ class RoundRows:
         assert not self.inflight, "flush() with rounds in flight"
         if self.fold_pending:
             fold = self._fold_bucket()
+            if self.in_verify:                           # the counts wait in the next verify's input: fold them now
+                counts = self._next_verify().inputs
+                fold.inputs.views["commit"].copy_(counts.views["commit"])
+                counts.set_commit([])
             fold.run(self.be.use_graphs)
             fold.inputs.set([], [], [], [])
             self.fold_pending = False
@@ -197,6 +221,8 @@ class RoundRows:
             views = self._fold_bucket().inputs.views
             views["slots"][r] = -1
             views["commit"][r] = 0
+            if self.in_verify:
+                self._next_verify().inputs.views["commit"][r] = 0
         self.device[r, FIELD["state"]] = sr.IDLE
         self.layout[r] = None
 
@@ -208,7 +234,14 @@ class RoundRows:
 
     # ------------------------------------------------------------ parts
     def _fold_bucket(self):
+        """The commit bucket of the last launched round's records."""
+        if self.in_verify:
+            return self.be.bucket(*record_buckets(len(self.layout), self.T, 1 - self.parity)[2])
         return self.be.bucket("commit", len(self.layout), self.T)
+
+    def _next_verify(self):
+        """in_verify: the verify of the next round, whose `commit` input holds the last round's counts."""
+        return self.be.bucket(*record_buckets(len(self.layout), self.T, self.parity)[0])
 
     def _draft_dists(self) -> torch.Tensor | None:
         q = self.be.exe.round_buffers.get("q_dist")
