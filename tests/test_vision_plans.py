@@ -90,6 +90,11 @@ def test_memory_plan_counts_the_tower_and_one_image():
     plan = plan_memory(BIG, 8, 16384, 24 * GiB, kv_pool_tokens=100_000, vision_patches=4096)
     assert plan.vision == tower and plan.kv_pool == base.kv_pool - tower and plan.peak <= 24 * GiB
     assert any("vision tower" in name and size == tower for name, size in plan.rows())
+    room = plan_memory(BIG, 8, 16384, 24 * GiB, kv_pool_tokens=16384, vision_patches=4096)
+    full = plan_memory(BIG, 8, 16384, 24 * GiB, kv_pool_tokens=room.kv_pages * 64, vision_patches=4096)
+    assert full.kv_pages == room.kv_pages and full.peak <= 24 * GiB    # the largest pool, its trash page included
+    print(f"\n27B, C8 × 16K with the tower and one 4,096-patch image: a shared pool of {room.kv_pages * 64:,} tokens, "
+          f"planned peak {full.peak / GiB:.3f} GiB")
 
 
 @pytest.mark.parametrize("target", ["rtx3090", "h200"])

@@ -47,7 +47,9 @@ class MemoryPlan:
 
     @property
     def kv_pages(self) -> int:
-        return self.kv_pool // (self.kv_bytes_per_token * self.page_size)
+        """Pages the pool holds for sequences: what its bytes hold less the trash page padded rows write to
+        (executor.device_state), so a pool the lanes fill still keeps the device within the budget."""
+        return max(0, self.kv_pool // (self.kv_bytes_per_token * self.page_size) - 1)
 
     @property
     def used_kv_pages(self) -> int:
