@@ -2,7 +2,7 @@
 # The device calls of sessions 13–14 (issues 30–34): the GPU tier's cohort, speculative, runtime and arch-path
 # files, the 27B C1 bench through the engine (K = 3, 32K draft head, accept 0.8), the cohort bench C1/C8 (fixed,
 # adaptive, plain), the sm_86 path, serve with no flags, long context, k-quants, and images (vision).
-# PART=tests,bench,fold,cohort,arch,serve,long,pace,kq,vision (default: all, in that order). Logs to $OUT as it goes.
+# PART=tests,bench,fold,cohort,arch,serve,long,pace,kq,gguf27,vision (default: all, in that order). Logs to $OUT as it goes.
 # The text benches load the 27B with --no-vision (the figures earlier sessions compare with); `vision` measures
 # the default load (tower on: M-RoPE plans, the tower's memory) beside them.
 set -uo pipefail
@@ -76,6 +76,32 @@ fi
 if part kq; then                     # issue 34: k-quant kernels vs reference, the GGUF GPU tests
   timeout ${KQ_S:-200} python3 -m pytest -m gpu tests/gpu/test_kquant_gpu.py tests/gpu/test_gguf_gpu.py -q -s -rf \
     -p no:cacheprovider > $OUT/kq_tests.log 2>&1; echo "k-quant tests: rc $?"; shown $OUT/kq_tests.log 16
+fi
+if part gguf27; then                 # issue 34's 27B line: a Q4_K_M-style 27B GGUF of random blocks (drawn on the GPU), host
+                                     # RSS of its loads, plain decode beside the Q4G64 path's (same flags), MTP3, C1/C8
+  G=${GGUF:-/tmp/qwen3.8-27b-q4_k_m.gguf}
+  [ -f $G ] || { timeout ${GGUFW_S:-300} python3 -m tools.synth_gguf $G --device cuda > $OUT/gguf_write.json 2> $OUT/gguf_write.log
+                 echo "GGUF write: rc $?"; cat $OUT/gguf_write.json; }
+  timeout ${GGUFR_S:-300} python3 -m lab.gguf_rss --gguf $G --modes stream,gpu --work /tmp/gguf-rss --json $OUT/gguf_rss.json \
+    > $OUT/gguf_rss.log 2>&1; echo "GGUF host RSS: rc $?"; grep -a "^stream:\|^gpu:" $OUT/gguf_rss.log
+  timeout ${GGUFB_S:-300} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --no-vision --output-tokens 512 \
+    --repeats 1 --prefill '' --json $OUT/bench_q4g64_plain.json > $OUT/bench_q4g64_plain.log 2>&1
+  echo "Q4G64 plain: rc $?"; shown $OUT/bench_q4g64_plain.log 12
+  timeout ${GGUFB_S:-300} python3 -m ninfer_gen.cli bench --weights $G --output-tokens 512 --repeats 1 --prefill '' \
+    --json $OUT/bench_gguf_plain.json > $OUT/bench_gguf_plain.log 2>&1
+  echo "GGUF plain: rc $?"; shown $OUT/bench_gguf_plain.log 12
+  python3 - $OUT/bench_q4g64_plain.json $OUT/bench_gguf_plain.json <<'PY'
+import json, sys
+q, g = (json.load(open(p))["decode"]["bandwidth_efficiency"] for p in sys.argv[1:])
+print(f"plain decode / same-run copy: Q4G64 {q:.1%}, GGUF Q4_K_M {g:.1%}: {'PASS' if g >= q - 0.05 else 'FAIL'} (>= Q4G64 - 5 points)")
+PY
+  timeout ${GGUFB_S:-300} python3 -m ninfer_gen.cli bench --weights $G --draft 3 --accept-prob 0.8 --draft-vocab 32768 \
+    --output-tokens 512 --repeats 1 --prefill '' --json $OUT/bench_gguf_mtp3.json > $OUT/bench_gguf_mtp3.log 2>&1
+  echo "GGUF MTP3: rc $?"; shown $OUT/bench_gguf_mtp3.log 16
+  timeout ${GGUFC_S:-300} python3 -m ninfer_gen.cli bench --weights $G --concurrency 1,8 --draft 3 --accept-prob 0.8 \
+    --draft-vocab 32768 --output-tokens 256 --json $OUT/bench_gguf_c8.json > $OUT/bench_gguf_c8.log 2>&1
+  echo "GGUF C1/C8: rc $?"; shown $OUT/bench_gguf_c8.log 16
+  [ -n "${KEEP_GGUF:-}" ] || rm -f $G
 fi
 if part vision; then                 # issue 33: the M-RoPE kernels, images through the GPU engine, the 27B image line
   timeout ${VISIONT_S:-200} python3 -m pytest -m gpu tests/gpu/test_vision_kernels_gpu.py tests/gpu/test_vision_gpu.py \

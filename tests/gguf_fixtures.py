@@ -1,6 +1,7 @@
 """gguf_fixtures: tiny GGUF files made with the `gguf` package's writer, the way llama.cpp's converter and
 quantiser lay out a Qwen3.5 hybrid (arch qwen35: norms stored 1 + w, ssm_a = −exp(A_log), conv squeezed,
-GDN value heads tiled), with random k-quant blocks (valid fp16 scales) and a tiny byte-level BPE vocab.
+GDN value heads tiled), with random k-quant blocks (valid fp16 scales) and a tiny byte-level BPE vocab —
+the pieces shared with the full-size writer (tools/synth_gguf.py) live in ninfer_gen.weights.gguf_synth.
 
 `write_gguf` returns the canonical (HF-layout) fp32 tensors the file encodes — the k-quant and Q8_0 blocks
 dequantised by the `gguf` package and the llama.cpp transforms undone here, independently of
@@ -17,13 +18,11 @@ import torch
 
 from compiler.kquant import random_kquant
 from compiler.spec import ModelSpec, load_spec, tensor_table
+from ninfer_gen.weights.gguf_synth import (CHAT_TEMPLATE, GGML, add_metadata, head_transform, layer_of,  # noqa: F401
+                                            q4_k_m, rescale_kquant, stored_float, uniform)
 from ninfer_gen.weights.random_weights import random_weights
 
 REPO = Path(__file__).resolve().parents[1]
-GGML = {"F32": 0, "F16": 1, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "BF16": 30, "Q4_0": 2}
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def kquant_spec(group: int = 3) -> ModelSpec:
@@ -47,65 +46,10 @@ def q4_k_m_recipe(spec: ModelSpec) -> ModelSpec:
     return dataclasses.replace(spec, quantization=q, model=dataclasses.replace(spec.model, linear_attention=la))
 
 
-def q4_k_m(name: str, shape: tuple[int, ...], layer: int | None, n_layers: int) -> str:
-    """A Q4_K_M-style type per tensor (llama.cpp's mix: Q6_K output head, Q6_K attn_v / ffn_down in some
-    layers, Q5_K GDN qkv, F32 vectors and conv)."""
-    if len(shape) != 2:
-        return "F32"
-    more_bits = layer is not None and (layer < n_layers // 8 + 1 or layer >= 7 * n_layers // 8 or layer % 3 == 2)
-    if name == "lm_head.weight" or (more_bits and name.endswith(("v_proj.weight", "down_proj.weight"))):
-        return "Q6_K"
-    if name.endswith("in_proj_qkv.weight"):
-        return "Q5_K"
-    if name.endswith(("in_proj_a.weight", "in_proj_b.weight")):
-        return "BF16"
-    if name.startswith("mtp."):
-        return "Q8_0"
-    return "Q4_K"
-
-
-def uniform(kind: str):
-    return lambda name, shape, layer, n: kind if len(shape) == 2 else "F32"
-
-
-def _tile(t: torch.Tensor, dim: int, nk: int, g: int, hd: int) -> torch.Tensor:
-    """llama.cpp's grouped → tiled value-head order along `dim` (reshape [nk, g, hd], swap the first two)."""
-    shape = list(t.shape)
-    t = t.reshape(*shape[:dim], nk, g, hd, *shape[dim + 1:]).transpose(dim, dim + 1)
-    return t.reshape(shape)
-
-
 def _untile(t: torch.Tensor, dim: int, nk: int, g: int, hd: int) -> torch.Tensor:
     shape = list(t.shape)
     t = t.reshape(*shape[:dim], g, nk, hd, *shape[dim + 1:]).transpose(dim, dim + 1)
     return t.reshape(shape)
-
-
-def _head_transform(spec: ModelSpec, name: str, t: torch.Tensor, fn) -> torch.Tensor:
-    la = spec.model.linear_attention
-    nk, g, dv = la.num_key_heads, la.group, la.value_head_dim
-    if ".linear_attn." not in name or g == 1:
-        return t
-    if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
-        return torch.cat([t[:2 * la.key_dim], fn(t[2 * la.key_dim:], 0, nk, g, dv)])
-    if name.endswith("in_proj_z.weight"):
-        return fn(t, 0, nk, g, dv)
-    if name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
-        return fn(t, 0, nk, g, 1)
-    if name.endswith("out_proj.weight"):
-        return fn(t, 1, nk, g, dv)
-    return t
-
-
-def _stored_float(spec: ModelSpec, name: str, w: torch.Tensor) -> torch.Tensor:
-    """What llama.cpp's converter writes for canonical tensor `name`."""
-    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
-        w = w + 1
-    if name.endswith("A_log"):
-        w = -torch.exp(w)
-    if name.endswith("conv1d.weight"):
-        w = w.squeeze(1)
-    return _head_transform(spec, name, w, _tile)
 
 
 def _encode(kind: str, w: torch.Tensor, gen: torch.Generator):
@@ -118,12 +62,8 @@ def _encode(kind: str, w: torch.Tensor, gen: torch.Generator):
         blocks = kq.blocks.numpy()
         vals = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[kind])
         factor = float(w.std()) / float(vals.std())         # the float draw's scale, in valid fp16 scales
-        head = {"Q6_K": [(208, 210)]}.get(kind, [(0, 2), (2, 4)])
-        per_block = blocks.reshape(-1, kq.format.block_bytes)
-        for lo, hi in head:
-            d = per_block[:, lo:hi].copy().view(np.float16).astype(np.float32) * factor
-            per_block[:, lo:hi] = d.astype(np.float16).view(np.uint8)
-        data = per_block.reshape(n, -1)
+        rescale_kquant(kind, torch.from_numpy(blocks.reshape(-1, kq.format.block_bytes)), factor)
+        data = blocks.reshape(n, -1)
         return data, GGML[kind], torch.from_numpy(gguf.quants.dequantize(data, gguf.GGMLQuantizationType[kind]))
     x = w.numpy().astype(np.float32)
     if kind in ("Q8_0", "Q4_0"):
@@ -143,73 +83,19 @@ def _gguf_name(name: str, n_layers: int) -> str:
     return gguf_name(name, n_layers)
 
 
-def tiny_vocab(vocab_size: int) -> tuple[list[str], list[int], list[str]]:
-    """Byte-level BPE: the 256 byte symbols, a few merges, the ChatML specials, [PADi] up to vocab_size."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    byte_sym = dict(zip(bs, map(chr, cs)))
-    tokens = [byte_sym[b] for b in range(256)]
-    merges = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r"]
-    tokens += ["he", "ll", "hell", "hello", "Ġw", "or"]
-    types = [1] * len(tokens)
-    tokens += SPECIALS
-    types += [3] * len(SPECIALS)
-    tokens += ["<think>"]
-    types += [4]
-    tokens += [f"[PAD{i}]" for i in range(len(tokens), vocab_size)]
-    types += [5] * (vocab_size - len(types))
-    return tokens, types, merges
-
-
 def write_gguf(path: Path, spec: ModelSpec, kind_of=q4_k_m, seed: int = 0, arch: str = "qwen35",
                vocab: bool = True, drop: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     """Write `spec` with random weights as a llama.cpp-style GGUF; returns the canonical fp32 tensors it encodes."""
     import gguf
 
-    a, la, at = spec.model, spec.model.linear_attention, spec.model.attention
-    n = a.layers.count
+    n = spec.model.layers.count
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_uint32(f"{arch}.block_count", n + a.mtp.num_layers)
-    w.add_uint32(f"{arch}.context_length", a.max_position_embeddings)
-    w.add_uint32(f"{arch}.embedding_length", a.hidden_size)
-    w.add_uint32(f"{arch}.feed_forward_length", a.intermediate_size)
-    w.add_uint32(f"{arch}.attention.head_count", at.num_heads)
-    w.add_uint32(f"{arch}.attention.head_count_kv", at.num_kv_heads)
-    w.add_uint32(f"{arch}.attention.key_length", at.head_dim)
-    w.add_uint32(f"{arch}.attention.value_length", at.head_dim)
-    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", a.rms_norm_eps)
-    w.add_float32(f"{arch}.rope.freq_base", at.rope_theta)
-    w.add_uint32(f"{arch}.rope.dimension_count", at.rotary_dim)
-    w.add_array(f"{arch}.rope.dimension_sections", [11, 11, 10, 0])
-    w.add_uint32(f"{arch}.ssm.conv_kernel", la.conv_kernel)
-    w.add_uint32(f"{arch}.ssm.state_size", la.key_head_dim)
-    w.add_uint32(f"{arch}.ssm.group_count", la.num_key_heads)
-    w.add_uint32(f"{arch}.ssm.time_step_rank", la.num_value_heads)
-    w.add_uint32(f"{arch}.ssm.inner_size", la.value_dim)
-    w.add_uint32(f"{arch}.full_attention_interval", 4)
-    if a.mtp.num_layers:
-        w.add_uint32(f"{arch}.nextn_predict_layers", a.mtp.num_layers)
-    if vocab:
-        tokens, types, merges = tiny_vocab(a.vocab_size)
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("qwen35")
-        w.add_token_list(tokens)
-        w.add_token_types(types)
-        w.add_token_merges(merges)
-        w.add_eos_token_id(tokens.index("<|im_end|>"))
-        w.add_bos_token_id(tokens.index("<|endoftext|>"))
-        w.add_chat_template(CHAT_TEMPLATE)
+    add_metadata(w, spec, arch, vocab)
     gen = torch.Generator().manual_seed(seed + 1)
     canonical = {}
     for t, value in zip(tensor_table(spec), random_weights(spec, seed).values()):
-        layer = int(t.name.split(".")[1]) if t.name.startswith("layers.") else None
-        kind = kind_of(t.name, t.shape, layer, n)
-        stored = _stored_float(spec, t.name, value)
+        kind = kind_of(t.name, t.shape, layer_of(t.name), n)
+        stored = stored_float(spec, t.name, value)
         data, raw, held = _encode(kind, stored, gen)
         gname = _gguf_name(t.name, n)
         if gname not in drop:
@@ -223,7 +109,7 @@ def write_gguf(path: Path, spec: ModelSpec, kind_of=q4_k_m, seed: int = 0, arch:
 
 
 def _canonical_of(spec: ModelSpec, name: str, held: torch.Tensor) -> torch.Tensor:
-    held = _head_transform(spec, name, held.to(torch.float32), _untile)
+    held = head_transform(spec, name, held.to(torch.float32), _untile)
     if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
         held = held - 1
     if name.endswith("A_log"):

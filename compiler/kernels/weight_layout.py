@@ -248,7 +248,9 @@ def pack_kquant_for_device(w, gate_up: bool = False) -> dict[str, torch.Tensor]:
     rows = w.blocks
     if gate_up:
         rows = rows[_gate_up_perm(rows.shape[0], rows.device)]
-    rows = torch.nn.functional.pad(rows, (0, 0, 0, padded_rows(rows.shape[0]) - rows.shape[0]))
+    pad = padded_rows(rows.shape[0]) - rows.shape[0]
+    if pad:                                          # a copy of the whole matrix: only when rows must be added
+        rows = torch.nn.functional.pad(rows, (0, 0, 0, pad))
     empty = _empty(rows.device, torch.uint8)
     return {"lo": rows.contiguous().flatten(), "hi": empty, "scales": _empty(rows.device, torch.float16)}
 

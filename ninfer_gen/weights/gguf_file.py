@@ -218,11 +218,17 @@ def q8_0_as_w8g32(raw: np.ndarray, k: int, what: str) -> QTensor:
 def _read_bytes(path: Path, t) -> np.ndarray:
     """Tensor `t`'s bytes by pread: one tensor in host memory at a time and no page of the file mapped
     into the process (RSS grows by what is kept, not by what was read)."""
+    n, buf = int(t.n_bytes), np.empty(int(t.n_bytes), dtype=np.uint8)     # read straight into the one copy kept
+    got = 0
     with open(path, "rb") as f:
-        data = os.pread(f.fileno(), int(t.n_bytes), int(t.data_offset))
-    if len(data) != int(t.n_bytes):
-        raise GGUFError(f"{path}: truncated GGUF file: tensor {t.name} has {len(data)} of its {t.n_bytes} bytes")
-    return np.frombuffer(bytearray(data), dtype=np.uint8)
+        while got < n:
+            step = os.preadv(f.fileno(), [memoryview(buf)[got:]], int(t.data_offset) + got)
+            if step <= 0:
+                break
+            got += step
+    if got != n:
+        raise GGUFError(f"{path}: truncated GGUF file: tensor {t.name} has {got} of its {n} bytes")
+    return buf
 
 
 def _stored_value(t, path: Path):
