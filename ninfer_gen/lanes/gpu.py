@@ -2,27 +2,21 @@
 GpuBackend decoding together; the one driver of the GPU's speculative rounds.
 
 Per engine round the speculative lanes run in ONE round graph (compiler.round) of the smallest cohort bucket
-that holds them (more lanes than the largest bucket: several rounds); its other rows are IDLE — padded
-everywhere (slot −1, no keys, trash-page KV writes) — and touch no state. Plain (K = 0) lanes run in one
-padded step bucket. A lane keeps its row while the bucket's lanes stay; then the host launches the next round
-before it reads the last one back (`depth` rounds in flight), and a call returns the tokens of the rounds that
-completed. When the lanes change, the rounds in flight are collected, the pending fold (fused mode: the
-accepted records are folded at the start of the next round) runs eagerly and the rows are compacted and
-written from the host's mirrors (lanes.round_rows). A lane's own K ≤ the built K is its row's `k`: the same
-graph, acceptance keeping at most k drafts. The kernels are batch-invariant, so a request's greedy output is
-the same alone or in any cohort.
+that holds them (more lanes than the largest bucket: several rounds); its other rows are IDLE (padded
+everywhere: slot −1, no keys, trash-page KV writes). Plain (K = 0) lanes run in one padded step bucket. A lane
+keeps its row while the bucket's lanes stay; the host launches the next round before it reads the last one back
+(`depth` rounds in flight). When the lanes change, the rounds in flight are collected, the pending fold (the
+accepted records, folded at the next round's start — or inside its verify: CompileOptions.fold_in_verify) runs
+eagerly and the rows are rewritten from the host's mirrors (lanes.round_rows). A lane's own K ≤ the built K is
+its row's `k`. The kernels are batch-invariant: a request's greedy output is the same alone or in any cohort.
 
-Prefill runs per lane on the B = 1 prefill buckets, one engine chunk at a time; with drafts the MTP runs over
-each chunk, and the last chunk's first drafts come from ninfer_gen.speculative.Drafter. A lane without room for
-one more round continues with plain steps. Every bucket and round graph is captured when the adapter is made.
-
-Structured output (engine.grammar): a constrained lane runs host-driven rounds on the B = 1 buckets — verify
-rows masked by the grammar's state after each draft (lanes.contract.masked_verify), acceptance, commit, the
-next drafts — reusing the record rows, so the device rounds' pending fold is folded first.
-
-Prefix reuse (lanes.reuse): checkpoints at prompt ends, chunk boundaries and normal answer ends, restored at
-`open`; the saved GDN states are device memory in the backend's plan (`prefix_states`). A lane's pending fold
-is folded before its answer is saved.
+Prefill runs per lane on the B = 1 buckets, one engine chunk at a time (a lane with images: lanes.images); with
+drafts the MTP runs over each chunk and the last chunk's drafts come from ninfer_gen.speculative.Drafter. A lane
+without room for one more round continues with plain steps. Every graph is captured when the adapter is made.
+A constrained lane (engine.grammar) runs host-driven rounds on the B = 1 buckets, its verify rows masked by the
+grammar (lanes.contract.masked_verify), after the device rounds' pending fold. Prefix reuse (lanes.reuse):
+checkpoints at prompt ends, chunk boundaries and normal answer ends; the saved GDN states are device memory in
+the backend's plan (`prefix_states`).
 """
 from __future__ import annotations
 
