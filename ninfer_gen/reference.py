@@ -27,6 +27,7 @@ ACT_DTYPES = {"float32": "f32", "bfloat16": "bf16", "f32": "f32", "bf16": "bf16"
 # 2 spinning ones — which fall to 25 each when two processes share the cores. The count depends only on
 # the tokens per row, never on the rows, so a lane's numbers stay the same in any cohort.
 ONE_THREAD_BELOW = 16
+IMAGE_PROGRAMS = 32     # programs of shapes only images make (chunks with image tokens, encoder calls) kept at once
 
 
 class ReferenceBackend(SequencePool):
@@ -62,10 +63,20 @@ class ReferenceBackend(SequencePool):
         """The entry's graph at this shape, traced and prepared on first use (`mrope`, `image_tokens`: the
         graph of a sequence with images, compiler.trace)."""
         key = (entry, batch, tokens, mrope, image_tokens)
-        if key not in self._programs:
-            graph = trace(self.spec, entry, batch, tokens, self.pools, self.act, mrope=mrope, image_tokens=image_tokens)
-            self._programs[key] = Program(graph, bf16_matmul_inputs=self.bf16_matmul_inputs)
-        return self._programs[key]
+        return self._program(key, lambda: trace(self.spec, entry, batch, tokens, self.pools, self.act, mrope=mrope,
+                                                image_tokens=image_tokens))
+
+    def _program(self, key: tuple, make) -> Program:
+        """A prepared program by its shape key, made on first use. The shapes only images make (a chunk's image
+        token count, an encoder call's patches) are open-ended: the most recent IMAGE_PROGRAMS of them are kept."""
+        if key in self._programs:
+            self._programs[key] = self._programs.pop(key)          # most recently used last
+            return self._programs[key]
+        program = self._programs[key] = Program(make(), bf16_matmul_inputs=self.bf16_matmul_inputs)
+        imaged = [k for k in self._programs if k[0] == "vision" or k[-1]]
+        for old in imaged[:max(0, len(imaged) - IMAGE_PROGRAMS)]:
+            del self._programs[old]
+        return program
 
     def _run(self, entry: str, batch: int, tokens: int, inputs: dict, state: dict) -> dict:
         images = inputs.get("images")
@@ -108,13 +119,11 @@ class ReferenceBackend(SequencePool):
         from compiler.vision_model import encoder_inputs
 
         x = torch.as_tensor(pixels).to(self.device, torch_dtype(self.act))
-        key = ("vision", x.shape[0], len(grids))
-        if key not in self._programs:
-            graph = trace_vision(self.spec, x.shape[0], len(grids), self.act)
-            self._programs[key] = Program(graph, bf16_matmul_inputs=self.bf16_matmul_inputs)
+        program = self._program(("vision", x.shape[0], len(grids)),
+                                lambda: trace_vision(self.spec, x.shape[0], len(grids), self.act))
         coords, cu_seqlens = encoder_inputs(grids, self.spec.vision.spatial_merge_size)
         inputs = {"pixels": x, "coords": coords.to(self.device), "cu_seqlens": cu_seqlens.to(self.device)}
-        return self._programs[key].run(inputs, self.weights, {}, self.profile)["embeds"]
+        return program.run(inputs, self.weights, {}, self.profile)["embeds"]
 
     # ------------------------------------------------------------ entry points
     def run(self, entry: str, seqs: list[Sequence], tokens: list[list[int]], hidden=None, starts=None, images=None):

@@ -157,3 +157,20 @@ def test_images_beyond_the_context_are_refused_before_patchifying():
     with pytest.raises(ValueError, match=r"image 1: 992×992 pixels after resizing: .* 3,844 image tokens, over the 512"):
         small.prepare_images([Image.new("RGB", (1000, 1000))])
     assert small.prepare_images([Image.new("RGB", (100, 100))]).tokens == (64,)
+
+
+def test_the_shapes_only_images_make_are_kept_to_a_bound(model, monkeypatch):
+    """Every image size is a new encoder shape and every chunk's image-token count a new prefill shape: a server
+    that sees many sizes keeps only the most recent of those programs (the text shapes all stay)."""
+    import ninfer_gen.reference as reference
+
+    monkeypatch.setattr(reference, "IMAGE_PROGRAMS", 3)
+    lanes = ReferenceLanes.for_model(model, 1, prefix_cache=0)
+    be, engine = lanes.backend, Engine(lanes, lanes=1)
+    text = [k for k in be._programs if not (k[0] == "vision" or k[-1])]
+    for side in (140, 200, 260, 320, 380):                  # above the minimum: five token counts
+        images = _images(model, side, sizes=((side, side),))
+        assert engine.submit(Request(_prompt(model, images, text=((5,), (6,))), 2, images=images)).result().finish \
+            == "length"
+    imaged = [k for k in be._programs if k[0] == "vision" or k[-1]]
+    assert len(imaged) == 3 and all(k in be._programs for k in text)
