@@ -14,7 +14,8 @@ python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&
 part() { [ -z "${PART:-}" ] || [[ ",$PART," == *",$1,"* ]]; }
 if part tests; then
   timeout ${TESTS_S:-330} python3 -m pytest -m gpu ${TIER:-tests/gpu/test_cohort_gpu.py tests/gpu/test_speculative_gpu.py \
-    tests/gpu/test_arch_path_gpu.py tests/gpu/test_runtime_gpu.py tests/gpu/test_gguf_gpu.py} -q -s -rf -p no:cacheprovider --durations=12 \
+    tests/gpu/test_vision_kernels_gpu.py tests/gpu/test_vision_gpu.py tests/gpu/test_arch_path_gpu.py \
+    tests/gpu/test_runtime_gpu.py tests/gpu/test_gguf_gpu.py} -q -s -rf -p no:cacheprovider --durations=12 \
     > $OUT/tier.log 2>&1
   echo "tier: rc $?"; shown $OUT/tier.log 40
 fi
