@@ -25,7 +25,12 @@ def main(argv=None) -> int:
     p.add_argument("--question", type=int, default=100, help="text tokens after the image")
     p.add_argument("--new", type=int, default=64, help="tokens each cohort request generates")
     p.add_argument("--out", default=None)
+    p.add_argument("--dry-run", action="store_true", help="any machine: the same flow on the reference backend with "
+                   "the tiny vision spec, 2 lanes, a 96-pixel image (checks the script, measures nothing)")
     args = p.parse_args(argv)
+    if args.dry_run:
+        args.spec, args.lanes, args.context, args.side, args.question, args.new = \
+            "model_specs/qwen3.8-tiny-vl.yaml", 2, 1024, 96, 10, 4
 
     from PIL import Image
 
@@ -41,21 +46,26 @@ def main(argv=None) -> int:
     room = plan_memory(spec, args.lanes, args.context, budget, kv_pool_tokens=args.context,
                        prefix_states=0, vision_patches=DEFAULT_PATCHES)
     pool = min(args.lanes * args.context, room.kv_pages * spec.runtime.page_size)
-    model = load(args.spec, backend="gpu", random_weights="device", cohorts=args.lanes, max_context=args.context,
-                 kv_pool_tokens=pool, draft=3, build_root=build_root(), progress=True, vram_budget=budget)
+    if args.dry_run:
+        model = load(args.spec, max_context=args.context)
+    else:
+        model = load(args.spec, backend="gpu", random_weights="device", cohorts=args.lanes, max_context=args.context,
+                     kv_pool_tokens=pool, draft=3, build_root=build_root(), progress=True, vram_budget=budget)
     be = model.backend
+    cuda = torch.cuda.is_available() and not args.dry_run
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     rng = np.random.default_rng(0)
     picture = Image.fromarray(rng.integers(0, 255, (args.side, args.side, 3), dtype=np.uint8))
     images = model.prepare_images([picture])
-    torch.cuda.synchronize()
+    sync()
     times = []
     for _ in range(4):                                     # the first warms torch's kernels and allocator up
         t0 = time.perf_counter()
         be.encode(images.pixels, images.grids)
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - t0)
     v = spec.vision
-    question = rng.integers(1000, 100000, args.question).tolist()
+    question = rng.integers(1, min(v.vision_start_token_id, 100000), args.question).tolist()   # text ids
     prompt = model.image_prompt(question, images)
     lanes = model.lanes(args.lanes, prefix_cache=0)
     ttft = []
@@ -64,23 +74,26 @@ def main(argv=None) -> int:
         h = engine.submit(Request(prompt, 1, images=images))
         ttft.append(h.result().stats.ttft_s)
     engine = Engine(lanes, lanes=args.lanes)
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     handles = [engine.submit(Request(prompt, args.new, draft=3, images=images)) for _ in range(args.lanes)]
     finals = [h.result() for h in handles]
     wall = time.perf_counter() - t0
     errors = [f.error for f in finals if f.finish != "length"]
     decode = [f.stats.decode_tok_s for f in finals]
-    r = {"device": torch.cuda.get_device_name(), "image": f"{args.side}x{args.side}", "grid": images.grids[0],
+    r = {"device": torch.cuda.get_device_name() if cuda else "cpu (dry run)", "image": f"{args.side}x{args.side}",
+         "grid": images.grids[0],
          "image_tokens": images.tokens[0], "prompt_tokens": len(prompt), "encoder_ms": 1e3 * statistics.median(times[1:]),
          "encoder_first_ms": 1e3 * times[0], "ttft_ms": 1e3 * statistics.median(ttft[1:]),
          "lanes": args.lanes, "context": args.context, "kv_pool_tokens": pool,
          "cohort_wall_s": wall, "cohort_decode_tok_s_per_request": statistics.median(decode) if decode else 0.0,
-         "errors": errors, "planned_peak_gib": be.memory.peak / GiB, "vision_gib": be.memory.vision / GiB,
-         "device_peak_gib": torch.cuda.max_memory_reserved() / GiB, "budget_gib": budget / GiB,
+         "errors": errors, "planned_peak_gib": (be.memory.peak if cuda else room.peak) / GiB,
+         "vision_gib": (be.memory.vision if cuda else room.vision) / GiB,
+         "device_peak_gib": torch.cuda.max_memory_reserved() / GiB if cuda else 0.0, "budget_gib": budget / GiB,
          "tower_blocks": v.depth}
     print(json.dumps(r, indent=1))
-    print(f"[27B + tower: {args.side}² image → {r['image_tokens']} tokens, encoder {r['encoder_ms']:.1f} ms, TTFT "
+    print(f"[{spec.name} + tower: {args.side}² image → {r['image_tokens']} tokens, encoder {r['encoder_ms']:.1f} ms, TTFT "
           f"(image + {args.question} tokens) {r['ttft_ms']:.0f} ms; C{args.lanes} × {args.context} (pool {pool}): "
           f"{r['cohort_decode_tok_s_per_request']:.1f} tok/s per request; peak {r['device_peak_gib']:.2f} GiB "
           f"(planned {r['planned_peak_gib']:.2f}, budget {r['budget_gib']:.0f})]")
