@@ -59,8 +59,10 @@ def cmd_plan(args) -> int:
     from ninfer_gen.executor.memory_plan import GiB, kv_pool_pages, parse_bytes, plan_memory
 
     spec = shard_spec(load_spec(args.spec), args.tp)          # --tp: one card's share
+    images = spec.vision is not None and not args.no_vision and args.tp == 1
     plan = plan_memory(spec, args.cohorts, args.max_context or spec.runtime.max_context,
-                       parse_bytes(args.vram_budget), args.draft, args.kv, kv_pool_tokens=args.kv_pool_tokens)
+                       parse_bytes(args.vram_budget), args.draft, args.kv, kv_pool_tokens=args.kv_pool_tokens,
+                       vision_patches=args.vision_patches if images else 0)
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))
         return 0
@@ -176,6 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--kv-pool-tokens", type=int, default=None,
                     help="one KV pool of this many tokens shared by the lanes (default: every lane its whole context)")
     pl.add_argument("--tp", type=int, default=1, help="tensor-parallel cards: plan one card's share (default 1)")
+    pl.add_argument("--no-vision", action="store_true", help="a spec with a vision tower: plan a text-only load "
+                    "(default: the tower and one image of --vision-patches, as a GPU load with the tower holds them)")
+    pl.add_argument("--vision-patches", type=int, default=4096, help="the largest image the plan holds, in patches "
+                    "(default 4096: one megapixel on 16-pixel patches)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.set_defaults(func=cmd_plan)
     b = sub.add_parser("build", help="trace, lower and compile every kernel a runtime profile launches (NVRTC → build/)",

@@ -79,7 +79,8 @@ class MemoryPlan:
                 (f"ReplaySSM records ({self.cohort} × {self.draft_tokens + 1} tokens)", self.records),
                 ("round buffers (sampling distributions)", self.rounds),
                 (f"prefix checkpoints ({self.prefix_states} GDN states)", self.prefix_bytes),
-                (f"vision tower (weights, one image of ≤ {self.vision_patches} patches)", self.vision),
+                (f"vision tower (+ an image ≤ {self.vision_patches} patches)" if self.vision else "vision tower (none)",
+                 self.vision),
                 ("context headroom", self.headroom),
                 (f"KV pool ({self.kv_pages} pages = {self.kv_tokens} tokens)", self.kv_pool)]
 
