@@ -113,8 +113,8 @@ def trace(spec: ModelSpec, entry: str, batch: int, tokens: int, pools: StatePool
     if records not in RECORD_SETS or (fold_from is not None and (fold_from not in RECORD_SETS or fold_from == records)):
         raise ValueError(f"record sets: write one of {RECORD_SETS} and fold the other, got {records!r}, {fold_from!r}")
     if (records != "rec" and entry not in ("verify", "commit")) or (fold_from and (entry != "verify" or snapshots)):
-        raise ValueError("a record set other than 'rec' belongs to verify and commit; folding inside a verify to "
-                         "a ReplaySSM verify")
+        raise ValueError(f"record set {records!r}, folding {fold_from!r}: only a verify or a commit uses the second "
+                         "record set, and only a ReplaySSM verify folds the other set first")
     ops = TraceOps(act_dtype)
     table = {t.name: t for t in tensor_table(spec)}
     if draft_rows:
@@ -141,6 +141,7 @@ def trace(spec: ModelSpec, entry: str, batch: int, tokens: int, pools: StatePool
               "block_table": ops.new_var((batch, pools.pages_per_seq), "i32")}
     b = model.Batch(batch, tokens, inputs["pos"], inputs["block_table"], None, S, pools.page_size,
                     pools.kv_dtype == "int8")
+
     def record_set(prefix: str):             # the model names records `rec.<layer>.<part>`: the set's own names
         return lambda name: S(prefix + name[3:] if name.startswith("rec.") else name)
 
