@@ -85,3 +85,14 @@ def test_its_kernels_compile_without_spills(target, tmp_path):
     assert {k.mode for k in keys if k.family in ("gdn_conv", "gdn_step")} >= {"commit_record", "fold"}
     assert summary.compiled == len(keys) and summary.spills == 0, summary.table()
     assert plan_rounds(TINY, t, profile)
+
+
+def test_record_sets_are_refused_where_they_do_not_belong():
+    from compiler.trace import StatePools, trace
+
+    pools = StatePools(8, 2, 4, kv_dtype="f32")
+    for entry, kw in (("step", {"records": "rec1"}), ("verify", {"records": "rec", "fold_from": "rec"}),
+                      ("commit", {"fold_from": "rec1"}), ("verify", {"records": "rec2"}),
+                      ("verify", {"fold_from": "rec1", "snapshots": True})):
+        with pytest.raises(ValueError, match="record set"):
+            trace(TINY, entry, 2, 4, pools, **kw)
