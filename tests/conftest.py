@@ -29,6 +29,18 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="module")
+def one_thread_module():
+    """torch on one CPU thread for a whole module, restored afterwards: the tiny spec's ops are microseconds, and on
+    a busy 2-core box a second intra-op thread only spin-waits (test_hf_parity ran 137 s instead of 16 s).
+    A module takes it with `pytestmark = pytest.mark.usefixtures("one_thread_module")`."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _slow_gpu_asked(config) -> bool:
     return "slow_gpu" in (config.getoption("markexpr") or "") or os.environ.get("NINFER_SLOW_GPU") == "1"
 

@@ -19,18 +19,7 @@ from ninfer_gen.weights.random_weights import random_weights
 
 CONTEXT = 128
 GREEDY = SamplingParams()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny spec's matmuls are microseconds: one intra-op thread runs them fastest, and a second one
-    spin-waits for milliseconds per op whenever another process holds the other core."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread_module")     # tiny ops: one torch thread (conftest)
 
 
 @pytest.fixture(scope="module")

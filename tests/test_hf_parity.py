@@ -27,16 +27,7 @@ GEN_PROMPT_SEED = 102  # picked so that HF's greedy run has no near-tie in the f
 # shape -> (dims, weight seed); case -> (shape, layout). The two layouts of a shape hold the same weights.
 SHAPES = {"A": (SHAPE_A, 1), "B": (SHAPE_B, 1)}
 CASES = {"A-text": ("A", "text"), "A-vlm": ("A", "vlm"), "B-text": ("B", "text"), "B-vlm": ("B", "vlm")}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Matrices here are tiny, so threads only add sync cost; on a busy 2-core box OpenMP spin-waits
-    made this module 8× slower (137 s vs 16 s). Restored afterwards for other modules."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread_module")     # tiny ops: one torch thread (conftest)
 
 
 @pytest.fixture(scope="module", params=list(CASES))

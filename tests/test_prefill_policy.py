@@ -55,10 +55,7 @@ class Timed(ReferenceLanes):
 
 
 @pytest.fixture(scope="module")
-def backend():
-    import torch
-
-    torch.set_num_threads(1)
+def backend(one_thread_module):
     spec = load_spec(TINY_SPEC)
     return ReferenceBackend(spec, random_weights(spec), device="cpu", max_sequences=4, max_context=2048)
 

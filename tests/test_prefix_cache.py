@@ -24,17 +24,6 @@ from ninfer_gen.reference import ReferenceBackend
 from ninfer_gen.weights.random_weights import random_weights
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny spec's ops are microseconds: one intra-op thread runs them fastest (tests/test_engine.py)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # ---------------------------------------------------------------- the allocators, on a fake pool
 class FakePool(SequencePool):
     """A pool whose "state" is the handle's number: records what the cache asks of a backend."""
@@ -173,6 +162,7 @@ def test_a_short_pool_takes_pages_back_from_the_cache():
 
 # ---------------------------------------------------------------- the engine, on the tiny spec
 CONTEXT = 256
+pytestmark = pytest.mark.usefixtures("one_thread_module")     # tiny ops: one torch thread (conftest)
 
 
 @pytest.fixture(scope="module")

@@ -16,15 +16,7 @@ from ninfer_gen.lanes.reference import ReferenceLanes
 from ninfer_gen.sampling import SamplingParams
 
 NEW = 10
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices: threads only add sync cost on a shared 2-core box (as test_hf_parity)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread_module")     # tiny ops: one torch thread (conftest)
 
 
 @pytest.fixture(scope="module")

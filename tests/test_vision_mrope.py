@@ -25,15 +25,7 @@ from vision_fixtures import hf_config, image_config, make_images, randomize_visi
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices: threads only add sync cost on a shared 2-core box (as test_hf_parity)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread_module")     # tiny ops: one torch thread (conftest)
 
 
 @pytest.fixture(scope="module")
