@@ -108,7 +108,8 @@ class Profile:
             rounds = [b for b in cohorts if b * self.tail_tokens <= MAX_ROWS]
             out += [(e, b, self.tail_tokens) for b in rounds for e in ("verify", "commit", "mtp")]
             if self.options.fold_in_verify and not self.snapshots:     # compiler.round.record_buckets
-                out += [(e, b, self.tail_tokens) for b in rounds for e in ("verify.rec", "verify.rec1", "commit.rec1")]
+                kinds = [f"verify.{x}" for x in RECORD_SETS] + [f"commit.{RECORD_SETS[1]}"]
+                out += [(e, b, self.tail_tokens) for b in rounds for e in kinds]
             out += [("mtp", b, 1) for b in rounds] + [("mtp", 1, t) for t in self.prefill_sizes()]
         return list(dict.fromkeys(out))
 

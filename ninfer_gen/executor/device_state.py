@@ -160,14 +160,13 @@ class StepInputs:
         tensor and its `image_count` (a run with placeholders but no images here keeps their embeddings). Call
         after `set`, which zeroes the count."""
         n = 0 if rows is None else rows.shape[0]
-        if "image_count" not in self.views:
-            if n:
-                raise ExecutableError("this bucket takes no images (a profile without images)")
+        if not n:                                    # `set` left the count at 0: no copy on a decode step
             return
+        if "image_count" not in self.views:
+            raise ExecutableError("this bucket takes no images (a profile without images)")
         if n > self.tensors["images"].shape[0]:
             raise ExecutableError(f"{n} image tokens exceed the bucket's {self.tensors['images'].shape[0]}")
-        if n:
-            self.tensors["images"][:n].copy_(rows)
+        self.tensors["images"][:n].copy_(rows)
         self.host_views["image_count"][0] = n
         self.views["image_count"].copy_(self.host_views["image_count"])
 

@@ -110,17 +110,10 @@ def vision_bytes(spec: ModelSpec, patches: int) -> int:
     from compiler.spec import vision_tensor_table
 
     v = spec.vision
-    weights = sum(2 * _count(t.shape) for t in vision_tensor_table(spec))
+    weights = sum(2 * t.numel for t in vision_tensor_table(spec))
     per_patch = 2 * (v.patch_dim + 8 * v.hidden_size + 2 * v.intermediate_size) + 4 * 4 * v.hidden_size
     merged = patches // v.merge_unit * (2 * v.merge_unit * v.hidden_size + v.out_hidden_size) * 2
     return weights + patches * per_patch + merged
-
-
-def _count(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def round_bytes(spec: ModelSpec, cohort: int, draft: int) -> int:
