@@ -3,7 +3,8 @@ model's vision section (`check_images`); at `open`, the sequence's M-RoPE positi
 (compiler.multimodal.RopePositions, which the backend turns into each call's rotary positions) and the prefix
 key in which each image token stands for its picture (`prefix_key`); at each prefill chunk, the
 image tokens of the chunk's placeholders, the backend's tower run over the request's images at the first chunk
-that needs them and kept in the lane's private data (`images`) until the prompt is done. No model math here.
+that needs them and kept in the lane's private data (`images`) until its last image token is run. No model math
+here.
 """
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ def open_images(lane: LaneState, vision) -> None:
 
 def chunk_images(lane: LaneState, start: int, ids: list[int], vision, encode):
     """The image tokens of the placeholders in prompt positions start .. start + len(ids) − 1 (None: none);
-    `encode(pixels, grids)` is the backend's tower, run once per request. The chunk after the last image lets the
-    encoder's rows go."""
+    `encode(pixels, grids)` is the backend's tower, run once per request; the chunk holding the last image token
+    lets the encoder's rows go."""
     if lane.images is None:
         return None
     token = vision.image_token_id
@@ -34,7 +35,10 @@ def chunk_images(lane: LaneState, start: int, ids: list[int], vision, encode):
         return None
     if lane.private.images is None:
         lane.private.images = encode(lane.images.pixels, lane.images.grids)
-    return lane.private.images[first:first + count]
+    rows = lane.private.images[first:first + count]
+    if first + count == lane.private.images.shape[0]:   # the last image tokens: no later chunk needs the rows
+        lane.private.images = None
+    return rows
 
 
 def prefix_key(prompt: list[int], images, image_token_id: int) -> list[int]:
