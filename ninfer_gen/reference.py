@@ -69,8 +69,10 @@ class ReferenceBackend(SequencePool):
     def _program(self, key: tuple, make) -> Program:
         """A prepared program by its shape key, made on first use. The shapes only images make (a chunk's image
         token count, an encoder call's patches) are open-ended: the most recent IMAGE_PROGRAMS of them are kept."""
+        imaged = key[0] == "vision" or bool(key[-1])
         if key in self._programs:
-            self._programs[key] = self._programs.pop(key)          # most recently used last
+            if imaged:                                             # most recently used last
+                self._programs[key] = self._programs.pop(key)
             return self._programs[key]
         program = self._programs[key] = Program(make(), bf16_matmul_inputs=self.bf16_matmul_inputs)
         imaged = [k for k in self._programs if k[0] == "vision" or k[-1]]
