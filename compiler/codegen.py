@@ -4,7 +4,9 @@ Owns the Jinja environment (StrictUndefined; the variables are exactly the key's
 options (each with its reason) and the content hash that names a build folder. Never compiles.
 A key class may name another template (`template`) and another folder inside the repository to
 find it in (`template_dir`, searched before `templates/`, whose common files stay importable and
-includable: NVRTC's include path is always `templates/`).
+includable: NVRTC's include path is always `templates/`). A template may render another family's
+template inside it (`render_member(template, fields, member)`: a launch chain's members); the key class
+lists those templates (`member_templates`) so that their text is part of its hash.
 """
 from __future__ import annotations
 
@@ -48,9 +50,12 @@ class Rendered:
 @lru_cache(maxsize=None)
 def _env(search: tuple[str, ...]) -> jinja2.Environment:
     """One environment per search path (folders in order, `templates/` last)."""
-    return jinja2.Environment(loader=jinja2.FileSystemLoader(list(search)),
-                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
-                              trim_blocks=True, lstrip_blocks=True)
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(list(search)),
+                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                             trim_blocks=True, lstrip_blocks=True)
+    env.globals["render_member"] = lambda template, fields, member: \
+        env.get_template(template).render(**fields, member=member)
+    return env
 
 
 def template_name(key: KernelKey) -> str:
@@ -75,7 +80,8 @@ def _search_path(key: KernelKey) -> tuple[str, ...]:
 def _text_hash_inputs(key: KernelKey) -> str:
     """Template text plus every common file, headers and Jinja macros (a change there rebuilds
     everything: simple and safe)."""
-    parts = [(template_dir(key) / template_name(key)).read_text()]
+    parts = [(template_dir(key) / name).read_text()
+             for name in (template_name(key), *getattr(key, "member_templates", ()))]
     for header in sorted((TEMPLATE_DIR / "common").glob("*")):
         parts.append(f"//{header.name}\n{header.read_text()}")
     return "\n".join(parts)

@@ -1,12 +1,14 @@
 """lower: fused Graph → Plan. Runs each equation's lowering rule (`lower_rules.RULES`), lays out the
 arena with the dtypes the kernels write, resolves every binding to where its value lives and checks it
 against the family's parameters, cuts the calls into graph branches (runs of independent GEMVs, one
-workspace lane each) and marks which calls launch programmatically. The runtime only resolves the
+workspace lane each), marks which calls launch programmatically and, if asked, joins GEMV launches
+(compiler/chains.py). The runtime only resolves the
 bindings to pointers.
 """
 from __future__ import annotations
 
 from .arena import VIEWS, ArenaLayout, allocate
+from .chains import chain_calls
 from .ir import Graph, Var, value_names
 from .kernels import module_of
 from .lower_ctx import ZEROED_WORKSPACE, Ctx, LoweringError, Val, align
@@ -138,12 +140,13 @@ def lower(g: Graph, spec: ModelSpec, target: Target, options: CompileOptions = C
     # a kernel after a collective waits for it in full: programmatic launch overlaps our kernels only
     calls = [_placed(c, lane[i], pdl and i > 0 and c.launch is not None and calls[i - 1].launch is not None)
              for i, c in enumerate(calls)]
+    calls, groups, workspace = chain_calls(calls, groups, options.chain, _workspace_per_lane(calls))
     outputs = {k: Output(layout.offset(v), v.shape, layout.dtype(v)) for k, v in g.outputs.items()}
     p = g.params
     return Plan(g.name, target.name, calls, arena, layout.nbytes,
                 live={names[u]: span for u, span in layout.live.items()},
                 dtypes={names[u]: d for u, d in layout.dtypes.items()}, outputs=outputs, groups=groups,
-                workspace=_workspace_per_lane(calls), shape=(p["entry"], p["batch"], p["tokens"]),
+                workspace=workspace, shape=(p["entry"], p["batch"], p["tokens"]),
                 max_pages=g.inputs["block_table"].shape[1] if "block_table" in g.inputs else 0, options=options, graph=g)
 
 

@@ -9,6 +9,9 @@ import hashlib
 from dataclasses import dataclass, fields
 
 
+CHAIN_MODES = ("off", "group", "chain")      # CompileOptions.chain (compiler/chains.py)
+
+
 @dataclass(frozen=True)
 class CompileOptions:
     norm_fold: bool = True       # split each decode RMSNorm over the projections around it
@@ -20,12 +23,16 @@ class CompileOptions:
     fold_in_verify: bool = False  # fused rounds fold the previous round's records inside the next verify (the GDN
                                   # kernels' commit_record modes, two record sets used in turn) instead of a
                                   # commit bucket at the round's start: −2 launches per GDN layer and round
+    chain: str = "off"           # decode GEMVs in fewer launches (compiler/chains.py): "off", "group" (each group
+                                 # of concurrent GEMVs one launch), "chain" (runs of consecutive groups one launch)
 
     def __post_init__(self):
         if not isinstance(self.concurrency, int) or not 1 <= self.concurrency <= 8:
             raise ValueError(f"concurrency {self.concurrency!r}: expected an integer 1..8")
         if self.debug not in (0, 1, 2):
             raise ValueError(f"debug level {self.debug!r}: expected 0, 1 or 2")
+        if self.chain not in CHAIN_MODES:
+            raise ValueError(f"chain {self.chain!r}: expected one of {', '.join(CHAIN_MODES)}")
         from .kernels.gemv import parse_overrides
         parse_overrides(self.gemv)              # a malformed rule fails here, naming itself
 

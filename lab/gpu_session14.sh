@@ -2,7 +2,9 @@
 # The device calls of sessions 13–14 (issues 30–34): the GPU tier's cohort, speculative, runtime and arch-path
 # files, the 27B C1 bench through the engine (K = 3, 32K draft head, accept 0.8), the cohort bench C1/C8 (fixed,
 # adaptive, plain), the sm_86 path, serve with no flags, long context, k-quants, and images (vision).
-# PART=tests,bench,fold,cohort,arch,serve,long,pace,kq,gguf27,vision (default: all, in that order). Logs to $OUT as it goes.
+# PART=tests,bench,fold,chain,cohort,arch,serve,long,pace,kq,gguf27,vision (default: all, in that order). Logs to $OUT
+# as it goes. `chain` (session 15, issue 32 item 2): joined GEMV launches — their bit tests, then the same-run step
+# A/B of off / group / chain on the sm_90 path and on the sm_86 path.
 # The text benches load the 27B with --no-vision (the figures earlier sessions compare with); `vision` measures
 # the default load (tower on: M-RoPE plans, the tower's memory) beside them.
 set -uo pipefail
@@ -31,6 +33,15 @@ if part fold; then                   # issue 32 item 3: rounds that fold inside 
     --draft 3 --accept-prob 0.8 --draft-vocab 32768 --output-tokens 512 --repeats 1 --prefill '' \
     --json $OUT/bench_fold_c1.json > $OUT/bench_fold_c1.log 2>&1
   echo "C1 bench, fold in verify: rc $?"; shown $OUT/bench_fold_c1.log 24
+fi
+if part chain; then                  # issue 32 item 2: decode GEMVs in fewer launches (CompileOptions.chain)
+  timeout ${CHAINT_S:-240} python3 -m pytest -m gpu tests/gpu/test_chains_gpu.py -q -s -rf -p no:cacheprovider \
+    > $OUT/chain_tests.log 2>&1; echo "chain tests: rc $?"; shown $OUT/chain_tests.log 10
+  for arch in "" sm_86; do
+    timeout ${CHAINAB_S:-200} python3 -m lab.step_ab --variants "base|env:NINFER_CHAIN=group|env:NINFER_CHAIN=chain" \
+      ${arch:+--arch-path $arch} --rounds 5 --json $OUT/chain_ab${arch:+_$arch}.json > $OUT/chain_ab${arch:+_$arch}.log 2>&1
+    echo "step A/B ${arch:-sm_90}: rc $?"; shown $OUT/chain_ab${arch:+_$arch}.log 6
+  done
 fi
 if part cohort; then                 # C1 and C8, fixed K, adaptive and plain, at each accept probability in PS
   for p in ${PS:-0.8}; do

@@ -31,13 +31,14 @@ from ninfer_gen.executor.executable import Bucket
 from ninfer_gen.executor.memory_plan import GiB
 
 
-def load_at_context(spec: str, context: int, max_context: int | None = None):
+def load_at_context(spec: str, context: int, max_context: int | None = None, arch_path: str | None = None):
     """(model, seq): `spec` on the GPU with weights drawn on the device under the 24 GiB budget, and one
     sequence prefilled with `context` seeded random tokens (the state a timed decode step starts from).
     `max_context` (default context + 256) sizes the KV pool and the attention buckets (`ninfer-gen bench`
-    loads for its longest prompt, 32K + 64)."""
+    loads for its longest prompt, 32K + 64). `arch_path`: another arch's code path (e.g. sm_86 PTX, JIT-compiled)."""
     model = ninfer_gen.load(spec, backend="gpu", max_context=max_context or context + 256, vram_budget=24 * GiB,
-                            random_weights="device", progress=True, build_root=build_root())
+                            random_weights="device", progress=True, build_root=build_root(), arch_path=arch_path,
+                            vision=False)
     ids = torch.randint(0, model.spec.model.vocab_size, (context,), generator=torch.Generator().manual_seed(5))
     seq = model.backend.new_sequence()
     model.backend.prefill(seq, ids.tolist())
@@ -66,11 +67,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=50, help="replays per timing (median)")
     ap.add_argument("--omission", default="", help="comma-separated indices of variants to profile")
+    ap.add_argument("--arch-path", default=None, help="plan and run another arch's code path (sm_86: the RTX 3090's)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     variants = [v.strip() for v in args.variants.split("|")]
 
-    model, seq = load_at_context(args.spec, args.context, args.max_context)
+    model, seq = load_at_context(args.spec, args.context, args.max_context, args.arch_path)
     be, spec = model.backend, model.spec
     exe = be.exe
     shipped = be.bucket("step", 1, 1)
@@ -94,16 +96,17 @@ def main(argv=None) -> dict:
     for _ in range(args.rounds):
         for v, b in buckets.items():
             times[v].append(statistics.median(time_replays(b, args.iters)))
-    out = {"copy_GBps": copy, "bytes_per_step": moved, "context": args.context, "variants": {}}
+    out = {"copy_GBps": copy, "bytes_per_step": moved, "context": args.context, "arch": exe.target.arch, "variants": {}}
     names = list(buckets)
     base = statistics.median(times[names[0]])
-    print(f"copy {copy:.0f} GB/s, {moved / 1e9:.2f} GB per step, context {args.context}")
-    print(f"{'#':>2} {'step ms':>8} {'% copy':>7} {'vs #0':>6}  rounds / variant")
+    print(f"copy {copy:.0f} GB/s, {moved / 1e9:.2f} GB per step, context {args.context}, {exe.target.arch} code")
+    print(f"{'#':>2} {'step ms':>8} {'% copy':>7} {'vs #0':>6} {'launches':>8}  rounds / variant")
     for i, v in enumerate(names):
         ms = statistics.median(times[v])
         eff = moved / (ms * 1e-3) / 1e9 / copy
-        out["variants"][v] = {"step_ms": ms, "rounds_ms": times[v], "efficiency": eff}
-        print(f"{i:>2} {ms:8.3f} {100 * eff:6.1f}% {ms / base:6.3f}  "
+        out["variants"][v] = {"step_ms": ms, "rounds_ms": times[v], "efficiency": eff,
+                              "launches": buckets[v].plan.launches}
+        print(f"{i:>2} {ms:8.3f} {100 * eff:6.1f}% {ms / base:6.3f} {buckets[v].plan.launches:>8}  "
               + " ".join(f"{t:.3f}" for t in times[v]) + f"  {v}")
     for i in [int(x) for x in args.omission.split(",") if x.strip()]:
         v = names[i]

@@ -1,7 +1,7 @@
 """CPU tier: every kernel family renders and compiles with NVRTC, with zero spills — the 27B's case keys
 (decode/verify buckets, M ∈ {1, 2, 4, 8, 16, 32}, the prefill chunk, the ReplaySSM modes) on sm_86 and
 sm_90, the tiny spec's on sm_86, a sample on sm_80 and sm_89, the image kernels (M-RoPE qk_rope_kv,
-embed_images); a warm rebuild compiles nothing; NVRTC errors name the rendered file; the cache layout."""
+embed_images), the joined GEMV launches (gemv_chain); a warm rebuild compiles nothing; NVRTC errors name the rendered file; the cache layout."""
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -11,7 +11,8 @@ import pytest
 from compiler import codegen
 from compiler.build_cache import KernelCacheMiss, build_kernels
 from compiler.kernels import FAMILY_MODULES, embed_images, gemm, gemm_wg, gemv, module_of, qk_rope_kv, rmsnorm
-from compiler.buckets import plan_rounds, profile_of
+from compiler.buckets import plan_bucket, plan_rounds, profile_of
+from compiler.options import CompileOptions
 from compiler.lower_rules import matmul_key
 from compiler.spec import load_spec
 from compiler.targets import TargetError, lookup, resolve
@@ -49,7 +50,15 @@ def _spec_keys(arch: str, tiny: bool = True) -> list:
     # they are tested on the GPU at the round level (tests/gpu/test_speculative_gpu.py), not as cases
     profile = profile_of(SPECS["27b"], cohorts=(1,), draft=3, accept_coin=True, draft_vocab=32768)
     keys += [k for r in plan_rounds(SPECS["27b"], target, profile).values() for k in r.keys()]
-    return list(dict.fromkeys(keys + vision_keys(arch)))
+    return list(dict.fromkeys(keys + vision_keys(arch) + chain_keys(arch)))
+
+
+def chain_keys(arch: str) -> list:
+    """The 27B's chained GEMV launches (CompileOptions.chain "chain") of one lane's decode step and of eight lanes'
+    32-row verify: the fewest rows and the most (the tiny spec's groups and chains: tests/test_chains.py)."""
+    profile = profile_of(SPECS["27b"], cohorts=(1, 8), draft=3, options=CompileOptions(chain="chain"))
+    return [c.key for entry, b, t in (("step", 1, 1), ("verify", 8, 4))
+            for c in plan_bucket(SPECS["27b"], lookup(arch), entry, b, t, profile).calls if c.key.family == "gemv_chain"]
 
 
 @pytest.fixture(scope="module")
@@ -317,7 +326,13 @@ def test_every_kernel_body_waits_for_its_predecessor():
     """The runtime launches sm_90+ kernels programmatically (Call.programmatic): each kernel may
     start before its predecessor ends, so every kernel body must call pdl_entry() (common/ptx.cuh)."""
     for key in dict.fromkeys(_spec_keys("sm_90")):
-        body = codegen.render(key, "13.0").source.split("KERNEL_NAME(", 1)[1]
+        source = codegen.render(key, "13.0").source
+        body = source.split("KERNEL_NAME(", 1)[1]
+        if key.family == "gemv_chain" and not key.chained:      # a group: each member waits in its own body
+            members = source.split("KERNEL_NAME(", 1)[0].split("struct Block {")[1:]
+            assert len(members) == len(key.members) and all(m.count("pdl_entry();") == 1 for m in members), key.name
+            assert "pdl_entry();" not in body, key.name
+            continue
         assert body.count("pdl_entry();") == 1, key.name
 
 

@@ -51,12 +51,19 @@ class KernelKey:
 
 FAMILY_MODULES = ("gemv", "gemm", "gemm_wg", "xperm", "rmsnorm", "gated_rmsnorm", "embed", "argmax", "gdn_conv",
                   "gdn_step", "gdn_chunk", "qk_rope_kv", "attn_decode", "attn_combine", "attn_prefill", "concat",
-                  "spec_round", "embed_images")
+                  "spec_round", "embed_images", "gemv_chain")
 
 
 # The matrix-multiply families: same arguments (gemv.MATMUL_PARAMS, + gemv's split-K workspace), same
 # epilogues, weights in the weight_layout planes.
 MATMUL_FAMILIES = ("gemv", "gemm", "gemm_wg")
+
+
+def matmul_keys(key) -> list:
+    """The matrix multiplies a launch does: the key of a matmul family, a launch chain's members, else none."""
+    if key.family in MATMUL_FAMILIES:
+        return [key]
+    return list(key.members) if key.family == "gemv_chain" else []
 
 
 @lru_cache(maxsize=None)

@@ -137,14 +137,19 @@ def memory_text(m: dict) -> str:
     return f"{m['host_peak_rss_bytes'] / MiB:,.0f}"
 
 
+def plan_weight_bytes(plan) -> int:
+    """Packed weight bytes a plan's matrix multiplies read (a launch chain's members included)."""
+    from compiler.kernels import matmul_keys
+    from compiler.kernels.weight_layout import device_bytes
+
+    return sum(device_bytes(k.fmt, k.n, k.k) for c in plan.calls for k in matmul_keys(c.key))
+
+
 def step_bytes(spec, plan, context: int, kv_dtype: str) -> dict[str, int]:
     """Bytes one decode step must move: packed weights of every GEMV, the embedding row, GDN state
     read + written and conv history, KV of `context` tokens read per attention layer."""
-    from compiler.kernels import MATMUL_FAMILIES
-    from compiler.kernels.weight_layout import device_bytes
-
     a, g, at = spec.model, spec.model.linear_attention, spec.model.attention
-    weights = sum(device_bytes(c.key.fmt, c.key.n, c.key.k) for c in plan.calls if c.key.family in MATMUL_FAMILIES)
+    weights = plan_weight_bytes(plan)
     n_gdn = sum(k == "linear_attention" for k in a.layers.kinds)
     n_attn = a.layers.count - n_gdn
     b = plan.graph.params["batch"]

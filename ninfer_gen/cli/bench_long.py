@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from ninfer_gen.cli.bench_common import (Memory, device_name, engine_run, int_list, lane_tokens, load_model,
-                                         pick_backend, random_ids, step_bytes, write_report)
+                                         pick_backend, plan_weight_bytes, random_ids, step_bytes, write_report)
 
 DEFAULTS = {"contexts": "1024,32768,131072", "prompts": "8192,32768,131072"}
 
@@ -97,13 +97,8 @@ def _kv_token_bytes(spec, kv_dtype: str) -> float:
 def round_bytes(spec, plans: dict, context: int, k: int, kv_dtype: str) -> dict[str, int]:
     """A round's bytes at `context`: the verify's (weights, GDN state, KV), then K MTP forwards (the align pass
     and K − 1 chained drafts), each reading the MTP's weights and its own layer's KV."""
-    from compiler.kernels import MATMUL_FAMILIES
-    from compiler.kernels.weight_layout import device_bytes
-
     moved = step_bytes(spec, plans["verify"], context, kv_dtype)
-    mtp_weights = sum(device_bytes(c.key.fmt, c.key.n, c.key.k) for c in plans["mtp"].calls
-                      if c.key.family in MATMUL_FAMILIES)
-    moved["mtp_weights"] = k * mtp_weights
+    moved["mtp_weights"] = k * plan_weight_bytes(plans["mtp"])
     moved["mtp_kv"] = int(k * context * _kv_token_bytes(spec, kv_dtype))
     moved["total"] += moved["mtp_weights"] + moved["mtp_kv"]
     return moved

@@ -15,13 +15,7 @@ with `--per-k`, the same request at every K from 1 to the built K (a lane's own 
 """
 from __future__ import annotations
 
-from compiler.kernels import MATMUL_FAMILIES
-from compiler.kernels.weight_layout import device_bytes
-from ninfer_gen.cli.bench_common import engine_run, random_ids, step_bytes
-
-
-def _plan_weight_bytes(plan) -> int:
-    return sum(device_bytes(c.key.fmt, c.key.n, c.key.k) for c in plan.calls if c.key.family in MATMUL_FAMILIES)
+from ninfer_gen.cli.bench_common import engine_run, plan_weight_bytes, random_ids, step_bytes
 
 
 def speculative_figures(model, args, plain: dict, copy_gbs: float) -> dict:
@@ -40,7 +34,7 @@ def speculative_figures(model, args, plain: dict, copy_gbs: float) -> dict:
     rnd = be.exe.round(1, "coin" if args.accept_prob is not None else "greedy")
     out["launches_per_round"] = rnd.launches
     verify = be.exe.plan(("verify", 1, k + 1))
-    mtp_weights = _plan_weight_bytes(be.exe.plan(("mtp", 1, 1)))
+    mtp_weights = plan_weight_bytes(be.exe.plan(("mtp", 1, 1)))
     moved = step_bytes(spec, verify, out["final_context"], be.state.kv_dtype)
     moved["mtp"] = k * mtp_weights
     moved["total"] += moved["mtp"]

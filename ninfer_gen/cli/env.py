@@ -18,6 +18,8 @@ VARIABLES = {
     "NINFER_GEMV": "experiment rules for decode-GEMV key fields, e.g. 5120x6144:min_blocks=3;prefetch=1",
     "NINFER_FOLD_IN_VERIFY": "1 folds each speculative round's records inside the next round's verify (two record "
                              "sets in turn) instead of a commit step at the round's start",
+    "NINFER_CHAIN": "decode GEMVs in fewer launches: off (default), group (each group of concurrent GEMVs one "
+                    "launch) or chain (runs of consecutive GEMV groups one launch)",
 }
 
 
@@ -46,7 +48,8 @@ def compile_options(environ: Mapping[str, str] = os.environ, **overrides) -> Com
                   pdl=_flag(environ, "NINFER_PDL", d.pdl),
                   concurrency=_int(environ, "NINFER_CONCURRENCY", d.concurrency),
                   gemv=environ.get("NINFER_GEMV", d.gemv), debug=_int(environ, "NINFER_DEBUG", d.debug),
-                  fold_in_verify=_flag(environ, "NINFER_FOLD_IN_VERIFY", d.fold_in_verify))
+                  fold_in_verify=_flag(environ, "NINFER_FOLD_IN_VERIFY", d.fold_in_verify),
+                  chain=environ.get("NINFER_CHAIN", d.chain))
     return CompileOptions(**(fields | overrides))
 
 

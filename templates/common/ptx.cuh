@@ -44,6 +44,10 @@ __device__ __forceinline__ float biased_s8_as_f32(uint32_t biased, int i) {
 
 __device__ __forceinline__ uint4 ld_u4(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 
+// The same load through L2 only: data another block of the same launch may have written (a launch chain's
+// later stages, templates/gemv_chain.cu.j2), which the non-coherent path and L1 could hold stale.
+__device__ __forceinline__ uint4 ld_cg_u4(const void* p) { return __ldcg(reinterpret_cast<const uint4*>(p)); }
+
 __device__ __forceinline__ float bf16_to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
 
 // NVRTC has no <math.h> macros.
