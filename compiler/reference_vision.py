@@ -79,8 +79,11 @@ def segment_attention(q, k, v, cu_seqlens, *, scale):
     bounds = cu_seqlens.tolist()
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         if hi > lo:
-            qs, ks, vs = (t[lo:hi].transpose(0, 1) for t in (q, k, v))
-            o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
+            # [1, heads, n, D] contiguous: the shape torch's fused kernels take (O(n) memory on a GPU); strided 3-D
+            # views fell back to the math kernel, whose [heads, n, n] fp32 scores (1 GiB at 4,096 patches) did
+            # not fit the 27B's memory plan on the H100
+            qs, ks, vs = (t[lo:hi].transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))
+            o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)[0]
             out[lo:hi] = o.transpose(0, 1)
     return out
 

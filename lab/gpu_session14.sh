@@ -17,9 +17,9 @@ part() { [ -z "${PART:-}" ] || [[ ",$PART," == *",$1,"* ]]; }
 if part tests; then
   timeout ${TESTS_S:-330} python3 -m pytest -m gpu ${TIER:-tests/gpu/test_cohort_gpu.py tests/gpu/test_speculative_gpu.py \
     tests/gpu/test_vision_kernels_gpu.py tests/gpu/test_vision_gpu.py tests/gpu/test_arch_path_gpu.py \
-    tests/gpu/test_runtime_gpu.py tests/gpu/test_gguf_gpu.py} -q -s -rf -p no:cacheprovider --durations=12 \
+    tests/gpu/test_runtime_gpu.py tests/gpu/test_gguf_gpu.py} -v -s -rf -p no:cacheprovider --durations=12 \
     > $OUT/tier.log 2>&1
-  echo "tier: rc $?"; shown $OUT/tier.log 40
+  echo "tier: rc $?"; grep -a "PASSED\|FAILED\|ERROR" $OUT/tier.log | sed 's/ *\[ *[0-9]*%\]//' | tail -60; shown $OUT/tier.log 25
 fi
 if part bench; then
   timeout ${BENCH_S:-300} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --no-vision --draft 3 --accept-prob 0.8 \
@@ -35,7 +35,7 @@ if part fold; then                   # issue 32 item 3: rounds that fold inside 
   echo "C1 bench, fold in verify: rc $?"; shown $OUT/bench_fold_c1.log 24
 fi
 if part chain; then                  # issue 32 item 2: decode GEMVs in fewer launches (CompileOptions.chain)
-  timeout ${CHAINT_S:-240} python3 -m pytest -m gpu tests/gpu/test_chains_gpu.py -q -s -rf -p no:cacheprovider \
+  timeout ${CHAINT_S:-300} python3 -m pytest -m gpu tests/gpu/test_chains_gpu.py -v -s -rf -p no:cacheprovider \
     > $OUT/chain_tests.log 2>&1; echo "chain tests: rc $?"; shown $OUT/chain_tests.log 10
   for arch in "" sm_86; do
     timeout ${CHAINAB_S:-200} python3 -m lab.step_ab --variants "base|env:NINFER_CHAIN=group|env:NINFER_CHAIN=chain" \

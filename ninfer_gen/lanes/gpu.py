@@ -28,7 +28,7 @@ from compiler.kernels import spec_round as sr
 from ninfer_gen.lanes.contract import Capabilities, LaneBackend, LaneState, check_request, choose, masked_verify
 from ninfer_gen.lanes.images import check_images, chunk_images, open_images
 from ninfer_gen.lanes.reuse import MtpTail, PrefixReuse
-from ninfer_gen.lanes.round_costs import measure_round_costs
+from ninfer_gen.lanes.round_costs import ACCEPTANCE_OF, measure_round_costs
 from ninfer_gen.lanes.round_rows import FIELD, RoundRows, idle_rows, round_row
 from ninfer_gen.sampling import Sampler, distribution
 from ninfer_gen.speculative import Drafter, accept_greedy, accept_sampled, truncate
