@@ -92,10 +92,14 @@ def _cohort_tokens(mode: str):
         engine.step()
         handles.append(engine.submit(r))
     engine.run_until_idle()
-    again = engine.submit(Request(list(reqs[0].prompt) + handles[0].tokens + [7, 8, 9], 20, draft=3))
+    first = engine.submit(Request(list(reqs[0].prompt), 20, draft=3))     # then a second turn of it
     engine.run_until_idle()
+    again = engine.submit(Request(list(reqs[0].prompt) + first.tokens + [7, 8, 9], 20, draft=3))
+    engine.run_until_idle()
+    handles.append(first)
     finals = [h.result() for h in handles + [again]]
     assert all(f.finish == "length" for f in finals), [f.error for f in finals]
+    assert again.final.stats.cached_tokens > 0
     return [h.tokens for h in handles + [again]]
 
 
