@@ -4,7 +4,7 @@ when the layout is rebuilt (another bucket, compaction), and that lanes already 
 import torch
 
 from compiler.kernels import spec_round as sr
-from ninfer_gen.lanes.round_rows import RoundRows
+from ninfer_gen.lanes.round_rows import FIELD, RoundRows
 
 ROWS, K, V = 8, 3, 5
 
@@ -80,6 +80,22 @@ def test_new_lanes_bring_their_first_draft_distributions_into_any_layout():
     assert _dists(rows)[:3] == [20.0, 3.0, 4.0]        # b's q moved with it; c's and d's from their prompts
     rows.place([b, c, d, e], 4)                        # the same bucket: kept, e takes the free row
     assert rows.layout == [b, c, d, e] and _dists(rows)[:4] == [20.0, 3.0, 4.0, 5.0]
+
+
+def test_a_lane_that_leaves_the_rounds_is_folded_and_idle_for_the_rest():
+    """After leave(), the other lanes' rounds may go on without rewriting the rows (steady: the same bucket), so
+    the leaving lane's device row must be IDLE then, not RUNNING with its old row."""
+    be = _Backend()
+    rows = RoundRows(be)
+    a, b, c = _Lane(1.0), _Lane(2.0), _Lane(3.0)
+    rows.place([a, b, c], 4)
+    rows.write()
+    assert rows.device[:3, FIELD["state"]].tolist() == [sr.RUNNING] * 3
+    rows.fold_pending = True                           # the last round's records wait
+    rows.leave(b)
+    assert be.commit.runs == 1 and not rows.fold_pending
+    assert rows.layout == [a, None, c, None] and rows.steady([a, c], 4)
+    assert rows.device[:4, FIELD["state"]].tolist() == [sr.RUNNING, sr.IDLE, sr.RUNNING, sr.IDLE]
 
 
 def test_a_rebuilt_layout_folds_the_pending_round_first():

@@ -227,10 +227,16 @@ class RoundRows:
         self.layout[r] = None
 
     def leave(self, lane: LaneState) -> None:
-        """The lane continues without device rounds (nothing in flight): its pending fold is folded first."""
+        """The lane continues without device rounds (nothing in flight): its pending fold is folded first, and its
+        row is idle from now on — the other lanes' next round may be launched without rewriting the rows (`steady`:
+        the same bucket), and a row left RUNNING there would verify and commit into the lane's sequence while the
+        host steps it (session 15 on the H100: `run` with 5 and 8 prompts, adaptive K, one lane each parted from
+        its solo tokens once a lane dropped to K = 0 and the rest kept their bucket)."""
         if lane in self.layout:
             self.flush()
-            self.layout[self.layout.index(lane)] = None
+            r = self.layout.index(lane)
+            self.device[r, FIELD["state"]] = sr.IDLE
+            self.layout[r] = None
 
     # ------------------------------------------------------------ parts
     def _fold_bucket(self):
