@@ -12,6 +12,10 @@ Only our weight formats join (the GGUF k-quants' template has no member mode). A
 bindings their own calls had, workspace lanes included (stages run in order, so members of different stages may
 share a lane's workspace; members of one stage came from one group, so their lanes differ). A chained launch's
 counters lie in the zeroed workspace of lane 0, past everything the plan's calls use there.
+
+Measured (lab/NOTES.md, session 15; 27B decode step, H100, same process): 580 → 404 → 276 launches, and the step
++2.4 % (group) and +22.6 % (chain) slower on sm_90, +1.3 % / +9.2 % on the sm_86 path: a joined launch gives every
+member the widest member's registers and block, which costs the big GEMVs more than the boundaries cost. So "off".
 """
 from __future__ import annotations
 

@@ -24,7 +24,8 @@ class CompileOptions:
                                   # kernels' commit_record modes, two record sets used in turn) instead of a
                                   # commit bucket at the round's start: −2 launches per GDN layer and round
     chain: str = "off"           # decode GEMVs in fewer launches (compiler/chains.py): "off", "group" (each group
-                                 # of concurrent GEMVs one launch), "chain" (runs of consecutive groups one launch)
+                                 # of concurrent GEMVs one launch), "chain" (also dependent GEMVs one launch);
+                                 # 27B step on an H100: group +2.4 %, chain +22.6 % (sm_86 path +1.3 / +9.2 %)
 
     def __post_init__(self):
         if not isinstance(self.concurrency, int) or not 1 <= self.concurrency <= 8:
