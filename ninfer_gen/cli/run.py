@@ -190,9 +190,9 @@ def add_run_parser(sub) -> None:
     r.add_argument("--draft", type=int, default=None, help="MTP speculative decoding with K drafts per round "
                    "(default: the spec's, where the model has an MTP layer and the backend drafts; 0 = plain "
                    "decode); prints the acceptance and tokens per round")
-    r.add_argument("--fixed-draft", action="store_true", help="keep K drafts per round (default: adaptive — a "
-                   "request whose drafts do not pay for their rounds, by the round cost measured at start-up on the "
-                   "GPU, drops to plain steps; lossless either way)")
+    r.add_argument("--fixed-draft", action="store_true", help="keep K drafts per round (default: adaptive — when "
+                   "the drafting requests' rounds together do not pay for themselves, by the round cost measured at "
+                   "start-up on the GPU, they drop to plain steps; lossless either way)")
     r.add_argument("--round-mode", choices=("fused", "eager"), default="fused",
                    help="gpu: how a speculative round runs — fused (default): one CUDA graph per round, the fold of "
                    "the accepted tokens its first kernels, two rounds in flight; eager: the fold its own graph "

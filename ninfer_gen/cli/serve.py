@@ -37,8 +37,8 @@ def add_serve_parser(sub) -> None:
                    "in chunks small enough to keep their gap between tokens under this many ms (measured by the engine; "
                    "its TTFT grows instead). Default: no bound, one full prefill chunk per step")
     s.add_argument("--fixed-draft", action="store_true", help="keep K drafts per round for every request (default: "
-                   "adaptive — a lane whose drafts do not pay for their rounds, by the round cost measured at start-up, "
-                   "drops to plain steps; lossless either way)")
+                   "adaptive — when the drafting lanes' rounds together do not pay for themselves, by the round cost "
+                   "measured at start-up, they drop to plain steps; lossless either way)")
     s.add_argument("--kv-pool-tokens", type=int, default=None, metavar="N", help="gpu: one KV pool of N tokens "
                    "the lanes share (default: every lane's whole context when it fits the budget, else the "
                    "largest pool that does)")

@@ -275,11 +275,13 @@ class Engine:
             self._emit(live, out)
 
     def _choose_drafts(self, lanes: list[LaneState]) -> None:
-        """Adaptive draft length: a drafting lane whose rounds return fewer tokens than a round costs in plain
-        steps (at this cohort's size) drops to K = 0 for the rest of its request."""
+        """Adaptive draft length, decided for the cohort (engine.draft_policy): when the drafting lanes' rounds
+        together return fewer tokens than a round of their bucket costs in plain steps, they all drop to K = 0 for
+        the rest of their requests."""
         drafting = [lane for lane in lanes if lane.k]
-        for lane in drafting:
-            if not self.policy.keep_drafting(lane.stats.rounds, lane.stats.accepted, len(drafting)):
+        if drafting and not self.policy.keep_drafting(sum(lane.stats.rounds for lane in drafting),
+                                                      sum(lane.stats.accepted for lane in drafting), len(drafting)):
+            for lane in drafting:
                 lane.k = 0
 
     @staticmethod
