@@ -2,7 +2,7 @@
 # The device calls of sessions 13–14 (issues 30–34): the GPU tier's cohort, speculative, runtime and arch-path
 # files, the 27B C1 bench through the engine (K = 3, 32K draft head, accept 0.8), the cohort bench C1/C8 (fixed,
 # adaptive, plain), the sm_86 path, serve with no flags, long context, k-quants, and images (vision).
-# PART=tests,bench,fold,chain,cohort,arch,serve,long,pace,kq,gguf27,vision (default: all, in that order). Logs to $OUT
+# PART=fixes,tests,bench,fold,chain,cohort,arch,serve,long,pace,kq,gguf27,vision (default: all, in that order). Logs to $OUT
 # as it goes. `chain` (session 15, issue 32 item 2): joined GEMV launches — their bit tests, then the same-run step
 # A/B of off / group / chain on the sm_90 path and on the sm_86 path.
 # The text benches load the 27B with --no-vision (the figures earlier sessions compare with); `vision` measures
@@ -14,6 +14,15 @@ shown() { tr '\r' '\n' < "$1" | grep -v "it/s\]" | grep -v "kernel/s" | grep -v 
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -1
 part() { [ -z "${PART:-}" ] || [[ ",$PART," == *",$1,"* ]]; }
+if part fixes; then                  # session 15's fixes made after its device time: the 5/8-prompt cohort mismatch
+                                     # (a leaving lane's row left RUNNING), the second-turn setup of two cohort tests
+  timeout ${DIAG_S:-150} python3 -m lab.cohort_diag --n 5,8 > $OUT/cohort_diag.log 2>&1
+  echo "cohort diag: rc $?"; grep -a "^n = " $OUT/cohort_diag.log
+  timeout ${FIXT_S:-240} python3 -m pytest -m gpu tests/gpu/test_cohort_gpu.py tests/gpu/test_fold_in_verify_gpu.py \
+    "tests/gpu/test_chains_gpu.py::test_a_cohort_gives_the_default_builds_tokens_in_every_chain_mode" -v -s -rf \
+    -p no:cacheprovider > $OUT/fixes_tests.log 2>&1
+  echo "fixes tests: rc $?"; grep -a "PASSED\|FAILED\|ERROR" $OUT/fixes_tests.log | sed 's/ *\[ *[0-9]*%\]//' | tail -20
+fi
 if part tests; then
   timeout ${TESTS_S:-330} python3 -m pytest -m gpu ${TIER:-tests/gpu/test_cohort_gpu.py tests/gpu/test_speculative_gpu.py \
     tests/gpu/test_vision_kernels_gpu.py tests/gpu/test_vision_gpu.py tests/gpu/test_arch_path_gpu.py \
