@@ -2,7 +2,8 @@
 between a decoding lane's tokens stays under a bound. Pure Python: the engine reports what its steps cost, in
 its own clock; the policy keeps no model of the hardware beyond those measurements.
 
-A step with decoding lanes is one prefill chunk of n tokens and one round, so a decoding lane waits about
+A step with decoding lanes prefills n prompt tokens (one lane's chunk, or several lanes' chunks of n in all) and
+runs one round, so a decoding lane waits about
 t_prefill(n) + t_round between its tokens. The policy keeps two running means, of a round's seconds and of the
 seconds per prefilled token (every chunk's time over its tokens, so per-chunk overheads make small chunks look
 dearer: the estimate errs toward smaller chunks, and grows as larger chunks show the real rate), and gives the
