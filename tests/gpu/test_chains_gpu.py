@@ -8,17 +8,16 @@ launches must write the bits their own launches write.
 - The shipped small model through the engine: a cohort of 4 lanes (greedy and seeded sampled, K = 3, lanes
   joining and leaving, a prefix-cache second turn) gives the default build's tokens in every mode.
 Run: pytest -m gpu tests/gpu/test_chains_gpu.py -q -s"""
-import random
 from pathlib import Path
 
 import pytest
 import torch
 
+from cohort_run import cohort_tokens, load_small
 from ninfer_gen.cli.env import build_root
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
-SMALL = ROOT / "models/qwen3.8-small-py"
 MODES = ("off", "group", "chain")
 
 
@@ -71,40 +70,10 @@ def test_27b_buckets_write_the_same_bits_in_every_chain_mode():
     torch.cuda.empty_cache()
 
 
-def _cohort_tokens(mode: str):
-    from compiler.options import CompileOptions
-    from ninfer_gen.api import load
-    from ninfer_gen.engine import Engine, Request
-    from ninfer_gen.sampling import SamplingParams
-
-    model = load(SMALL, backend="gpu", cohorts=4, draft=3, max_context=1024, build_root=build_root(),
-                 prefix_states=4, compile_options=CompileOptions(chain=mode))
-    rng = random.Random(5)
-    reqs = []
-    for i in range(10):
-        prompt = [rng.randrange(1, 4000) for _ in range(rng.choice([5, 40, 130]))]
-        sampling = SamplingParams(temperature=0.9, top_k=40, seed=i) if i % 3 == 2 else SamplingParams()
-        reqs.append(Request(prompt, rng.randint(10, 70), sampling, draft=rng.choice([0, 3, 3])))
-    lanes = model.lanes(4, prefix_cache=4)
-    engine = Engine(lanes, lanes=4, prefill_budget=64, max_queue=16)
-    handles = [engine.submit(r) for r in reqs[:5]]
-    for r in reqs[5:]:
-        engine.step()
-        handles.append(engine.submit(r))
-    engine.run_until_idle()
-    first = engine.submit(Request(list(reqs[0].prompt), 20, draft=3))     # then a second turn of it
-    engine.run_until_idle()
-    again = engine.submit(Request(list(reqs[0].prompt) + first.tokens + [7, 8, 9], 20, draft=3))
-    engine.run_until_idle()
-    handles.append(first)
-    finals = [h.result() for h in handles + [again]]
-    assert all(f.finish == "length" for f in finals), [f.error for f in finals]
-    assert again.final.stats.cached_tokens > 0
-    return [h.tokens for h in handles + [again]]
-
-
 def test_a_cohort_gives_the_default_builds_tokens_in_every_chain_mode():
-    runs = {mode: _cohort_tokens(mode) for mode in MODES}
+    from compiler.options import CompileOptions
+
+    runs = {mode: cohort_tokens(load_small(CompileOptions(chain=mode)), drafts=(0, 3, 3))[0] for mode in MODES}
     for mode in MODES[1:]:
         for i, (a, b) in enumerate(zip(runs["off"], runs[mode])):
             assert a == b, f"chain={mode}: request {i} parts from the default build"
