@@ -10,7 +10,7 @@ import pytest
 
 from compiler import codegen
 from compiler.build_cache import KernelCacheMiss, build_kernels
-from compiler.kernels import FAMILY_MODULES, embed_images, gemm, gemm_wg, gemv, module_of, qk_rope_kv, rmsnorm
+from compiler.kernels import FAMILY_MODULES, attn_decode, embed_images, gemm, gemm_wg, gemv, module_of, qk_rope_kv, rmsnorm
 from compiler.buckets import plan_bucket, plan_rounds, profile_of
 from compiler.options import CompileOptions
 from compiler.lower_rules import matmul_key
@@ -231,6 +231,24 @@ def test_template_mrope_axis_is_spec_vision_rule(d, rd, section):
     checks = "".join(f'static_assert(mrope_axis({m}) == {mrope_axis(m, section)}, "frequency {m}");\n'
                      for m in range(rd // 2))
     source = codegen.render(key, "13.0").source + checks
+    options = codegen.nvrtc_options() + nvrtc.include_options(codegen.TEMPLATE_DIR)
+    nvrtc.compile_source(source, key.name, key.arch, options, ptx=True)
+
+
+@pytest.mark.parametrize("hq,hkv,d,t,kv", [(24, 4, 256, 1, "int8"), (24, 4, 256, 4, "int8"), (24, 4, 256, 9, "int8"),
+                                         (24, 4, 256, 4, "bf16"), (4, 2, 64, 9, "int8"), (4, 2, 64, 3, "bf16")])
+def test_attn_decode_template_cuts_the_work_as_its_launch_does(hq, hkv, d, t, kv):
+    """The template's row tiles, row blocks, keys per chunk and warps are attn_decode.tiling's (the grid and
+    block the runtime launches): NVRTC evaluates static_asserts appended to the rendered source."""
+    from compiler import nvrtc
+
+    key = attn_decode.make_key(hq, hkv, d, 2, t, kv, 64, lookup("sm_86"))
+    cut, launch = attn_decode.tiling(key), attn_decode.launch(key)
+    assert launch.grid == (key.splits, hkv * cut.row_blocks, 2) and launch.block == (32 * cut.warps, 1, 1)
+    assert 16 * cut.mt * cut.row_blocks >= hq // hkv * t > 16 * cut.mt * (cut.row_blocks - 1)
+    check = (f"static_assert(MT == {cut.mt} && RB == {cut.row_blocks} && TOKC == {cut.chunk} && "
+             f"THREADS == {32 * cut.warps}, \"tiling\");\n")
+    source = codegen.render(key, "13.0").source + check
     options = codegen.nvrtc_options() + nvrtc.include_options(codegen.TEMPLATE_DIR)
     nvrtc.compile_source(source, key.name, key.arch, options, ptx=True)
 

@@ -1,8 +1,11 @@
-"""attn_decode: paged attention for decode/verify over INT8-G64 or bf16 KV pages (GQA, causal in T).
+"""attn_decode: paged attention for decode/verify over INT8-G64 or bf16 KV pages (GQA, causal in T), on
+tensor cores (templates/attn_decode.cu.j2).
 
 Pages as qk_rope_kv writes them. `splits` (blocks per kv head and row) comes from the target and the
 context bucket, never from B or T, and each row splits its own pages evenly, so a row's result
-depends only on its context. splits > 1 writes partials that attn_combine reduces.
+depends only on its context. splits > 1 writes partials that attn_combine reduces. A block has one
+warp per 64 dims; its query rows (a kv head's GROUP·T) are m16 tiles, two at most per block, one with
+bf16 KV (`tiling`).
 """
 from __future__ import annotations
 
@@ -15,6 +18,24 @@ from ..targets import Target
 from . import KernelKey, Launch, Param, ceil_div
 
 SMEM_LIMIT = 48 * 1024      # static shared memory
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """How a key's work is cut (the template computes the same from the key's fields): `mt` m16 tiles of query
+    rows per block, `row_blocks` blocks over a kv head's rows, `chunk` keys per step of a block's loop — the
+    online softmax's step, the same at every T so that a decode row and a verify row get the same bits."""
+    mt: int
+    row_blocks: int
+    chunk: int
+    warps: int
+
+
+def tiling(key) -> Tiling:
+    rows = key.hq // key.hkv * key.t
+    tiles = ceil_div(rows, 16)
+    mt = min(tiles, 2 if key.kv_dtype == "int8" else 1)      # bf16 rows' K and V take twice the registers
+    return Tiling(mt, ceil_div(tiles, mt), 32, key.d // 64)
 
 
 @dataclass(frozen=True)
@@ -36,8 +57,7 @@ class Key(KernelKey):
         if self.kv_dtype not in ("int8", "bf16") or self.d % 64 or 256 % self.d or self.page != 64:
             raise ValueError(f"attn_decode: unsupported shape {self}")
         if smem_bytes(self) > SMEM_LIMIT:
-            raise ValueError(f"attn_decode: {smem_bytes(self)} B of shared memory for {self.hq // self.hkv}×"
-                             f"{self.t} query rows exceeds {SMEM_LIMIT}; lower t")
+            raise ValueError(f"attn_decode: {smem_bytes(self)} B of shared memory exceeds {SMEM_LIMIT}")
 
     def _name_parts(self):
         return [f"q{self.hq}", f"kv{self.hkv}", f"d{self.d}", f"b{self.b}", f"t{self.t}", self.kv_dtype,
@@ -45,10 +65,9 @@ class Key(KernelKey):
 
 
 def smem_bytes(key: Key) -> int:
-    tt = key.page if key.kv_dtype == "int8" else key.page // 2
-    eb = 1 if key.kv_dtype == "int8" else 2
-    rows = key.hq // key.hkv * key.t
-    return tt * (key.d * eb + 16) + tt * key.d // 64 * 2 + rows * key.d * 2 + rows * tt * 4 + 3 * rows * 4
+    """The warps' partial scores, double-buffered (none with one warp)."""
+    t = tiling(key)
+    return 2 * t.warps * t.mt * (t.chunk // 8) * 32 * 16 if t.warps > 1 else 16
 
 
 def choose_splits(hkv: int, max_pages: int, target: Target) -> int:
@@ -62,7 +81,8 @@ def make_key(hq, hkv, d, b, t, kv_dtype, max_pages, target: Target, gate=True, p
 
 
 def launch(key: Key, target: Target | None = None) -> Launch:
-    return Launch((key.splits, key.hkv, key.b), (256, 1, 1), 0)
+    t = tiling(key)
+    return Launch((key.splits, key.hkv * t.row_blocks, key.b), (32 * t.warps, 1, 1), 0)
 
 
 def params(key: Key) -> list[Param]:

@@ -32,3 +32,13 @@ __device__ __forceinline__ void s8x4_as_f32(uint32_t w, float* f) {
   f[2] = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7542)) - 8388736.f;
   f[3] = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7543)) - 8388736.f;
 }
+
+// Two codes in bytes 0 and 2 of `x` (bytes 1 and 3 ignored) as an exact fp16 pair, lower byte in the low half:
+// each half reads 0x64uu = 1024 + u with u the code's byte with its sign bit flipped (code + 128), minus 1152.
+// One LOP3 and one HSUB2 for two codes.
+__device__ __forceinline__ uint32_t s8x2_as_h2(uint32_t x) {
+  uint32_t h;
+  asm("lop3.b32 %0, %1, %2, %3, 0x6a;\n" : "=r"(h) : "r"(x), "r"(0x00FF00FFu), "r"(0x64806480u));  // (x & m) ^ c
+  const __half2 v = __hsub2(*reinterpret_cast<const __half2*>(&h), __half2half2(__ushort_as_half(0x6480)));
+  return *reinterpret_cast<const uint32_t*>(&v);
+}

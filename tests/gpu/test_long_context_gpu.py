@@ -45,6 +45,36 @@ def test_attn_decode_past_32k(h, t, ctx):
     _check(h, attn_decode.make_key(HQ, HKV, D, 1, t, "int8", MAX_PAGES, TARGET), ctx)
 
 
+@pytest.mark.parametrize("ctx", [1000, 40_010, 131_000])
+def test_attn_decode_row_has_the_same_bits_in_a_decode_and_in_a_verify(h, ctx):
+    """Query row tt of a verify (T = 4, ctx keys, later keys masked) and the same query alone as a decode step
+    (T = 1, ctx − 3 + tt keys) give the same bits: the kernel's chunks are the online softmax's steps whatever T
+    is, so a lane's greedy tokens do not depend on its K or on its cohort (ctx % 64 ≥ 4: the same pages, hence
+    the same splits)."""
+    from dataclasses import replace
+
+    k4 = attn_decode.make_key(HQ, HKV, D, 1, 4, "int8", MAX_PAGES, TARGET)
+    k1 = replace(k4, t=1)
+    h.build([k1, k4, attn_combine.for_decode(k1), attn_combine.for_decode(k4)])
+    case = make_case(k4, "cuda", 7, ctx=ctx)
+    h.run(case)
+    _, (out4, _, _, q, gate, *pages, table, _) = case.launches[0]
+    for tt in range(4):
+        lens = torch.tensor([ctx - 3 + tt], dtype=torch.int32, device="cuda")
+        q1 = q[:, tt:tt + 1].contiguous()
+        gate1 = gate.view(1, 4, HQ, 2 * D)[:, tt].contiguous()
+        out1 = torch.full((1, 1, HQ, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+        part_o = torch.empty(1, HQ, k1.splits, D, device="cuda")
+        part_ml = torch.empty(1, HQ, k1.splits, 2, device="cuda")
+        h.launch_key(k1, attn_decode, [out1, part_o, part_ml, q1, gate1, *pages, table, lens])
+        h.launch_key(attn_combine.for_decode(k1), attn_combine, [out1, part_o, part_ml, gate1, lens])
+        torch.cuda.synchronize()
+        assert torch.equal(out1[0, 0], out4[0, tt]), \
+            f"row {tt}: differs in {(out1[0, 0] != out4[0, tt]).sum().item()} of {HQ * D} values"
+    del case
+    torch.cuda.empty_cache()
+
+
 @pytest.mark.parametrize("ctx", [32800, CONTEXT])
 def test_attn_prefill_chunk_at_the_end_of_128k(h, ctx):
     _check(h, attn_prefill.make_key(HQ, HKV, D, 64, "int8", MAX_PAGES, TARGET), ctx)
