@@ -2,7 +2,7 @@
 # The device calls of sessions 13–14 (issues 30–34): the GPU tier's cohort, speculative, runtime and arch-path
 # files, the 27B C1 bench through the engine (K = 3, 32K draft head, accept 0.8), the cohort bench C1/C8 (fixed,
 # adaptive, plain), the sm_86 path, serve with no flags, long context, k-quants, and images (vision).
-# PART=fixes,tests,bench,fold,chain,cohort,arch,serve,long,pace,kq,gguf27,vision (default: all, in that order). Logs to $OUT
+# PART=attn,fixes,tests,bench,fold,chain,cohort,arch,serve,long,pace,kq,gguf27,vision (default: all, in that order). Logs to $OUT
 # as it goes. `chain` (session 15, issue 32 item 2): joined GEMV launches — their bit tests, then the same-run step
 # A/B of off / group / chain on the sm_90 path and on the sm_86 path.
 # The text benches load the 27B with --no-vision (the figures earlier sessions compare with); `vision` measures
@@ -14,6 +14,15 @@ shown() { tr '\r' '\n' < "$1" | grep -v "it/s\]" | grep -v "kernel/s" | grep -v 
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -1
 part() { [ -z "${PART:-}" ] || [[ ",$PART," == *",$1,"* ]]; }
+if part attn; then                   # session 16 (issue 31 item 2): the tensor-core decode attention — its kernel tests
+                                     # (every case key, past 32K), then the long-context lab at 4K / 32K / 128K
+  timeout ${ATTNT_S:-240} python3 -m pytest -m gpu tests/gpu/test_kernels_gpu.py tests/gpu/test_long_context_gpu.py \
+    -k "attn_decode or attn_combine" -v -rf -p no:cacheprovider > $OUT/attn_tests.log 2>&1
+  echo "attn tests: rc $?"; grep -a "PASSED\|FAILED\|ERROR" $OUT/attn_tests.log | sed 's/ *\[ *[0-9]*%\]//' | tail -30
+  grep -a "rel\|max\|Error" $OUT/attn_tests.log | head -20
+  timeout ${ATTNL_S:-200} python3 -m lab.attn_long --out $OUT/attn_long.json --splits ${ASPLITS:-132,264} \
+    > $OUT/attn_long.log 2>&1; echo "attn lab: rc $?"; shown $OUT/attn_long.log 22
+fi
 if part fixes; then                  # session 15's fixes made after its device time: the 5/8-prompt cohort mismatch
                                      # (a leaving lane's row left RUNNING), the second-turn setup of two cohort tests
   timeout ${DIAG_S:-150} python3 -m lab.cohort_diag --n 5,8 > $OUT/cohort_diag.log 2>&1
