@@ -5,7 +5,8 @@ case: µs (median of CUDA-event timings; inputs rotated over copies bigger than 
 (K and V codes with their scales, q, the gate, the output; the split partials apart, as overhead), GB/s and the
 fraction of a read-only stream and of a copy measured in the same run — alone and chained back to back (how it
 runs inside a step) — and the decode kernel without its combine. `--splits` tries other split counts than the
-target's choice. Writes JSON (--out), prints a table last. `--dry-run` (any machine, no GPU): the keys, launch
+target's choice; `--variant vahead` also times lab/templates/attn_decode_vahead.cu.j2 (V prefetched a chunk ahead at
+one row tile) on the same inputs. Writes JSON (--out), prints a table last. `--dry-run` (any machine, no GPU): the keys, launch
 grids and byte counts only.
 
   python -m lab.attn_long --out attn_long.json [--contexts 4096,32768,131072] [--t 1,4] [--splits 66,132,264]
@@ -17,13 +18,31 @@ import argparse
 import json
 import statistics
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from compiler.kernels import attn_combine, attn_decode
 from compiler.targets import lookup
 
 HQ, HKV, D, PAGE = 24, 4, 256, 64           # the 27B's attention layers (MODEL.md §4)
+LAB_TEMPLATES = Path(__file__).resolve().parent / "templates"
+
+
+@dataclass(frozen=True)
+class VaheadKey(attn_decode.Key):
+    """The lab variant of attn_decode that loads a chunk's V with its K, a chunk ahead, at one row tile (the same
+    launch, partials and bits as the shipped kernel's: only the loads move)."""
+    template, template_dir = "attn_decode_vahead.cu.j2", LAB_TEMPLATES
+
+    def _name_parts(self):
+        return super()._name_parts() + ["vahead"]
+
+
+VARIANTS = {"vahead": lambda key: VaheadKey(**key.fields())}
+
+
+def variant_of(key) -> str:
+    return "vahead" if isinstance(key, VaheadKey) else "shipped"
 
 
 def int_list(text: str, option: str) -> list[int]:
@@ -46,6 +65,7 @@ def keys(args, target) -> list[tuple[attn_decode.Key, int]]:
         for t in args.t:
             base = attn_decode.make_key(HQ, HKV, D, 1, t, "int8", args.max_pages, target)
             variants = [base] + [replace(base, splits=s) for s in args.splits if s != base.splits]
+            variants += [VARIANTS[v](k) for v in args.variant for k in list(variants)]
             out += [(k, ctx) for k in variants]
     return out
 
@@ -92,7 +112,7 @@ def measure(args) -> dict:
     rows = []
     for key, ctx in cases:
         moved = attn_bytes(key, ctx)
-        row = {"name": key.name, "context": ctx, "t": key.t, "splits": key.splits, **moved}
+        row = {"name": key.name, "context": ctx, "t": key.t, "splits": key.splits, "variant": variant_of(key), **moved}
         try:
             first = make_case(key, DEVICE, 0, ctx=ctx)
             assert first.bytes == moved["useful"], (first.bytes, moved["useful"])
@@ -121,10 +141,10 @@ def measure(args) -> dict:
 def table(r: dict) -> str:
     lines = [f"device {r['device']}; read stream {r['read_GBps']:,.0f} GB/s, copy {r['copy_GBps']:,.0f} GB/s "
              f"(median of {r['iters']})",
-             f"{'context':>8} {'T':>2} {'splits':>6} {'us':>8} {'MB':>7} {'GB/s':>7} {'read%':>6} {'chain us':>9} "
+             f"{'context':>8} {'T':>2} {'splits':>6} {'variant':>8} {'us':>8} {'MB':>7} {'GB/s':>7} {'read%':>6} {'chain us':>9} "
              f"{'read%':>6} {'combine':>8}"]
     for x in r["results"]:
-        head = f"{x['context']:>8,} {x['t']:>2} {x['splits']:>6}"
+        head = f"{x['context']:>8,} {x['t']:>2} {x['splits']:>6} {x.get('variant', 'shipped'):>8}"
         if "error" in x:
             lines.append(f"{head} FAILED: {x['error'][:90]}")
             continue
@@ -147,6 +167,7 @@ def parse(argv=None):
     ap.add_argument("--contexts", default="4096,32768,131072", help="keys per row (default 4096,32768,131072)")
     ap.add_argument("--t", default="1,4", help="query tokens per row: 1 = decode, K + 1 = verify (default 1,4)")
     ap.add_argument("--splits", default="", help="split counts to try beside the target's choice, e.g. 66,132,264")
+    ap.add_argument("--variant", default="", help=f"lab template variants to time beside each key: {', '.join(VARIANTS)}")
     ap.add_argument("--max-pages", type=int, default=2048, help="block-table width of the keys (default 2048: "
                     "the runtime's 128K profile)")
     ap.add_argument("--arch", default=None, help="sm_XX of the keys (default: the GPU's; sm_90 for --dry-run)")
@@ -156,6 +177,9 @@ def parse(argv=None):
     args = ap.parse_args(argv)
     args.contexts, args.t = int_list(args.contexts, "--contexts"), int_list(args.t, "--t")
     args.splits = int_list(args.splits, "--splits") if args.splits else []
+    args.variant = [v for v in args.variant.split(",") if v]
+    if any(v not in VARIANTS for v in args.variant):
+        raise SystemExit(f"error: --variant: expected some of {', '.join(VARIANTS)}, got {','.join(args.variant)!r}")
     if args.max_pages < 1 or args.iters < 1:
         raise SystemExit("error: --max-pages and --iters must be ≥ 1")
     return args

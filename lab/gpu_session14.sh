@@ -21,7 +21,8 @@ if part attn; then                   # session 16 (issue 31 item 2): the tensor-
   echo "attn tests: rc $?"; grep -a "PASSED\|FAILED\|ERROR" $OUT/attn_tests.log | sed 's/ *\[ *[0-9]*%\]//' | tail -30
   grep -a "rel\|max\|Error" $OUT/attn_tests.log | head -20
   timeout ${ATTNL_S:-200} python3 -m lab.attn_long --out $OUT/attn_long.json --splits ${ASPLITS:-132,264} \
-    > $OUT/attn_long.log 2>&1; echo "attn lab: rc $?"; shown $OUT/attn_long.log 22
+    --contexts ${ACTX:-4096,32768,131072} --variant ${AVAR:-vahead} > $OUT/attn_long.log 2>&1
+  echo "attn lab: rc $?"; shown $OUT/attn_long.log 30
 fi
 if part fixes; then                  # session 15's fixes made after its device time: the 5/8-prompt cohort mismatch
                                      # (a leaving lane's row left RUNNING), the second-turn setup of two cohort tests
