@@ -15,7 +15,7 @@ from .lower_ctx import ZEROED_WORKSPACE, Ctx, LoweringError, Val, align
 from .lower_rules import RULES
 from .options import CompileOptions
 from .plan import Arena, Call, Collective, Input, Output, Plan, PlanError, Weight, Workspace, check_args
-from .spec import DRAFT_HEAD, ModelSpec, draft_head_info, format_of, tensor_table
+from .spec import DRAFT_HEAD, ModelSpec, draft_head_info, format_of, tensor_table, vision_tensor_table
 from .targets import Target, supports_pdl
 
 __all__ = ["LoweringError", "PlanError", "lower", "concurrent_groups"]
@@ -95,7 +95,8 @@ def _workspace_per_lane(calls: list[Call]) -> dict[str, tuple[int, ...]]:
 
 def lower(g: Graph, spec: ModelSpec, target: Target, options: CompileOptions = CompileOptions()) -> Plan:
     """Lower a fused graph (after `passes.run_pipeline`) for one target card."""
-    table = {t.name: t for t in tensor_table(spec)}
+    vision = g.params.get("entry") == "vision"            # the encoder's graph (trace_vision): the tower's tensors
+    table = {t.name: t for t in (vision_tensor_table(spec) if vision else tensor_table(spec))}
     if DRAFT_HEAD in g.weights:
         table[DRAFT_HEAD] = draft_head_info(spec, g.weights[DRAFT_HEAD].shape[0])
     ctx = Ctx(spec, target, g, options, {v.uid: format_of(spec, table[k]) for k, v in g.weights.items()},
@@ -143,10 +144,11 @@ def lower(g: Graph, spec: ModelSpec, target: Target, options: CompileOptions = C
     calls, groups, workspace = chain_calls(calls, groups, options.chain, _workspace_per_lane(calls))
     outputs = {k: Output(layout.offset(v), v.shape, layout.dtype(v)) for k, v in g.outputs.items()}
     p = g.params
+    shape = ("vision", p["images"], p["patches"]) if vision else (p["entry"], p["batch"], p["tokens"])
     return Plan(g.name, target.name, calls, arena, layout.nbytes,
                 live={names[u]: span for u, span in layout.live.items()},
                 dtypes={names[u]: d for u, d in layout.dtypes.items()}, outputs=outputs, groups=groups,
-                workspace=workspace, shape=(p["entry"], p["batch"], p["tokens"]),
+                workspace=workspace, shape=shape,
                 max_pages=g.inputs["block_table"].shape[1] if "block_table" in g.inputs else 0, options=options, graph=g)
 
 

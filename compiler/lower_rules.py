@@ -3,7 +3,8 @@ with its key and a binding for every kernel parameter (plan.Arena via `Val`, ste
 state buffer, workspace, constant, null). A rule may instead launch nothing: views (reshape, slice)
 alias their input, `positions` is the `row_pos` step input. Matrix-multiply dispatch (skinny GEMV up to
 32 rows, else the prefill GEMM — Hopper warpgroup MMA behind an activation permute where the arch and
-format allow) lives here; the GDN layers' rules are lower_gdn's, what every rule works with lower_ctx's.
+format allow) lives here; the GDN layers' rules are lower_gdn's, the vision encoder's lower_vision's, what every
+rule works with lower_ctx's.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from .kernels import (KernelKey, attn_combine, attn_decode, attn_prefill, concat
                       gemm, gemm_wg, gemv, qk_rope_kv, rmsnorm, xperm)
 from .lower_ctx import Arg, Ctx, Lowered, LoweringError, Val
 from .lower_gdn import GDN_RULES
+from .lower_vision import VISION_RULES
 from .options import CompileOptions
 from .plan import NULL, Collective, Const, Input, State, Weight
 from .spec import DRAFT_HEAD
@@ -235,5 +237,5 @@ RULES: dict[str, Callable[[Ctx, Eqn], Lowered]] = {
     "gated_paged_attention": _attention(True), "linear_residual_norm": _linear_residual_norm,
     "scaled_linear": _scaled(_projection("none")), "scaled_linear_silu_mul": _scaled(_projection("silu_mul")),
     "linear_conv": _with_conv(_projection("none")), "scaled_linear_conv": _scaled(_with_conv(_projection("none"))),
-    "positions": _positions, "concat": _concat, "embed_images": _embed_images, **GDN_RULES,
+    "positions": _positions, "concat": _concat, "embed_images": _embed_images, **GDN_RULES, **VISION_RULES,
 }

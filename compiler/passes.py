@@ -47,7 +47,7 @@ def _producers(g: Graph) -> dict[int, int]:
     return {o.uid: i for i, e in enumerate(g.eqns) for o in e.outputs}
 
 
-def _rewrite(g: Graph, match: Callable[[Graph, int, dict, dict], tuple[Eqn, set[int]] | None]) -> Graph:
+def rewrite(g: Graph, match: Callable[[Graph, int, dict, dict], tuple[Eqn, set[int]] | None]) -> Graph:
     """Walk equations; `match(g, i, uses, producers)` may return a fused equation placed at i and the
     indices of the equations it absorbs."""
     uses, prod = _uses(g), _producers(g)
@@ -66,7 +66,7 @@ def _rewrite(g: Graph, match: Callable[[Graph, int, dict, dict], tuple[Eqn, set[
     return replace(g, eqns=[e for i, e in out if i not in dropped])
 
 
-def _single_use_producer(g, var, prim, uses, prod) -> Eqn | None:
+def single_use_producer(g, var, prim, uses, prod) -> Eqn | None:
     if not isinstance(var, Var) or uses.get(var.uid) != 1 or var.uid not in prod:
         return None
     e = g.eqns[prod[var.uid]]
@@ -79,11 +79,11 @@ def fuse_linear_residual(g: Graph) -> Graph:
         e = g.eqns[i]
         if e.prim != "add":
             return None
-        lin = _single_use_producer(g, e.inputs[1], "linear", uses, prod)
+        lin = single_use_producer(g, e.inputs[1], "linear", uses, prod)
         if lin is None:
             return None
         return Eqn("linear_residual", [*lin.inputs, e.inputs[0]], {}, e.outputs), {prod[e.inputs[1].uid]}
-    return _rewrite(g, match)
+    return rewrite(g, match)
 
 
 def fuse_gate_up(g: Graph) -> Graph:
@@ -92,13 +92,13 @@ def fuse_gate_up(g: Graph) -> Graph:
         e = g.eqns[i]
         if e.prim != "silu_mul":
             return None
-        gate = _single_use_producer(g, e.inputs[0], "linear", uses, prod)
-        up = _single_use_producer(g, e.inputs[1], "linear", uses, prod)
+        gate = single_use_producer(g, e.inputs[0], "linear", uses, prod)
+        up = single_use_producer(g, e.inputs[1], "linear", uses, prod)
         if gate is None or up is None or gate.inputs[0] is not up.inputs[0]:
             return None
         fused = Eqn("linear_silu_mul", [gate.inputs[0], gate.inputs[1], up.inputs[1]], {}, e.outputs)
         return fused, {prod[e.inputs[0].uid], prod[e.inputs[1].uid]}
-    return _rewrite(g, match)
+    return rewrite(g, match)
 
 
 def fuse_output_gate(g: Graph) -> Graph:
@@ -107,17 +107,17 @@ def fuse_output_gate(g: Graph) -> Graph:
         e = g.eqns[i]
         if e.prim != "mul":
             return None
-        flat = _single_use_producer(g, e.inputs[0], "reshape", uses, prod)
-        sig = _single_use_producer(g, e.inputs[1], "sigmoid", uses, prod)
+        flat = single_use_producer(g, e.inputs[0], "reshape", uses, prod)
+        sig = single_use_producer(g, e.inputs[1], "sigmoid", uses, prod)
         if flat is None or sig is None:
             return None
-        attn = _single_use_producer(g, flat.inputs[0], "paged_attention", uses, prod)
+        attn = single_use_producer(g, flat.inputs[0], "paged_attention", uses, prod)
         if attn is None:
             return None
         q, bt, pos, *cache = attn.inputs
         fused = Eqn("gated_paged_attention", [q, sig.inputs[0], bt, pos, *cache], dict(attn.params), e.outputs)
         return fused, {prod[flat.inputs[0].uid], prod[e.inputs[0].uid], prod[e.inputs[1].uid]}
-    return _rewrite(g, match)
+    return rewrite(g, match)
 
 
 def fuse_add_rmsnorm(g: Graph) -> Graph:
@@ -133,7 +133,7 @@ def fuse_add_rmsnorm(g: Graph) -> Graph:
             return None  # the fused kernel runs at the norm's place: nothing between may read the sum
         fused = Eqn("add_rmsnorm", [*add.inputs, e.inputs[1]], dict(e.params), [add.outputs[0], e.outputs[0]])
         return fused, {j}
-    return _rewrite(g, match)
+    return rewrite(g, match)
 
 
 def fuse_silu_mul(g: Graph) -> Graph:
@@ -141,11 +141,11 @@ def fuse_silu_mul(g: Graph) -> Graph:
         e = g.eqns[i]
         if e.prim != "mul":
             return None
-        act = _single_use_producer(g, e.inputs[0], "silu", uses, prod)
+        act = single_use_producer(g, e.inputs[0], "silu", uses, prod)
         if act is None:
             return None
         return Eqn("silu_mul", [act.inputs[0], e.inputs[1]], {}, e.outputs), {prod[e.inputs[0].uid]}
-    return _rewrite(g, match)
+    return rewrite(g, match)
 
 
 def fuse_norm_rope(g: Graph) -> Graph:
@@ -154,13 +154,13 @@ def fuse_norm_rope(g: Graph) -> Graph:
         e = g.eqns[i]
         if e.prim not in ("rope", "mrope"):
             return None
-        norm = _single_use_producer(g, e.inputs[0], "rmsnorm", uses, prod)
+        norm = single_use_producer(g, e.inputs[0], "rmsnorm", uses, prod)
         if norm is None:
             return None
         params = {**norm.params, **e.params}
         return Eqn("norm_rope", [norm.inputs[0], norm.inputs[1], e.inputs[1]], params, e.outputs), \
             {prod[e.inputs[0].uid]}
-    return _rewrite(g, match)
+    return rewrite(g, match)
 
 
 GATED_RECURRENCES = {"gdn_recurrence": "gdn_step", "gdn_recurrence_record": "gdn_step_record",
@@ -174,8 +174,8 @@ def fuse_gdn_gates(g: Graph) -> Graph:
         e = g.eqns[i]
         if e.prim not in GATED_RECURRENCES:
             return None
-        rg = _single_use_producer(g, e.inputs[3], "reshape", uses, prod)
-        rb = _single_use_producer(g, e.inputs[4], "reshape", uses, prod)
+        rg = single_use_producer(g, e.inputs[3], "reshape", uses, prod)
+        rb = single_use_producer(g, e.inputs[4], "reshape", uses, prod)
         if rg is None or rb is None or rg.inputs[0].uid not in prod:
             return None
         gates = g.eqns[prod[rg.inputs[0].uid]]
@@ -184,7 +184,7 @@ def fuse_gdn_gates(g: Graph) -> Graph:
         q, k, v, _, _, *rest = e.inputs
         fused = Eqn(GATED_RECURRENCES[e.prim], [q, k, v, *gates.inputs, *rest], {}, e.outputs)
         return fused, {prod[rg.inputs[0].uid], prod[e.inputs[3].uid], prod[e.inputs[4].uid]}
-    return _rewrite(g, match)
+    return rewrite(g, match)
 
 
 FOLDS_INTO = {"gdn_conv_record": ("gdn_conv_fold", "gdn_conv_commit_record", 2),      # record prim → (its fold,
@@ -214,7 +214,7 @@ def fuse_fold_into_verify(g: Graph) -> Graph:
             return None
         _, _, *prev, counts = g.eqns[j].inputs
         return Eqn(fused_prim, [*e.inputs, *prev, counts], dict(e.params), e.outputs), {j}
-    return _rewrite(g, match)
+    return rewrite(g, match)
 
 
 ATTENTION_CACHE_AT = {"paged_attention": 3, "gated_paged_attention": 4}    # where an attention's cache inputs start
@@ -240,8 +240,8 @@ def fuse_qk_rope_kv(g: Graph) -> Graph:
         cache = attn.inputs[ATTENTION_CACHE_AT[attn.prim]:]
         j = appends.get(tuple(x.uid for x in cache))
         append = g.eqns[j] if j is not None and j > i else None
-        k_flat = append and _single_use_producer(g, append.inputs[0], "reshape", uses, prod)
-        kn = k_flat and _single_use_producer(g, k_flat.inputs[0], "norm_rope", uses, prod)
+        k_flat = append and single_use_producer(g, append.inputs[0], "reshape", uses, prod)
+        kn = k_flat and single_use_producer(g, k_flat.inputs[0], "norm_rope", uses, prod)
         if kn is None or kn.params != qn.params or kn.inputs[2] is not qn.inputs[2]:
             return None
         k, v, q_norm, k_norm = kn.inputs[0], append.inputs[1], qn.inputs[1], kn.inputs[1]
@@ -253,7 +253,7 @@ def fuse_qk_rope_kv(g: Graph) -> Graph:
         fused = Eqn("qk_rope_kv", [qn.inputs[0], k, v, q_norm, k_norm, qn.inputs[2], *append.inputs[2:]],
                     {**qn.params, "page_size": append.params["page_size"]}, qn.outputs)
         return fused, {prod[k_flat.inputs[0].uid], prod[append.inputs[0].uid], j}
-    return _rewrite(g, match)
+    return rewrite(g, match)
 
 
 def fuse_tiled_heads(g: Graph) -> Graph:
@@ -264,8 +264,8 @@ def fuse_tiled_heads(g: Graph) -> Graph:
         e = g.eqns[i]
         if e.prim != "transpose" or tuple(e.params["perm"]) != (0, 2, 1, 3):
             return None
-        flat = _single_use_producer(g, e.inputs[0], "reshape", uses, prod)
-        norm = flat and _single_use_producer(g, flat.inputs[0], "gated_rmsnorm", uses, prod)
+        flat = single_use_producer(g, e.inputs[0], "reshape", uses, prod)
+        norm = flat and single_use_producer(g, flat.inputs[0], "gated_rmsnorm", uses, prod)
         if not norm:
             return None
         n, nk, grp, dv = flat.outputs[0].shape
@@ -273,7 +273,7 @@ def fuse_tiled_heads(g: Graph) -> Graph:
             return None
         fused = Eqn("gated_rmsnorm_tiled", list(norm.inputs), {**norm.params, "key_heads": nk}, e.outputs)
         return fused, {prod[e.inputs[0].uid], prod[flat.inputs[0].uid]}
-    return _rewrite(g, match)
+    return rewrite(g, match)
 
 
 NORM_FOLD_ROWS = 32          # decode, verify and cohort steps: every projection there is a GEMV
@@ -350,7 +350,7 @@ def fold_conv_into_projection(g: Graph) -> Graph:
             return None
         fused = Eqn(CONV_PROJECTIONS[lin.prim], [*lin.inputs, *conv.inputs[1:]], dict(lin.params), conv.outputs)
         return fused, {at, j}
-    return _rewrite(g, match)
+    return rewrite(g, match)
 
 
 def dead_code(g: Graph) -> Graph:

@@ -134,16 +134,23 @@ def _rope_inv_freq(theta: float, rotary_dim: int):
     return inv_freq(theta, rotary_dim)
 
 
-CONSTANTS: dict[str, Callable[..., Any]] = {"rope_inv_freq": _rope_inv_freq}
+def _rope2d_inv_freq(theta: float, d: int):
+    from .kernels.attn_vision import inv_freq
+    return inv_freq(theta, d)
+
+
+CONSTANTS: dict[str, Callable[..., Any]] = {"rope_inv_freq": _rope_inv_freq, "rope2d_inv_freq": _rope2d_inv_freq}
 
 # name → int32 elements for (batch, tokens, max_pages): the one buffer of per-run values a bucket owns
 STEP_INPUTS: dict[str, Callable[[int, int, int], int]] = {
     "tokens": lambda b, t, p: b * t, "row_pos": lambda b, t, p: b * t, "pos": lambda b, t, p: b,
     "block_table": lambda b, t, p: b * p, "slots": lambda b, t, p: b, "seq_lens": lambda b, t, p: b,
     "commit": lambda b, t, p: b,
-    "mrope": lambda b, t, p: 3 * b * t, "image_count": lambda b, t, p: 1}     # the M-RoPE plans' (images)
+    "mrope": lambda b, t, p: 3 * b * t, "image_count": lambda b, t, p: 1,     # the M-RoPE plans' (images)
+    # the vision encoder's plans, shape ("vision", images, patches): patch geometry and segment bounds
+    "coords": lambda b, t, p: 4 * t, "cu_seqlens": lambda b, t, p: b + 1}
 # graph inputs of other dtypes, one device tensor each in the graph input's shape (filled by device copies)
-STEP_TENSORS = ("hidden", "images")
+STEP_TENSORS = ("hidden", "images", "pixels")
 
 
 # ---------------------------------------------------------------------------------------------- the plan
@@ -271,7 +278,8 @@ def format_plan(plan: Plan) -> str:
     naming the null ones."""
     entry, batch, tokens = plan.shape
     lane_of = {i: n for g in plan.groups if len(g) > 1 for n, i in enumerate(g)}
-    lines = [f"plan {plan.name} entry={entry} batch={batch} tokens={tokens} target={plan.target} "
+    rows, cols = ("images", "patches") if entry == "vision" else ("batch", "tokens")
+    lines = [f"plan {plan.name} entry={entry} {rows}={batch} {cols}={tokens} target={plan.target} "
              f"options={plan.options.describe()}",
              f"  arena {plan.arena_bytes} B; workspace lanes " +
              (", ".join(f"{k} {'+'.join(map(str, v))} B" for k, v in plan.workspace.items()) or "none"),

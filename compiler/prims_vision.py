@@ -1,7 +1,8 @@
 """prims_vision: shape/dtype rules of the vision encoder's primitives and of the two that bring images into the
 text model (image tokens in place of placeholders, M-RoPE), with their torch references (compiler.reference_vision).
-`compiler.prims` registers every entry of `RULES` in the primitive table. No lowering rules yet: these run on the
-reference interpreter only.
+`compiler.prims` registers every entry of `RULES` in the primitive table. The fused primitives of the encoder's
+pass pipeline (compiler.passes_vision) come last, each with the composition it replaces as its reference; the
+lowering rules are compiler.lower_vision's.
 """
 from __future__ import annotations
 
@@ -73,6 +74,39 @@ def _mrope(x, pos3, *, rotary_dim, theta, section):
     return [x]
 
 
+def _linear_bias_gelu(x, w, b, *, approximate):
+    _gelu(x, approximate=approximate)
+    return _linear_bias(x, w, b)
+
+
+def _linear_bias_residual(x, w, b, res):
+    out = _linear_bias(x, w, b)
+    _check(res.shape == out[0].shape and res.dtype == x.dtype, lambda: f"linear_bias_residual: residual {res}")
+    return out
+
+
+def _pos_embed_add(x, table, coords, *, side, dtype):
+    out = _pos_embed_bilinear(table, coords, side=side, dtype=dtype)
+    _check(out[0] == x, lambda: f"pos_embed_add: {x} plus {out[0]}")
+    return [x]
+
+
+def _vision_attention(qkv, coords, cu_seqlens, *, heads, theta, scale):
+    n, width = qkv.shape
+    _check(len(qkv.shape) == 2 and width % (3 * heads) == 0, lambda: f"vision_attention: qkv {qkv}, {heads} heads")
+    d = width // (3 * heads)
+    q = AVal((n, heads, d), qkv.dtype)
+    _rope_2d(q, coords, theta=theta)
+    return _segment_attention(q, q, q, cu_seqlens, scale=scale)
+
+
+def _ref_vision_attention(qkv, coords, cu_seqlens, *, heads, theta, scale):
+    """The traced composition: [n, 3, heads, d] split, rope_2d on q and k, segment_attention."""
+    q, k, v = (part.reshape(qkv.shape[0], heads, -1) for part in qkv.reshape(qkv.shape[0], 3, heads, -1).unbind(1))
+    return ref.segment_attention(ref.rope_2d(q, coords, theta=theta), ref.rope_2d(k, coords, theta=theta), v,
+                                 cu_seqlens, scale=scale)
+
+
 # name → (shape rule, torch reference)
 RULES = {
     "linear_bias": (_linear_bias, ref.linear_bias),
@@ -83,4 +117,11 @@ RULES = {
     "segment_attention": (_segment_attention, ref.segment_attention),
     "embed_images": (_embed_images, ref.embed_images),
     "mrope": (_mrope, ref.mrope),
+    # fused by compiler.passes_vision: references are the compositions they replace (bit for bit)
+    "linear_bias_gelu": (_linear_bias_gelu,
+                         lambda x, w, b, *, approximate: ref.gelu(ref.linear_bias(x, w, b), approximate=approximate)),
+    "linear_bias_residual": (_linear_bias_residual, lambda x, w, b, res: res + ref.linear_bias(x, w, b)),
+    "pos_embed_add": (_pos_embed_add, lambda x, table, coords, *, side, dtype:
+                      x + ref.pos_embed_bilinear(table, coords, side=side, dtype=dtype)),
+    "vision_attention": (_vision_attention, _ref_vision_attention),
 }

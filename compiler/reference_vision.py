@@ -63,7 +63,12 @@ def rope_2d(x, coords, *, theta):
     frequencies θ^(−4i/D), then its column times the same frequencies."""
     d = x.shape[-1]
     quarter = torch.arange(0, d // 2, 2, dtype=torch.float, device=x.device)
-    inv_freq = 1.0 / (theta ** (quarter / (d // 2)))
+    return rope_2d_freqs(x, coords, 1.0 / (theta ** (quarter / (d // 2))))
+
+
+def rope_2d_freqs(x, coords, inv_freq):
+    """rope_2d with its D/4 fp32 frequencies given (the attention kernel's constant table)."""
+    d = x.shape[-1]
     pos = coords[:, :2].float()
     freqs = (pos[:, :, None] * inv_freq).reshape(pos.shape[0], -1)          # [N, D/2]: rows' then columns'
     emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]

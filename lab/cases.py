@@ -65,13 +65,14 @@ def randn(shape, g, dtype=torch.bfloat16, scale=1.0):
 def _gemv(key: gemv.Key, g) -> Case:
     dev = g.device
     w, pack = random_matrix(key.fmt, key.n, key.k, g)
-    packed = pack(w, gate_up=key.epilogue == "silu_mul")
+    bias = randn((key.n,), g) if key.epilogue in gemv.BIAS_EPILOGUES else None     # the vision tower's GEMMs
+    packed = pack(w, gate_up=key.epilogue == "silu_mul") if bias is None else pack(w, pad_k=True)
     x = randn((key.m, key.k), g)
-    res = randn((key.m, key.n), g) if key.epilogue == "residual" else None
+    res = randn((key.m, key.n), g) if key.epilogue in ("residual", "bias_residual") else None
     n_out = key.n // 2 if key.epilogue == "silu_mul" else key.n
     y = torch.empty(key.m, n_out, device=dev, dtype=torch.float32 if key.out_dtype == "f32" else torch.bfloat16)
     nz = lambda t: t if t.numel() else None                               # noqa: E731
-    args = [y, x, packed["lo"], nz(packed["hi"]), nz(packed["scales"]), res]
+    args = [y, x, packed["lo"], nz(packed["hi"]), nz(packed["scales"]), res] + ([bias] if bias is not None else [])
     inplace, expect, launches = {}, {}, []
     if key.family == "gemm_wg":                     # its activations as xperm leaves them, as lowered
         pkey = xperm.Key(key.m, key.k, key.arch)
@@ -112,7 +113,7 @@ def _gemv(key: gemv.Key, g) -> Case:
                                                           if n != "y") + sum(extra.values())
 
     def ref():
-        yr = gemv.reference(key, x, w, res, ssq_in)
+        yr = gemv.reference(key, x, w, res, ssq_in, bias=bias)
         if conv_in is not None:
             yr, new_hist = gemv.conv_reference(key, yr, *conv_in)
             expect["hist"] = new_hist
@@ -198,9 +199,9 @@ BUILDERS = {"gemv": _gemv, "gemm": _gemv, "gemm_wg": _gemv, "xperm": _xperm, "rm
 
 def make_case(key, device="cuda", seed: int = 0, **options) -> Case:
     """Random inputs for `key` on `device`; options go to the family builder (e.g. ctx for attention)."""
-    from lab import cases_seq
+    from lab import cases_seq, cases_vision
     g = torch.Generator(device=device).manual_seed(seed)
-    builder = BUILDERS.get(key.family) or cases_seq.BUILDERS[key.family]
+    builder = BUILDERS.get(key.family) or cases_seq.BUILDERS.get(key.family) or cases_vision.BUILDERS[key.family]
     return builder(key, g, **options)
 
 

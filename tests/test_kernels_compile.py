@@ -12,6 +12,7 @@ from compiler import codegen
 from compiler.build_cache import KernelCacheMiss, build_kernels
 from compiler.kernels import FAMILY_MODULES, attn_decode, embed_images, gemm, gemm_wg, gemv, module_of, qk_rope_kv, rmsnorm
 from compiler.buckets import plan_bucket, plan_rounds, profile_of
+from compiler.buckets_vision import plan_vision
 from compiler.options import CompileOptions
 from compiler.lower_rules import matmul_key
 from compiler.spec import load_spec
@@ -50,7 +51,10 @@ def _spec_keys(arch: str, tiny: bool = True) -> list:
     # they are tested on the GPU at the round level (tests/gpu/test_speculative_gpu.py), not as cases
     profile = profile_of(SPECS["27b"], cohorts=(1,), draft=3, accept_coin=True, draft_vocab=32768)
     keys += [k for r in plan_rounds(SPECS["27b"], target, profile).values() for k in r.keys()]
-    return list(dict.fromkeys(keys + vision_keys(arch) + chain_keys(arch)))
+    # the vision encoder's kernels (an 8-token call of two images: 32 patch rows; its buckets:
+    # tests/test_vision_kernels_compile.py)
+    encoder = [k for name in ("27b", "tiny-vl") for k in plan_vision(SPECS[name], target, 8, 2).keys()]
+    return list(dict.fromkeys(keys + vision_keys(arch) + chain_keys(arch) + encoder))
 
 
 def chain_keys(arch: str) -> list:

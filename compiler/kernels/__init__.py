@@ -51,7 +51,7 @@ class KernelKey:
 
 FAMILY_MODULES = ("gemv", "gemm", "gemm_wg", "xperm", "rmsnorm", "gated_rmsnorm", "embed", "argmax", "gdn_conv",
                   "gdn_step", "gdn_chunk", "qk_rope_kv", "attn_decode", "attn_combine", "attn_prefill", "concat",
-                  "spec_round", "embed_images", "gemv_chain")
+                  "spec_round", "embed_images", "gemv_chain", "layernorm", "pos_embed", "attn_vision")
 
 
 # The matrix-multiply families: same arguments (gemv.MATMUL_PARAMS, + gemv's split-K workspace), same

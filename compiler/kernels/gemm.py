@@ -1,18 +1,21 @@
 """gemm: the quantised prefill GEMM (M = a prefill chunk), mma.sync with the gemv weight layout.
 
-Same first six arguments as gemv (no split-K workspace), same epilogues and reference. GGUF k-quant
-formats (q4_k, q5_k, q6_k) read their blocks as stored: templates/gemm_kq.cu.j2, one super-block per
-stage, warp tiles of at most 4 token tiles. A block is
-wr × wc warps, each owning 32 weight rows × 8·nt tokens; activations and weight fragments go through
-a `stages`-deep cp.async ring in dynamic shared memory (templates/gemm.cu.j2). The tile comes from
-(fmt, n, k, m, target): prefill results need not be M-invariant. Its K order differs from gemv (no
-split over warps), so prefill and decode agree to rounding only.
+Same first six arguments as gemv (no split-K workspace), same epilogues and reference; for bf16 weights also
+the vision tower's bias epilogues (gemv.BIAS_EPILOGUES, a seventh argument) and a K that is a multiple of 8
+only (the planes hold K padded to whole units with zero columns: `weight_layout.pack_for_device(pad_k=True)`).
+GGUF k-quant formats (q4_k, q5_k, q6_k) read their blocks as stored: templates/gemm_kq.cu.j2, one
+super-block per stage, warp tiles of at most 4 token tiles. A block is wr × wc warps, each owning 32 weight
+rows × 8·nt tokens; activations and weight fragments go through a `stages`-deep cp.async ring in dynamic
+shared memory (templates/gemm.cu.j2). The tile comes from (fmt, n, k, m, target): prefill
+results need not be M-invariant. Its K order differs from gemv (no split over warps), so prefill and
+decode agree to rounding only.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import ClassVar
 
+from .._torch import torch
 from ..targets import Target
 from . import KernelKey, Launch, Param, ceil_div
 from . import gemv
@@ -48,9 +51,11 @@ class Key(KernelKey):
     arch: str
 
     def __post_init__(self):
-        if self.fmt not in FORMATS and self.fmt not in KFORMATS or self.k % gemv.unit_of(self.fmt) or self.m < 1:
+        # bf16 takes a K tail (the vision tower's 4304): the last unit's columns past K read as zero
+        grain = 8 if self.fmt == "bf16" else gemv.unit_of(self.fmt)
+        if self.fmt not in FORMATS and self.fmt not in KFORMATS or self.k % grain or self.m < 1:
             raise ValueError(f"gemm: bad key {self}")
-        gemv.check_epilogue(self)
+        gemv.check_epilogue(self, gemv.BIAS_EPILOGUES if self.fmt == "bf16" and self.out_dtype == "bf16" else ())
         if not (1 <= self.wr * self.wc <= 16 and self.nt >= 1 and self.stages >= 2):
             raise ValueError(f"gemm: bad tiling {self}")
         if self.fmt in KFORMATS and self.nt > 4:
@@ -127,9 +132,28 @@ def launch(key: Key, target: Target | None = None) -> Launch:
 
 
 def params(key: Key) -> list[Param]:
-    """gemv's arguments without the split-K workspace."""
-    return list(gemv.MATMUL_PARAMS)
+    """gemv's arguments without the split-K workspace; the bias epilogues add the bias."""
+    bias = [Param("bias", "ptr", "[n] bf16 bias")] if key.epilogue in gemv.BIAS_EPILOGUES else []
+    return list(gemv.MATMUL_PARAMS) + bias
 
 
-def reference(key: Key, x, w, res=None):
-    return gemv.reference(key, x, w, res)
+def reference(key: Key, x, w, res=None, bias=None):
+    return gemv.reference(key, x, w, res, bias=bias)
+
+
+def emulate(key: Key, buf) -> None:
+    """compiler.emulate: the reference over the call's bound buffers, the weight unpacked from its planes (so the
+    planes' packing is checked too). Float and group formats (not the k-quants' blocks)."""
+    from .weight_layout import padded_k, unpack_from_device
+
+    if key.fmt in KFORMATS or key.epilogue == "silu_mul":
+        raise NotImplementedError(f"gemm.emulate: {key.fmt} / {key.epilogue} is not emulated")
+    kp = padded_k(key.fmt, key.k) if key.fmt == "bf16" else key.k
+    planes = {p: buf(f"w_{p}") for p in ("lo", "hi", "scales")}
+    planes = {p: t if t is not None else torch.zeros(0, dtype=torch.uint8) for p, t in planes.items()}
+    w = unpack_from_device(planes, key.fmt, key.n, kp)
+    w = w[:, :key.k] if key.fmt == "bf16" else w
+    bias = key.epilogue in gemv.BIAS_EPILOGUES
+    res = buf("res", (key.m, key.n), "bf16") if key.epilogue in ("residual", "bias_residual") else None
+    y = reference(key, buf("x", (key.m, key.k), "bf16"), w, res, buf("bias", (key.n,), "bf16") if bias else None)
+    buf("y", (key.m, key.n), key.out_dtype).copy_(y)

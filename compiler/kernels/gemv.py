@@ -30,12 +30,17 @@ from . import KernelKey, Launch, Param, ceil_div
 from .weight_layout import FORMATS, dequantize, group_of
 
 EPILOGUES = ("none", "residual", "silu_mul")
+# The vision tower's epilogues (the prefill GEMM only, gemm.BIAS_EPILOGUES): + bias, then GELU (erf or tanh) or
+# + a residual, each rounded to bf16 where the reference rounds (compiler.reference_vision).
+BIAS_EPILOGUES = ("bias", "bias_gelu", "bias_gelu_tanh", "bias_residual")
 OUT_DTYPES = ("bf16", "f32")
+_SHORT = {"residual": "res", "silu_mul": "silu", "bias": "b", "bias_gelu": "bgelu", "bias_gelu_tanh": "bgelut",
+          "bias_residual": "bres"}
 
 
-def check_epilogue(key) -> None:
-    """The epilogue checks every matrix-multiply key (gemv, gemm, gemm_wg) makes."""
-    if key.epilogue not in EPILOGUES or key.out_dtype not in OUT_DTYPES:
+def check_epilogue(key, extra: tuple[str, ...] = ()) -> None:
+    """The epilogue checks every matrix-multiply key (gemv, gemm, gemm_wg) makes; `extra`: the family's own."""
+    if key.epilogue not in EPILOGUES + extra or key.out_dtype not in OUT_DTYPES:
         raise ValueError(f"{key.family}: bad epilogue/out_dtype {key.epilogue!r}/{key.out_dtype!r}")
     if key.epilogue == "silu_mul" and key.n % 16:
         raise ValueError(f"{key.family}: silu_mul needs n = 2·F with F a multiple of 8")
@@ -49,7 +54,7 @@ def unit_of(fmt: str) -> int:
 def shape_name_parts(key) -> list[str]:
     """The leading name parts of every matrix-multiply key: format, shape, epilogue, output dtype."""
     parts = [key.fmt, f"n{key.n}", f"k{key.k}", f"m{key.m}"]
-    parts += [] if key.epilogue == "none" else [{"residual": "res", "silu_mul": "silu"}[key.epilogue]]
+    parts += [] if key.epilogue == "none" else [_SHORT[key.epilogue]]
     return parts + (["f32"] if key.out_dtype == "f32" else [])
 
 
@@ -301,6 +306,18 @@ def workspace(key: Key) -> dict[str, int]:
 
 
 # The arguments every quantised matrix multiply takes (gemv, and gemm, which has no split-K workspace).
+def bias_epilogue(epilogue: str, y: torch.Tensor, bias: torch.Tensor, res: torch.Tensor | None = None):
+    """fp32 products y → bf16 as the vision tower's reference computes them: h = bf16(y + bias), then bf16(GELU(h))
+    or bf16(res + h) (each torch op of the reference rounds its bf16 result once)."""
+    h = (y + bias.float()).to(torch.bfloat16)
+    if epilogue == "bias_residual":
+        return (res.float() + h.float()).to(torch.bfloat16)
+    if epilogue in ("bias_gelu", "bias_gelu_tanh"):
+        approximate = "tanh" if epilogue == "bias_gelu_tanh" else "none"
+        return torch.nn.functional.gelu(h.float(), approximate=approximate).to(torch.bfloat16)
+    return h
+
+
 MATMUL_PARAMS = (Param("y", "ptr", "out [m, n] (n/2 for silu_mul), bf16 or f32; may alias res"),
                  Param("x", "ptr", "activations [m, k] bf16, contiguous"),
                  Param("w_lo", "ptr", "packed plane 'lo' (weight_layout.pack_for_device)"),
@@ -325,11 +342,14 @@ def params(key: Key) -> list[Param]:
          if key.conv else [])
 
 
-def reference(key, x: torch.Tensor, w, res: torch.Tensor | None = None, ssq_in: torch.Tensor | None = None):
+def reference(key, x: torch.Tensor, w, res: torch.Tensor | None = None, ssq_in: torch.Tensor | None = None,
+              bias: torch.Tensor | None = None):
     """fp32 math on the dequantised weight; `w` is the logical (unpacked) matrix or QMatrix. Shared by
     every matrix-multiply key (gemv, gemm, gemm_wg: fields n, epilogue, out_dtype). A `scale_in` key
     scales by reference_fused.inverse_rms(ssq_in) before the epilogue."""
     y = x.float() @ dequantize(w).to(x.device).T
+    if key.epilogue in BIAS_EPILOGUES:
+        return bias_epilogue(key.epilogue, y, bias, res)
     if getattr(key, "scale_in", False):
         y = y * inverse_rms(ssq_in, key.eps)
     if key.epilogue == "silu_mul":

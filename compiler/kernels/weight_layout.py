@@ -44,6 +44,11 @@ def padded_rows(n: int) -> int:
     return -(-n // TILE) * TILE
 
 
+def padded_k(fmt: str, k: int) -> int:
+    """K rounded up to whole units of the format's group (the columns a packed matrix holds)."""
+    return -(-k // group_of(fmt)) * group_of(fmt)
+
+
 def _index_maps(group: int, device=None):
     """Row-in-tile and column-in-unit of value (lane, step, element): two int64 [32, S, 8] tensors."""
     steps = group // 16
@@ -183,15 +188,18 @@ def _pack_rows(rows: torch.Tensor, fmt: str) -> dict:
     return {"lo": planes["lo"].flatten(), "hi": planes["hi"].flatten()}
 
 
-def pack_for_device(w, gate_up: bool = False, chunk_rows: int = 4096) -> dict[str, torch.Tensor]:
+def pack_for_device(w, gate_up: bool = False, chunk_rows: int = 4096, pad_k: bool = False) -> dict[str, torch.Tensor]:
     """QTensor-like (fmt, codes, scales) or a bf16 [N, K] tensor → {"lo", "hi", "scales"}, on w's device.
 
     Unused planes are empty tensors. Rows are zero-padded to a multiple of 16 (`padded_rows`). Work goes
     in chunks of `chunk_rows` rows (planes are tile-major, so chunks concatenate), which bounds the int64
-    temporaries to ~chunk_rows·K·40 bytes: the 248320-row LM head packs on a 24 GB card.
+    temporaries to ~chunk_rows·K·40 bytes: the 248320-row LM head packs on a 24 GB card. `pad_k` (bf16):
+    K is zero-padded to whole units (`padded_k`), as the prefill GEMM reads a K tail (the vision tower).
     """
     fmt = "bf16" if isinstance(w, torch.Tensor) else w.fmt
     mat = w if isinstance(w, torch.Tensor) else w.codes
+    if pad_k and fmt == "bf16" and mat.shape[1] % group_of(fmt):
+        mat = torch.nn.functional.pad(mat, (0, padded_k(fmt, mat.shape[1]) - mat.shape[1]))
     n, k = mat.shape
     group = group_of(fmt)
     if k % group or chunk_rows % TILE:

@@ -117,6 +117,12 @@ def cmd_build(args) -> int:
     for (b, acceptance), r in rounds.items():
         print(f"  {f'round B={b} {acceptance}':<22} {len(r.steps):>8} steps, {len(r.calls())} round calls")
     keys = profile_keys(plans, rounds)
+    if images and args.vision_kernels:         # the encoder's plans (opt-in: executor.vision_plan)
+        from compiler.buckets_vision import plan_vision_profile
+        encoder = plan_vision_profile(spec, target)
+        for tokens, plan in encoder.items():
+            print(f"  {f'vision tokens={tokens}':<22} {plan.launches:>8} {plan.arena_bytes / 2**20:>10.1f}")
+        keys = list(dict.fromkeys(keys + [k for plan in encoder.values() for k in plan.keys()]))
     print(f"  kernels: {len(keys)}, every one launched by this profile's plans and rounds")
     summary = build_kernels(keys, jobs=args.jobs, root=args.build_dir, ptx=args.ptx)
     print(summary.table())
@@ -200,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--ptx", action="store_true", help="also emit PTX for the arch (compute_XX)")
     b.add_argument("--no-vision", action="store_true", help="a spec with a vision tower: build the text model's "
                    "plans (what `--no-vision` loads run) instead of the M-RoPE plans a load with the tower runs")
+    b.add_argument("--vision-kernels", action="store_true", help="a spec with a vision tower: also build the "
+                   "encoder's plans (one per image-token bucket), which GpuBackend(vision_kernels=True) runs")
     b.set_defaults(func=cmd_build)
     i = sub.add_parser("inspect", help="trace an entry point and print its graph IR, or (--plan) its lowered plan")
     i.add_argument("spec", help="path to a model spec YAML")

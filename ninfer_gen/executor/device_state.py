@@ -120,7 +120,7 @@ class DeviceState:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
-OPTIONAL_INPUTS = ("mrope", "image_count")        # only in the buffers of plans that read them (images)
+OPTIONAL_INPUTS = ("mrope", "image_count", "coords", "cu_seqlens")   # only in the buffers of plans that read them
 
 
 class StepInputs:

@@ -53,7 +53,7 @@ class GpuBackend(SequencePool):
                  prefill_chunk: int | None = None, draft: int | None = None, round_mode: str = "fused",
                  accept_coin: bool = False, draft_vocab: list[int] | None = None, kv_pool_tokens: int | None = None,
                  prefix_states: int = 0, arch_path: str | None = None, vision=None,
-                 vision_patches: int = DEFAULT_PATCHES):
+                 vision_patches: int = DEFAULT_PATCHES, vision_kernels: bool = False):
         """`cohorts` lanes (the profile's step buckets: the spec's cohort sizes up to it); `all_logits`:
         prefill buckets keep every row's logits (evaluation: `Model.forward_logits`), else the last;
         `prefill_chunk`: the largest prefill bucket (default: the spec's, within the context); `draft`: the MTP
@@ -69,7 +69,8 @@ class GpuBackend(SequencePool):
         tower's tensors (canonical `visual.*` names, float, host or device) of a spec with a vision section — the
         profile then takes prompts with images (M-RoPE buckets, image tokens in a prompt's pieces) and `encode`
         runs the tower (None: text only); `vision_patches`: the largest image (in patches) the memory plan
-        holds the tower's activations for."""
+        holds the tower's activations for; `vision_kernels`: run the tower on the compiler's encoder plans
+        (executor.vision_plan, opt-in and not yet measured on a GPU) instead of torch."""
         self.spec, self.device, self.use_graphs = spec, torch.device(device), use_graphs
         self.target = device_target(self.device, arch_path)          # refuses a path this device cannot run
         rt = spec.runtime
@@ -95,7 +96,7 @@ class GpuBackend(SequencePool):
                                   prefill_chunk=prefill_chunk, draft=draft, accept_coin=accept_coin,
                                   draft_vocab=len(draft_vocab) if draft_vocab else 0, snapshots=snapshots,
                                   images=vision is not None)
-        self.encoder = VisionEncoder(spec, vision, self.device) if vision is not None else None
+        self.encoder = VisionEncoder(spec, vision, self.device) if vision is not None and not vision_kernels else None
         rounds = (max(self.profile.cohorts), self.profile.tail_tokens) if self.profile.speculative else (0, 0)
         sets = 2 if options.fold_in_verify and not snapshots else 1        # compiler.round.record_buckets
         self.state = DeviceState(spec, pages, cohorts, kv_dtype, self.device, *rounds, snapshots=snapshots,
@@ -103,6 +104,9 @@ class GpuBackend(SequencePool):
         self.weights = weights
         self.kernels = KernelCache(build_root, jobs=jobs, progress=progress,
                                    jit_ptx=self.target.arch != device_arch(self.device))
+        if vision is not None and vision_kernels:
+            from ninfer_gen.executor.vision_plan import CompiledVisionEncoder
+            self.encoder = CompiledVisionEncoder(spec, vision, self.device, self.target, self.kernels, vision_patches)
         self.exe = Executable(spec, self.target, weights, self.state, self.kernels, self.profile, self.device)
         self.exe.prepare()                  # every kernel and all memory of the profile, once, up front
         super().__init__(cohorts, pages, rt.page_size, per_seq * rt.page_size)
