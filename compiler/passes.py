@@ -73,17 +73,21 @@ def single_use_producer(g, var, prim, uses, prod) -> Eqn | None:
     return e if e.prim == prim else None
 
 
-def fuse_linear_residual(g: Graph) -> Graph:
-    """add(x, linear(h, W)) → the projection's epilogue adds the residual (o_proj, out_proj, down)."""
+def fuse_producer(g: Graph, consumer: str, arg: int, producer: str,
+                  fused: Callable[[Eqn, Eqn], Eqn]) -> Graph:
+    """Every `consumer` eqn whose input `arg` is the single-use output of a `producer` eqn → `fused(consumer eqn,
+    producer eqn)`, one eqn in place of both (the producer is dropped)."""
     def match(g, i, uses, prod):
         e = g.eqns[i]
-        if e.prim != "add":
-            return None
-        lin = single_use_producer(g, e.inputs[1], "linear", uses, prod)
-        if lin is None:
-            return None
-        return Eqn("linear_residual", [*lin.inputs, e.inputs[0]], {}, e.outputs), {prod[e.inputs[1].uid]}
+        p = single_use_producer(g, e.inputs[arg], producer, uses, prod) if e.prim == consumer else None
+        return None if p is None else (fused(e, p), {prod[e.inputs[arg].uid]})
     return rewrite(g, match)
+
+
+def fuse_linear_residual(g: Graph) -> Graph:
+    """add(x, linear(h, W)) → the projection's epilogue adds the residual (o_proj, out_proj, down)."""
+    return fuse_producer(g, "add", 1, "linear",
+                         lambda e, lin: Eqn("linear_residual", [*lin.inputs, e.inputs[0]], {}, e.outputs))
 
 
 def fuse_gate_up(g: Graph) -> Graph:

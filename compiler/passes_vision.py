@@ -8,41 +8,25 @@ from __future__ import annotations
 
 from .ir import Eqn, Graph
 from .options import CompileOptions
-from .passes import Pass, rewrite, single_use_producer, dead_code, run_pipeline
+from .passes import Pass, dead_code, fuse_producer, rewrite, run_pipeline, single_use_producer
 
 
 def fuse_linear_bias_gelu(g: Graph) -> Graph:
     """gelu(linear_bias(x, W, b)) → the projection's epilogue applies the GELU (the MLPs' fc1)."""
-    def match(g, i, uses, prod):
-        e = g.eqns[i]
-        lin = single_use_producer(g, e.inputs[0], "linear_bias", uses, prod) if e.prim == "gelu" else None
-        if lin is None:
-            return None
-        return Eqn("linear_bias_gelu", list(lin.inputs), dict(e.params), e.outputs), {prod[e.inputs[0].uid]}
-    return rewrite(g, match)
+    return fuse_producer(g, "gelu", 0, "linear_bias",
+                         lambda e, lin: Eqn("linear_bias_gelu", list(lin.inputs), dict(e.params), e.outputs))
 
 
 def fuse_linear_bias_residual(g: Graph) -> Graph:
     """add(x, linear_bias(h, W, b)) → the projection's epilogue adds the residual (attn.proj, fc2)."""
-    def match(g, i, uses, prod):
-        e = g.eqns[i]
-        lin = single_use_producer(g, e.inputs[1], "linear_bias", uses, prod) if e.prim == "add" else None
-        if lin is None:
-            return None
-        return Eqn("linear_bias_residual", [*lin.inputs, e.inputs[0]], {}, e.outputs), {prod[e.inputs[1].uid]}
-    return rewrite(g, match)
+    return fuse_producer(g, "add", 1, "linear_bias",
+                         lambda e, lin: Eqn("linear_bias_residual", [*lin.inputs, e.inputs[0]], {}, e.outputs))
 
 
 def fuse_pos_embed_add(g: Graph) -> Graph:
     """add(x, pos_embed_bilinear(table, coords)) → one kernel adds the resampled grid to x in place."""
-    def match(g, i, uses, prod):
-        e = g.eqns[i]
-        pos = single_use_producer(g, e.inputs[1], "pos_embed_bilinear", uses, prod) if e.prim == "add" else None
-        if pos is None:
-            return None
-        return (Eqn("pos_embed_add", [e.inputs[0], *pos.inputs], dict(pos.params), e.outputs),
-                {prod[e.inputs[1].uid]})
-    return rewrite(g, match)
+    return fuse_producer(g, "add", 1, "pos_embed_bilinear",
+                         lambda e, pos: Eqn("pos_embed_add", [e.inputs[0], *pos.inputs], dict(pos.params), e.outputs))
 
 
 def _qkv_part(g, var, uses, prod):

@@ -15,17 +15,23 @@ from compiler.spec import ModelSpec, vision_tensor_table
 DEFAULT_PATCHES = 4096      # the largest image the memory plan holds by default: one megapixel on 16-pixel patches
 
 
+def tower_tensors(spec: ModelSpec, tensors: dict, device: torch.device) -> dict[str, torch.Tensor]:
+    """The tower's tensors of `spec` from `tensors` (canonical `visual.*` names), bf16 on `device`; a clear
+    error when the spec has no tower or the checkpoint lacks some of it."""
+    if spec.vision is None:
+        raise ValueError(f"model {spec.name} has no vision section")
+    names = [t.name for t in vision_tensor_table(spec)]
+    missing = [n for n in names if n not in tensors]
+    if missing:
+        raise ValueError(f"the vision tower lacks {len(missing)} tensors ({', '.join(missing[:3])}, ...)")
+    return {n: tensors[n].to(device, torch.bfloat16) for n in names}
+
+
 class VisionEncoder:
     def __init__(self, spec: ModelSpec, tensors: dict, device):
         """`tensors`: the tower's tensors by canonical name (`visual.*`), any float dtype, host or device."""
-        if spec.vision is None:
-            raise ValueError(f"model {spec.name} has no vision section")
-        names = [t.name for t in vision_tensor_table(spec)]
-        missing = [n for n in names if n not in tensors]
-        if missing:
-            raise ValueError(f"the vision tower lacks {len(missing)} tensors ({', '.join(missing[:3])}, ...)")
         self.spec, self.device = spec, torch.device(device)
-        self.weights = {n: tensors[n].to(self.device, torch.bfloat16) for n in names}
+        self.weights = tower_tensors(spec, tensors, self.device)
 
     @property
     def nbytes(self) -> int:

@@ -14,25 +14,20 @@ import torch
 from compiler.buckets_vision import bucket_for, plan_vision, vision_buckets
 from compiler.emulate import weight_planes
 from compiler.plan import Arena, Const, Input, Null, Plan, Weight
-from compiler.spec import ModelSpec, vision_tensor_table
+from compiler.spec import ModelSpec
 from compiler.targets import Target
 from compiler.vision_model import encoder_inputs
 
 from ninfer_gen.executor.device_state import TORCH_DTYPES, ExecutableError
+from ninfer_gen.executor.vision_encoder import tower_tensors
 
 
 class CompiledVisionEncoder:
     def __init__(self, spec: ModelSpec, tensors: dict, device, target: Target, kernels, max_patches: int):
         """`tensors`: the tower's tensors by canonical name (`visual.*`); `kernels`: an executor KernelCache;
         `max_patches`: the largest image (in patches) it encodes (its largest bucket)."""
-        if spec.vision is None:
-            raise ValueError(f"model {spec.name} has no vision section")
-        names = [t.name for t in vision_tensor_table(spec)]
-        missing = [n for n in names if n not in tensors]
-        if missing:
-            raise ValueError(f"the vision tower lacks {len(missing)} tensors ({', '.join(missing[:3])}, ...)")
         self.spec, self.device, self.target, self.kernels = spec, torch.device(device), target, kernels
-        self.tensors = {n: tensors[n].to(self.device, torch.bfloat16) for n in names}
+        self.tensors = tower_tensors(spec, tensors, self.device)
         self.buckets = vision_buckets(spec, max_patches)
         self.plans: dict[int, Plan] = {t: plan_vision(spec, target, t) for t in self.buckets}
         self.kernels.build([k for p in self.plans.values() for k in p.keys()])
