@@ -91,17 +91,36 @@ class Drafter:
     def propose(self, seq, hidden: torch.Tensor, next_ids: list[int], start: int) -> tuple[list[int], torch.Tensor]:
         """MTP over slots start..start+n−1 (hidden rows with the token after each), then K−1 chained
         steps: (drafts [K], their distributions [K, V] when sampling, else None)."""
-        logits, normed = self.backend.mtp(seq, hidden, next_ids, start)
-        drafts, probs = [], []
-        h, at = normed[-1:], start + len(next_ids)
-        for j in range(self.k):
-            if self.params.greedy:              # argmax where the logits are: one integer comes back
+        def one_by_one(seqs, hiddens, ids, starts):
+            return [self.backend.mtp(*job) for job in zip(seqs, hiddens, ids, starts)]
+        return draft_together(one_by_one, [(self, seq, hidden, next_ids, start)])[0]
+
+
+def draft_together(mtp_many, jobs) -> list[tuple[list[int], torch.Tensor | None]]:
+    """Several sequences' `Drafter.propose`, their MTP passes and chained steps run together: `mtp_many(seqs,
+    hiddens, next_ids, starts)` gives each sequence's (logits, normed), their last rows its last slot's; a job is
+    (drafter, seq, hidden, next_ids, start). Each sequence's drafts are drawn from its own drafter's parameters
+    and generator, in its own order: what it would draw alone. A drafter with K = 0 runs the pass only."""
+    outs = mtp_many([j[1] for j in jobs], [j[2] for j in jobs], [j[3] for j in jobs], [j[4] for j in jobs])
+    drafts, probs = [[] for _ in jobs], [[] for _ in jobs]
+    live = [i for i, job in enumerate(jobs) if job[0].k]
+    for step in range(max((job[0].k for job in jobs), default=0)):
+        chained = []
+        for i in live:
+            drafter, logits = jobs[i][0], outs[i][0]
+            if drafter.params.greedy:             # argmax where the logits are: one integer comes back
                 d = int(logits[-1].argmax())
             else:
-                q = distribution(logits[-1:], self.params)[0]
-                d = draw(q, self.gen)
-                probs.append(q)
-            drafts.append(d)
-            if j + 1 < self.k:
-                logits, h = self.backend.mtp(seq, h, [d], at + j)
-        return drafts, (torch.stack(probs) if probs else None)
+                q = distribution(logits[-1:], drafter.params)[0]
+                d = draw(q, drafter.gen)
+                probs[i].append(q)
+            drafts[i].append(d)
+            if step + 1 < drafter.k:
+                chained.append(i)
+        if chained:
+            more = mtp_many([jobs[i][1] for i in chained], [outs[i][1][-1:] for i in chained],
+                            [[drafts[i][-1]] for i in chained], [jobs[i][4] + len(jobs[i][3]) + step for i in chained])
+            for i, out in zip(chained, more):
+                outs[i] = out
+        live = chained
+    return [(d, torch.stack(p) if p else None) for d, p in zip(drafts, probs)]

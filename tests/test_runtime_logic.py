@@ -110,3 +110,41 @@ def test_plan_cli_json_and_error(capsys):
     assert '"kv_tokens"' in capsys.readouterr().out
     assert main(["plan", str(SPECS / "qwen3.8-27b.yaml"), "--vram-budget", "16GiB"]) == 2
     assert capsys.readouterr().err.startswith("error: does not fit in 16.00 GiB")
+
+
+def test_pieces_of_several_sequences_run_together_in_order():
+    """GpuBackend._together (prefill_many, mtp_many): each row's pieces in their order; the pass's pieces of one
+    shape share the smallest bucket that holds them, more than the largest bucket's rows split; prefill pieces
+    (B = 1 buckets only) and pieces with images run one by one."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    import torch
+
+    from compiler.buckets import Profile
+    from ninfer_gen.executor.gpu_backend import GpuBackend, _Piece
+
+    profile = Profile(cohorts=(1, 2, 4, 6), draft=3, mtp=True)
+    fake = SimpleNamespace(profile=profile, bucket=lambda entry, b, t: (entry, b, t))
+    lengths = [3, 30, 7, 17, 2, 30, 30]
+    queues = [deque(_Piece(row, e, t, [0] * t, 0, t) for e, t in profile.prompt_pieces(n))
+              for row, n in enumerate(lengths)]
+    queues[6][0].images = torch.zeros(1, 4)                 # row 6's first piece (prefill 16) carries images
+    seen = {row: [] for row in range(len(lengths))}
+    calls = []
+    for (entry, b, t), pieces in GpuBackend._together(fake, queues):
+        assert all(p.entry == entry and p.t == t for p in pieces) and len(pieces) <= b
+        assert (entry, b, t) in profile.shapes()
+        calls.append((entry, b, t, len(pieces)))
+        for p in pieces:
+            seen[p.row].append((p.entry, p.t))
+    assert seen == {row: profile.prompt_pieces(n) for row, n in enumerate(lengths)}
+    # pieces: 3 = 1,1,1; 30 = 16,4,4,4,1,1; 7 = 4,1,1,1; 17 = 16,1; 2 = 1,1. A pass takes every row's next piece:
+    # 29 pieces in 14 calls
+    assert calls == [("step", 2, 1, 2), *[("prefill", 1, 16, 1)] * 3, ("step", 1, 4, 1), ("prefill", 1, 16, 1),
+                     ("step", 4, 1, 4), ("step", 4, 4, 3),
+                     ("step", 2, 1, 2), ("step", 4, 4, 3),
+                     ("step", 4, 4, 3), ("step", 1, 1, 1),
+                     ("step", 4, 1, 3), ("step", 4, 1, 3)]
+    many = [deque([_Piece(row, "step", 1, [0], 0, 1)]) for row in range(9)]   # 9 rows > the largest bucket (6)
+    assert [(b, len(p)) for (_, b, _), p in GpuBackend._together(fake, many)] == [(6, 6), (4, 3)]

@@ -216,9 +216,9 @@ class Engine:
 
     def _prefill(self) -> bool:
         """Prefill chunks of the prefilling lanes, the oldest first, until the step's budget of prompt tokens is
-        spent: a burst of short prompts starts together (eight 30-token prompts under the bench's 304-token
-        budget: one step, where one lane per step kept the last lane's first token behind seven rounds), and a long
-        prompt is still cut across steps."""
+        spent, in one backend call (`prefill_many`: a backend may run them together): a burst of short prompts
+        starts together (eight 30-token prompts under the bench's 304-token budget: one step, where one lane per
+        step kept the last lane's first token behind seven rounds), and a long prompt is still cut across steps."""
         pending = sorted((live for live in self._lanes if live is not None and live.lane.anchor is None),
                          key=lambda x: x.order)
         if not pending:
@@ -226,34 +226,35 @@ class Engine:
         budget = self.prefill_budget
         if self.pacer is not None:
             budget = self.pacer.budget(any(x is not None and x.lane.anchor is not None for x in self._lanes))
+        chunks = []
         for live in pending:
             if budget <= 0:
                 break
-            budget -= self._prefill_chunk(live, budget)
-        return True
-
-    def _prefill_chunk(self, live: _Live, budget: int) -> int:
-        """One chunk of ≤ `budget` tokens of the lane's prompt (its first token when the prompt ends there); the
-        tokens it took (a lane that failed takes the rest of the budget: the step goes on to its round)."""
-        lane = live.lane
-        ids = lane.prompt[lane.prefilled:lane.prefilled + budget]
-        last = lane.prefilled + len(ids) == len(lane.prompt)
+            lane = live.lane
+            ids = lane.prompt[lane.prefilled:lane.prefilled + budget]
+            chunks.append((live, ids, lane.prefilled + len(ids) == len(lane.prompt)))
+            budget -= len(ids)
         t0 = self.clock()
         try:
-            token = self.backend.prefill(lane, ids, last)
-            if last and not isinstance(token, int):
-                raise RuntimeError(f"the backend's prefill returned {token!r}, not the first token")
-        except Exception as err:
-            self._fail(live, err)
-            return budget
+            results = self.backend.prefill_many([(live.lane, ids, last) for live, ids, last in chunks])
+        except Exception as err:                 # the call itself failed: every chunk's lane fails
+            results = {live.lane.lane: err for live, _, _ in chunks}
         if self.pacer is not None:
-            self.pacer.prefilled(len(ids), self.clock() - t0)
-        lane.prefilled += len(ids)
-        with self._lock:
-            self._count["prefill_tokens"] += len(ids)
-        if last:
-            self._emit(live, [token])
-        return len(ids)
+            self.pacer.prefilled(sum(len(ids) for _, ids, _ in chunks), self.clock() - t0)
+        for live, ids, last in chunks:
+            token = results.get(live.lane.lane, RuntimeError(f"the backend's prefill gave nothing for lane "
+                                                             f"{live.lane.lane}"))
+            if last and not isinstance(token, (int, BaseException)):
+                token = RuntimeError(f"the backend's prefill returned {token!r}, not the first token")
+            if isinstance(token, BaseException):
+                self._fail(live, token)
+                continue
+            live.lane.prefilled += len(ids)
+            with self._lock:
+                self._count["prefill_tokens"] += len(ids)
+            if last:
+                self._emit(live, [token])
+        return True
 
     def _round(self, ready: list[_Live]) -> None:
         for live in ready:

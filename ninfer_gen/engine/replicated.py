@@ -1,6 +1,6 @@
 """replicated: the cohort engine over tensor-parallel ranks (ninfer_gen.parallel, compiler.shard). The lead
 (rank 0) runs the engine — and the server, the bench — over `ReplicatedLanes`; every other rank runs
-`follow`. Each call the engine makes of its lane backend (open, prefill, round, release) is broadcast to the
+`follow`. Each call the engine makes of its lane backend (open, prefill_many, round, release) is broadcast to the
 followers before it runs: the call's name, its arguments and the public state of its lanes (lanes.contract.
 LaneState without the adapter's `private` data and the sequence). A follower keeps a mirror of each lane,
 brings it up to the lead's state and makes the same call on its own share of the model, so the collectives
@@ -52,9 +52,10 @@ class ReplicatedLanes:
         self._send("open", [lane])
         self.inner.open(lane)
 
-    def prefill(self, lane, ids: list[int], last: bool):
-        self._send("prefill", [lane], list(ids), last)
-        return self.inner.prefill(lane, ids, last)
+    def prefill_many(self, chunks):
+        self._send("prefill_many", [lane for lane, _, _ in chunks], [list(ids) for _, ids, _ in chunks],
+                   [last for _, _, last in chunks])
+        return self.inner.prefill_many(chunks)
 
     def round(self, lanes):
         self._send("round", lanes)
@@ -98,7 +99,10 @@ def follow(inner) -> dict[str, int]:
                 setattr(lane, name, value)
             lanes.append(lane)
         try:
-            getattr(inner, op)(*(lanes if op != "round" else [lanes]), *args)
+            if op == "prefill_many":
+                inner.prefill_many(list(zip(lanes, *args)))
+            else:
+                getattr(inner, op)(*(lanes if op != "round" else [lanes]), *args)
         except Exception:               # noqa: BLE001 — the lead's own call fails the same way and reports it
             pass
         if op == "release":

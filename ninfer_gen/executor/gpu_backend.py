@@ -15,6 +15,8 @@ of decreasing powers of two, then steps for the last < 16 tokens.
 from __future__ import annotations
 
 import math
+from collections import deque
+from dataclasses import dataclass
 
 import torch
 
@@ -42,6 +44,20 @@ def device_target(device: torch.device, arch_path: str | None = None) -> Target:
     """The target card entry for the GPU we run on (by compute capability), or the arch path's: another
     card's kernels, run as PTX (compiler.targets.arch_path_target refuses a path newer than the device)."""
     return arch_path_target(device_arch(device), arch_path)
+
+
+@dataclass(eq=False)
+class _Piece:
+    """One call's share of one sequence: `t` tokens (padded past `used`) of `entry` at position `start`; an MTP
+    piece's hidden rows [used, H]; a prompt piece's image tokens."""
+    row: int                               # the sequence's index in the call
+    entry: str
+    t: int
+    tokens: list[int]
+    start: int
+    used: int
+    hidden: torch.Tensor | None = None
+    images: torch.Tensor | None = None
 
 
 class GpuBackend(SequencePool):
@@ -171,52 +187,128 @@ class GpuBackend(SequencePool):
 
     def mtp(self, seq: Sequence, hidden: torch.Tensor, next_ids: list[int], start: int):
         """The MTP head over slots start..start+n−1 (hidden rows, the token after each) → (logits of the
-        last slot [1, V], its normed output [1, H]). Up to K+1 slots run as one padded bucket (the padded
-        slots' KV is rewritten before anything reads it); a prompt's pass is cut like the prompt."""
-        n, tail = len(next_ids), self.profile.tail_tokens
-        pieces = [(tail, n)] if n <= tail else [(t, t) for _, t in self.profile.prompt_pieces(n)]
-        at = 0
-        for t, used in pieces:
-            bucket = self.bucket("mtp", 1, t)
-            ids = next_ids[at:at + used] + [next_ids[at + used - 1]] * (t - used)
-            bucket.inputs.set([ids], [start + at], [seq.table.pages], [seq.slot], [seq.positions])
-            rows = bucket.inputs.tensors["hidden"]
-            rows[:used].copy_(hidden[at:at + used])
-            rows[used:].copy_(hidden[at + used - 1:at + used].expand(t - used, -1))
+        last slot [1, V], its normed output [1, H]): `mtp_many` of one sequence."""
+        return self.mtp_many([seq], [hidden], [next_ids], [start])[0]
+
+    def mtp_many(self, seqs: list[Sequence], hiddens: list[torch.Tensor], next_ids: list[list[int]],
+                 starts: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The MTP head over several sequences' slots (each: hidden rows, the token after each, the first slot)
+        → per sequence (logits of its last slot [1, V] over the full vocabulary, its normed output [1, H]). Up
+        to K+1 slots run as one padded piece (the padded slots' KV is rewritten before anything reads it); a
+        prompt's pass is cut like the prompt; the sequences' pieces of one shape run together (`_together`)."""
+        tail, queues = self.profile.tail_tokens, []
+        for row, (hidden, ids, start) in enumerate(zip(hiddens, next_ids, starts)):
+            n = len(ids)
+            sizes = [(tail, n)] if n <= tail else [(t, t) for _, t in self.profile.prompt_pieces(n)]
+            queue, at = deque(), 0
+            for t, used in sizes:
+                queue.append(_Piece(row, "mtp", t, ids[at:at + used] + [ids[at + used - 1]] * (t - used),
+                                    start + at, used, hidden[at:at + used]))
+                at += used
+            queues.append(queue)
+        out: list = [None] * len(seqs)
+        for bucket, pieces in self._together(queues):
+            batch, t = bucket.inputs.batch, bucket.inputs.tokens
+            rows = [seqs[p.row] for p in pieces]
+            bucket.inputs.set([p.tokens for p in pieces], [p.start for p in pieces], [s.table.pages for s in rows],
+                              [s.slot for s in rows], [s.positions for s in rows])
+            inputs = bucket.inputs.tensors["hidden"].view(batch, t, -1)
+            for r, p in enumerate(pieces):
+                inputs[r, :p.used].copy_(p.hidden)
+                inputs[r, p.used:].copy_(p.hidden[-1:].expand(t - p.used, -1))
             bucket.run(self.use_graphs)
-            at += used
-        last = used - 1 if bucket.logits.shape[0] > 1 else 0
-        logits = bucket.logits[last:last + 1]
-        if self.draft_ids is not None:                 # over the full vocabulary: −inf off the draft ids
-            full = torch.full((1, self.spec.model.vocab_size), float("-inf"), device=logits.device)
-            full[:, self.weights.tensors[DRAFT_IDS].long()] = logits
-            logits = full
-        return logits.clone(), bucket.hidden[used - 1:used].clone()
+            logits = bucket.logits.reshape(batch, -1, bucket.logits.shape[-1])
+            normed = bucket.hidden.reshape(batch, t, -1)
+            for r, p in enumerate(pieces):
+                if not queues[p.row]:                    # the sequence's last piece: its last slot drafts
+                    last = p.used - 1 if logits.shape[1] > 1 else 0
+                    out[p.row] = (self._full_vocab(logits[r, last:last + 1]), normed[r, p.used - 1:p.used].clone())
+        return out
+
+    def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """A draft head's logits over the full vocabulary (−inf off the draft ids); a copy."""
+        if self.draft_ids is None:
+            return logits.clone()
+        full = torch.full((logits.shape[0], self.spec.model.vocab_size), float("-inf"), device=logits.device)
+        full[:, self.weights.tensors[DRAFT_IDS].long()] = logits
+        return full
 
     def prefill(self, seq: Sequence, ids: list[int], chunk: int | None = None, all_logits: bool = False,
                 all_hidden: bool = False, images: torch.Tensor | None = None):
         """Chunked prefill from the sequence's current length → (logits, hidden): the last row only,
         or every row with `all_logits` (tests; [n, vocab] fp32); `all_hidden` keeps every row's hidden
         (the MTP's pass over the prompt). `images`: the image tokens of the placeholders in `ids` (the
-        sequence's `positions` set), each piece given its own."""
+        sequence's `positions` set), each piece given its own. `prefill_many` of one sequence."""
+        return self.prefill_many([seq], [ids], chunk=chunk, all_logits=all_logits, all_hidden=[all_hidden],
+                                 images=[images])[0]
+
+    def prefill_many(self, seqs: list[Sequence], ids: list[list[int]], *, chunk: int | None = None,
+                     all_logits: bool = False, all_hidden: list[bool] | None = None,
+                     images: list[torch.Tensor | None] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Several sequences' prompt chunks, each from the sequence's length → per sequence (logits, hidden) as
+        `prefill` gives them (`all_hidden[i]`: every row's hidden of sequence i). Each chunk is cut by
+        `Profile.prompt_pieces`; the sequences' pieces of one shape run together (`_together`: a burst of short
+        prompts runs its tail steps as (B, 4) and (B, 1) steps, not B of each). Pages for every chunk are
+        reserved before any work. A piece with image tokens runs alone."""
         if all_logits and not self.profile.all_logits:
             raise ValueError("this GPU backend keeps the last row's logits of a prefill chunk; make it with "
                              "all_logits=True for every row's")
-        pieces = self.profile.prompt_pieces(len(ids), chunk)
-        self.reserve(seq, seq.length + len(ids))       # fail before any work when it cannot fit
-        logits, hidden, at, used = [], [], 0, 0
-        token = self.spec.vision.image_token_id if images is not None else None
-        for entry, t in pieces:
-            piece, rows = ids[at:at + t], None
-            if images is not None:
-                n = sum(x == token for x in piece)
-                rows, used = (images[used:used + n] if n else None), used + n
-            lg, hd = self.run(entry, [seq], [piece], rows)
-            at += t
-            logits.append(lg if all_logits else lg[-1:])
-            hidden.append(hd if all_logits or all_hidden else hd[-1:])
-        return (torch.cat(logits) if all_logits else logits[-1]), \
-            (torch.cat(hidden) if all_logits or all_hidden else hidden[-1])
+        for seq, chunk_ids in zip(seqs, ids):
+            self.reserve(seq, seq.length + len(chunk_ids))      # fail before any work when one cannot fit
+        token = self.spec.vision.image_token_id if self.spec.vision is not None else None
+        queues = []
+        for row, (seq, chunk_ids) in enumerate(zip(seqs, ids)):
+            queue, at, used, start = deque(), 0, 0, seq.length
+            rows_of = images[row] if images is not None else None
+            for entry, t in self.profile.prompt_pieces(len(chunk_ids), chunk):
+                piece, rows = chunk_ids[at:at + t], None
+                if rows_of is not None:
+                    n = sum(x == token for x in piece)
+                    rows, used = (rows_of[used:used + n] if n else None), used + n
+                queue.append(_Piece(row, entry, t, piece, start + at, t, images=rows))
+                at += t
+            queues.append(queue)
+        keep = [all_logits or bool(all_hidden and all_hidden[i]) for i in range(len(seqs))]
+        logits, hidden = [[] for _ in seqs], [[] for _ in seqs]
+        for bucket, pieces in self._together(queues):
+            batch, t = bucket.inputs.batch, bucket.inputs.tokens
+            rows = [seqs[p.row] for p in pieces]
+            bucket.inputs.set([p.tokens for p in pieces], [p.start for p in pieces], [s.table.pages for s in rows],
+                              [s.slot for s in rows], [s.positions for s in rows])
+            bucket.inputs.set_images(pieces[0].images)             # a piece with images runs alone
+            bucket.run(self.use_graphs)
+            lg = bucket.logits.reshape(batch, -1, bucket.logits.shape[-1])
+            hd = bucket.hidden.reshape(batch, t, -1)
+            for r, (p, seq) in enumerate(zip(pieces, rows)):
+                seq.table.length = p.start + t
+                logits[p.row].append(lg[r].clone() if all_logits else lg[r, -1:].clone())
+                hidden[p.row].append(hd[r].clone() if keep[p.row] else hd[r, -1:].clone())
+        return [(torch.cat(lg) if all_logits else lg[-1], torch.cat(hd) if keep[i] else hd[-1])
+                for i, (lg, hd) in enumerate(zip(logits, hidden))]
+
+    def _together(self, queues: list[deque]):
+        """Runs the rows' pieces, each row's in its order: each pass takes every row's next piece, and the pieces
+        of one (entry, tokens) run as one call of the smallest bucket of the profile that holds them (several
+        calls when they are more than its largest); a shape with B = 1 buckets only (a prefill piece) and a piece
+        with images run one by one. Yields (the bound bucket, its pieces in row order); the caller sets the
+        inputs and runs it. A row's bits do not depend on the others (the kernels are batch-invariant)."""
+        sizes: dict[tuple[str, int], list[int]] = {}
+        for entry, b, t in self.profile.shapes():
+            sizes.setdefault((entry, t), []).append(b)
+        while any(queues):
+            heads: dict[tuple[str, int], list[_Piece]] = {}
+            for queue in queues:
+                if queue:
+                    piece = queue.popleft()
+                    key = (piece.entry, piece.t) if piece.images is None else (piece.entry, piece.t, piece.row)
+                    heads.setdefault(key, []).append(piece)
+            for (entry, t, *_), pieces in heads.items():
+                built = sorted(sizes.get((entry, t), [1]))
+                most = built[-1] if pieces[0].images is None else 1
+                for at in range(0, len(pieces), most):
+                    group = pieces[at:at + most]
+                    batch = next(b for b in built if b >= len(group))
+                    yield self.bucket(entry, batch, t), group
 
     def encode(self, pixels, grids) -> torch.Tensor:
         """The vision tower over one request's images → image tokens [Σ tokens, hidden] bf16 on the device."""

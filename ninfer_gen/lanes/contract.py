@@ -25,6 +25,11 @@ LaneBackend — what an adapter provides:
                       token (chosen with the lane's sampling parameters and RNG) and set `lane.anchor` to it;
                       else return None. A lane with images (`lane.images`): the chunk's placeholders take their
                       image tokens, and every call of the lane runs at its M-RoPE positions (lanes.images).
+  prefill_many(chunks) -> dict[int, int | None | BaseException]
+                      the chunks of one engine step, [(lane, ids, last)], one per lane: each lane's `prefill`
+                      result, or the exception that failed that lane alone. The engine calls this; a backend may
+                      run the chunks together (lanes.gpu batches their tail steps and MTP passes across lanes),
+                      but a lane's result must be what its `prefill` alone gives. Default: one by one.
   round(lanes) -> dict[int, list[int] | BaseException]
                       one decode round over every decode-ready lane given (keyed by `lane.lane`). Per lane,
                       from its committed length L and anchor a (the last output token, not yet run):
@@ -146,6 +151,15 @@ class LaneBackend(ABC):
     def prefill(self, lane: LaneState, ids: list[int], last: bool) -> int | None: ...
     @abstractmethod
     def round(self, lanes: list[LaneState]) -> dict[int, list[int] | BaseException]: ...
+
+    def prefill_many(self, chunks: list[tuple[LaneState, list[int], bool]]) -> dict[int, int | None | BaseException]:
+        out: dict[int, int | None | BaseException] = {}
+        for lane, ids, last in chunks:
+            try:
+                out[lane.lane] = self.prefill(lane, ids, last)
+            except Exception as err:
+                out[lane.lane] = err
+        return out
     @abstractmethod
     def release(self, lane: LaneState) -> None: ...
     @abstractmethod

@@ -80,6 +80,34 @@ def test_cohorts_of_2_4_8_equal_each_request_alone(model, lanes):
     assert _captured(be) == captured, "a bucket or round was bound or captured at request time"
 
 
+@pytest.mark.parametrize("n", [5, 8])
+def test_prompts_run_together_equal_each_run_alone(model, n):
+    """GpuBackend.prefill_many (the prompts' tail steps as (B, 4) and (B, 1) steps) and mtp_many (the MTP passes
+    and chained single-slot steps, batched) give each sequence the bits it gets alone."""
+    import torch
+
+    be, rng = model.backend, random.Random(n)
+    prompts = [[rng.randrange(1, 4000) for _ in range(m)] for m in (3, 17, 30, 45, 70, 7, 21, 2)[:n]]
+
+    def run(group):
+        seqs = [be.new_sequence() for _ in group]
+        try:
+            outs = be.prefill_many(seqs, group, all_hidden=[True] * len(group))
+            nxt = [p[1:] + [5] for p in group]
+            mtp = be.mtp_many(seqs, [h for _, h in outs], nxt, [0] * len(group))
+            chained = be.mtp_many(seqs, [m[1] for m in mtp], [[7]] * len(group), [len(p) for p in group])
+            return [(o[0].cpu(), o[1].cpu(), m[0].cpu(), m[1].cpu(), c[0].cpu(), c[1].cpu())
+                    for o, m, c in zip(outs, mtp, chained)]
+        finally:
+            for s in seqs:
+                be.release(s)
+
+    together = run(prompts)
+    for i, p in enumerate(prompts):
+        alone = run([p])[0]
+        assert all(torch.equal(a, b) for a, b in zip(alone, together[i])), f"prompt {i} ({len(p)} tokens)"
+
+
 def test_a_lone_request_equals_model_generate(model, lanes):
     """Prompts within one prefill chunk: the engine's calls are the single-sequence path's."""
     for r in _requests()[:6]:
