@@ -1,0 +1,258 @@
+"""attn_prefill_long: the prefill attention of one chunk at the end of a long history (issue: the 128K prefill's rate)
+— the shipped attn_prefill and the lab variant lab/templates/attn_prefill_pipe.cu.j2 (`PipeKey`: INT8 K/V converted
+once per block to scaled fp16 in a cp.async-fed double buffer, 8 warps of 16 flattened query rows) on the same
+inputs at the 27B's shape (24 query / 4 KV heads × 256, INT8-G64 pages in a shuffled pool, the runtime's 128K
+block table). Per history L (the keys in the cache, the chunk's own T the last of them): both checked against the
+fp32 reference on sampled query tokens (the whole reference at 128K is 24 × T × L scores), then timed (CUDA
+events, median), with the causal FLOPs counted exactly (4·hq·d per visible query-key pair). Writes JSON, prints a
+table last. `--dry-run` (any machine, no GPU): keys, tilings, launches, shared memory and FLOPs only.
+
+  python3 -m lab.attn_prefill_long --out X.json --history 8192,32768,131072 --chunk 4096
+  python3 -m lab.attn_prefill_long --dry-run [--arch sm_86]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from compiler.kernels import Launch, attn_prefill, ceil_div
+from compiler.targets import lookup
+from lab.attn_long import D, HKV, HQ, LAB_TEMPLATES, PAGE, int_list
+
+# (warps, keys per tile) tried in order; the first whose shared memory fits the arch's card is the variant's tiling
+TILINGS = ((8, 32), (8, 16), (4, 16))
+
+
+@dataclass(frozen=True)
+class PipeKey(attn_prefill.Key):
+    """The lab variant of attn_prefill (the same parameters and output; its own launch: `launch`). INT8 KV only."""
+    warps: int = 8         # 16 flattened query rows each
+    tk: int = 32           # keys per tile
+    template, template_dir = "attn_prefill_pipe.cu.j2", LAB_TEMPLATES
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.kv_dtype != "int8" or (self.warps, self.tk) not in TILINGS or self.page % self.tk:
+            raise ValueError(f"attn_prefill pipe: unsupported {self}")
+
+    def _name_parts(self):
+        return super()._name_parts() + [f"pipe{self.warps}x{self.tk}"]
+
+
+def smem_bytes(key: PipeKey) -> int:
+    """Q rows (fp16, rows padded by 8 values), two fp16 K+V tile buffers, two ring stages of K and V codes and
+    their fp16 scales (the template asserts the same total)."""
+    row = (key.d + 8) * 2
+    return 16 * key.warps * row + 2 * 2 * key.tk * row + 2 * (2 * key.tk * key.d + 2 * key.tk * (key.d // 64) * 2)
+
+
+def tiling(key: attn_prefill.Key) -> tuple[int, int]:
+    limit, base = lookup(key.arch).smem_per_block, _base_fields(key)
+    for warps, tk in TILINGS:
+        if smem_bytes(PipeKey(**base, warps=warps, tk=tk)) <= limit:
+            return warps, tk
+    raise ValueError(f"attn_prefill pipe: no tiling fits {limit} B of shared memory")
+
+
+def _base_fields(key) -> dict:
+    return {n: v for n, v in key.fields().items() if n not in ("warps", "tk")}
+
+
+def variant_of(key: attn_prefill.Key) -> PipeKey:
+    warps, tk = tiling(key)
+    return PipeKey(**_base_fields(key), warps=warps, tk=tk)
+
+
+def launch(key: PipeKey) -> Launch:
+    """Blocks of 16·warps flattened rows (row r = token r / group, head r % group) per kv head."""
+    rows = key.hq // key.hkv * key.t
+    return Launch((ceil_div(rows, 16 * key.warps), key.hkv, 1), (32 * key.warps, 1, 1), smem_bytes(key))
+
+
+def causal_flops(key, length: int) -> int:
+    """QK and PV, 2·d FLOPs each per head per visible (query, key) pair; queries at L − T … L − 1."""
+    pairs = key.t * (length - key.t) + key.t * (key.t + 1) // 2
+    return 4 * key.hq * key.d * pairs
+
+
+def keys(args, target) -> list[tuple[attn_prefill.Key, PipeKey]]:
+    base = attn_prefill.make_key(HQ, HKV, D, args.chunk, "int8", args.max_pages, target)
+    return [(base, variant_of(base))]
+
+
+def sampled_reference(key, q, gate_src, pages: dict, table_row, length: int, tokens):
+    """attn_prefill.reference for the query tokens `tokens` (indices into the chunk) only: bf16 [len, hq, d]."""
+    import torch
+
+    from compiler.kernels.attn_decode import gather_kv
+
+    grp, n = key.hq // key.hkv, len(tokens)
+    k = gather_kv(pages, "k", table_row, length, key.hkv, key.d, key.page)          # [L, hkv, d] fp32
+    v = gather_kv(pages, "v", table_row, length, key.hkv, key.d, key.page)
+    qs = q[tokens].float().view(n, key.hkv, grp, key.d)
+    s = torch.einsum("thgd,nhd->hgtn", qs, k) / key.d ** 0.5
+    qpos = length - key.t + tokens.view(-1, 1)
+    s = s.masked_fill(torch.arange(length, device=q.device).view(1, -1) > qpos, float("-inf"))
+    o = torch.einsum("hgtn,nhd->thgd", torch.softmax(s, -1), v).reshape(n, key.hq, key.d)
+    if key.gate:
+        o = o * torch.sigmoid(gate_src.view(key.t, key.hq, 2 * key.d)[tokens, :, key.d:].float())
+    return o.to(torch.bfloat16)
+
+
+def check_tokens(t: int, count: int, seed: int):
+    """The chunk's first and last tokens (block edges, the diagonal) and random ones between, sorted."""
+    import torch
+
+    edge = min(t, max(count // 4, 1))
+    picked = sorted(set(range(edge)) | set(range(t - edge, t)))
+    rest = torch.tensor([x for x in range(t) if x not in set(picked)], dtype=torch.long)
+    g = torch.Generator().manual_seed(seed)
+    extra = rest[torch.randperm(len(rest), generator=g)[:max(count - len(picked), 0)]].tolist()
+    return torch.tensor(sorted(picked + extra), dtype=torch.long)
+
+
+def error(actual, expected) -> dict:
+    """The GPU tests' bf16 rule (|a − e| ≤ atol·max(1, rms(e)) + rtol·|e|): whether it holds, and the errors."""
+    from lab.cases import TOLERANCES
+
+    tol = TOLERANCES["bf16"]
+    a, e = actual.double(), expected.double()
+    scale = max(1.0, e.pow(2).mean().sqrt().item())
+    excess = ((a - e).abs() - (tol.atol * scale + tol.rtol * e.abs())).max().item()
+    finite = bool(a.isfinite().all())
+    return {"ok": finite and excess <= 0, "max_abs_err": (a - e).abs().max().item(), "excess": excess,
+            "ref_rms": e.pow(2).mean().sqrt().item()}
+
+
+def dry_run(args) -> list[dict]:
+    target = lookup(args.arch or "sm_90")
+    rows = []
+    for base, var in keys(args, target):
+        for hist in args.history:
+            for key, cfg in ((base, attn_prefill.launch(base)), (var, launch(var))):
+                rows.append({"name": key.name, "history": hist, "grid": cfg.grid, "block": cfg.block,
+                             "smem": cfg.smem, "flops": causal_flops(key, hist)})
+    return rows
+
+
+def _load(built, key, cfg):
+    from ninfer_gen.executor.cuda_module import Kernel
+
+    kernel = Kernel.load(built.cubin, key.name, cfg.smem)
+    return kernel, lambda args: kernel.bind(attn_prefill.params(key), args, cfg)
+
+
+def measure(args) -> dict:
+    import torch
+
+    from compiler.build_cache import DEFAULT_ROOT, build_kernels
+    from lab.cases import make_case
+    from lab.kernel_lab import time_launches
+    from ninfer_gen.cli.env import build_root
+
+    major, minor = torch.cuda.get_device_capability()
+    target = lookup(args.arch or f"sm_{major}{minor}")
+    ((base, var),) = keys(args, target)
+    built = build_kernels([base, var], root=build_root() or DEFAULT_ROOT, progress=False).by_name()
+    kernels = {"shipped": _load(built[base.name], base, attn_prefill.launch(base)),
+               "variant": _load(built[var.name], var, launch(var))}
+    info = {n: {"name": k.name, "registers": built[k.name].meta["registers"],
+                "spills": built[k.name].meta["spill_stores"] + built[k.name].meta["spill_loads"]}
+            for n, k in (("shipped", base), ("variant", var))}
+    rows = []
+    for hist in args.history:
+        row = {"history": hist, "chunk": args.chunk, "flops": causal_flops(base, hist)}
+        try:
+            case = make_case(base, "cuda", args.seed, ctx=hist)
+            (_, kargs), = case.launches
+            q, gate, pages = kargs[1], kargs[2], {"k": kargs[3], "v": kargs[4], "k_scales": kargs[5],
+                                                  "v_scales": kargs[6]}
+            tokens = check_tokens(args.chunk, args.check_tokens, args.seed).to(q.device)
+            ref = sampled_reference(base, q, gate, pages, kargs[7], hist, tokens)
+            outs = {}
+            for name, (_, bind) in kernels.items():
+                out = torch.full_like(kargs[0], float("nan"))
+                launcher = bind([out, *kargs[1:]])
+                launcher.launch()
+                torch.cuda.synchronize()
+                us = statistics.median(time_launches([[launcher]], args.iters, args.warmup))
+                outs[name] = out[tokens]
+                row[name] = {"us": us, "TFLOPs": row["flops"] / us / 1e6, **error(outs[name], ref)}
+            row["variant_vs_shipped_max_abs"] = (outs["variant"].float() - outs["shipped"].float()).abs().max().item()
+            row["speedup"] = row["shipped"]["us"] / row["variant"]["us"]
+        except Exception as err:                       # one failing history must not hide the others
+            row["error"] = f"{type(err).__name__}: {err}"
+        rows.append(row)
+        print(f"  history {hist}: " + (row.get("error") or f"shipped {row['shipped']['us']:.0f} us, "
+                                       f"variant {row['variant']['us']:.0f} us"), flush=True)
+        case = ref = outs = None
+        torch.cuda.empty_cache()
+    return {"device": torch.cuda.get_device_name(), "target": target.name, "iters": args.iters, "kernels": info,
+            "results": rows}
+
+
+def table(r: dict) -> str:
+    k = r["kernels"]
+    lines = [f"device {r['device']} (median of {r['iters']}); shipped {k['shipped']['name']} "
+             f"({k['shipped']['registers']} regs), variant {k['variant']['name']} ({k['variant']['registers']} regs)",
+             f"{'history':>8} {'chunk':>6} {'TFLOP':>7} {'shipped us':>11} {'TFLOP/s':>8} {'ok':>3} "
+             f"{'variant us':>11} {'TFLOP/s':>8} {'ok':>3} {'speedup':>8} {'max|v-s|':>9}"]
+    for x in r["results"]:
+        head = f"{x['history']:>8,} {x['chunk']:>6} {x['flops'] / 1e12:>7.2f}"
+        if "error" in x:
+            lines.append(f"{head} FAILED: {x['error'][:100]}")
+            continue
+        s, v = x["shipped"], x["variant"]
+        lines.append(f"{head} {s['us']:>11,.0f} {s['TFLOPs']:>8.1f} {'y' if s['ok'] else 'N':>3} {v['us']:>11,.0f} "
+                     f"{v['TFLOPs']:>8.1f} {'y' if v['ok'] else 'N':>3} {x['speedup']:>7.2f}x "
+                     f"{x['variant_vs_shipped_max_abs']:>9.2e}")
+    return "\n".join(lines)
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--history", default="8192,32768,131072", help="keys in the cache, the chunk's included "
+                    "(default 8192,32768,131072)")
+    ap.add_argument("--chunk", type=int, default=4096, help="query tokens T, a multiple of 16 (default 4096: the "
+                    "27B's prefill chunk)")
+    ap.add_argument("--max-pages", type=int, default=2048, help="block-table width (default 2048: the 128K profile)")
+    ap.add_argument("--arch", default=None, help="sm_XX of the keys (default: the GPU's; sm_90 for --dry-run)")
+    ap.add_argument("--iters", type=int, default=5, help="timed launches per kernel (median)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed launches first")
+    ap.add_argument("--check-tokens", type=int, default=128, help="query tokens checked against the reference")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="attn_prefill_long.json", help="JSON results")
+    ap.add_argument("--dry-run", action="store_true", help="keys, launches, shared memory and FLOPs only: no GPU")
+    args = ap.parse_args(argv)
+    args.history = int_list(args.history, "--history")
+    if args.chunk < 16 or args.chunk % 16:
+        raise SystemExit(f"error: --chunk: expected a positive multiple of 16, got {args.chunk}")
+    if min(args.history) < args.chunk:
+        raise SystemExit(f"error: --history: every history must hold the chunk ({args.chunk} tokens)")
+    if max(args.history) > args.max_pages * PAGE:
+        raise SystemExit(f"error: history {max(args.history)} exceeds the block table of {args.max_pages} pages "
+                         f"({args.max_pages * PAGE} tokens): raise --max-pages")
+    if min(args.iters, args.warmup + 1, args.check_tokens) < 1:
+        raise SystemExit("error: --iters and --check-tokens must be ≥ 1, --warmup ≥ 0")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse(argv)
+    if args.dry_run:
+        for x in dry_run(args):
+            print(f"{x['name']:<72} {x['history']:>8,} grid {str(x['grid']):<14} block {x['block'][0]:>4} "
+                  f"smem {x['smem']:>7,} TFLOP {x['flops'] / 1e12:.2f}")
+        return
+    t0 = time.time()
+    result = measure(args) | {"seconds": time.time() - t0}
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"\n{table(result)}\n(JSON: {args.out})")
+
+
+if __name__ == "__main__":
+    main()
