@@ -2,7 +2,7 @@
 # The device calls of sessions 13–14 (issues 30–34): the GPU tier's cohort, speculative, runtime and arch-path
 # files, the 27B C1 bench through the engine (K = 3, 32K draft head, accept 0.8), the cohort bench C1/C8 (fixed,
 # adaptive, plain), the sm_86 path, serve with no flags, long context, k-quants, and images (vision).
-# PART=attn,fixes,tests,bench,fold,chain,cohort,arch,serve,long,pace,kq,gguf27,vision (default: all, in that order). Logs to $OUT
+# PART=attn,pattn,fixes,tests,bench,fold,chain,cohort,arch,serve,long,pace,kq,gguf27,vision (default: all, in that order). Logs to $OUT
 # as it goes. `chain` (session 15, issue 32 item 2): joined GEMV launches — their bit tests, then the same-run step
 # A/B of off / group / chain on the sm_90 path and on the sm_86 path.
 # The text benches load the 27B with --no-vision (the figures earlier sessions compare with); `vision` measures
@@ -23,6 +23,12 @@ if part attn; then                   # session 16 (issue 31 item 2): the tensor-
   timeout ${ATTNL_S:-200} python3 -m lab.attn_long --out $OUT/attn_long.json --splits ${ASPLITS:-132,264} \
     --contexts ${ACTX:-4096,32768,131072} --variant ${AVAR:-vahead} > $OUT/attn_long.log 2>&1
   echo "attn lab: rc $?"; shown $OUT/attn_long.log 30
+fi
+if part pattn; then                  # session 17 (issue 31, 128K TTFT): the prefill attention over a long history,
+                                     # shipped kernel vs lab/templates/attn_prefill_pipe.cu.j2
+  timeout ${PATTN_S:-150} python3 -m lab.attn_prefill_long --out $OUT/attn_prefill_long.json \
+    --history ${PHIST:-8192,32768,131072} --chunk ${PCHUNK:-4096} > $OUT/attn_prefill_long.log 2>&1
+  echo "prefill attn lab: rc $?"; shown $OUT/attn_prefill_long.log 24
 fi
 if part fixes; then                  # session 15's fixes made after its device time: the 5/8-prompt cohort mismatch
                                      # (a leaving lane's row left RUNNING), the second-turn setup of two cohort tests
