@@ -2,7 +2,7 @@
 # The device calls of sessions 13–14 (issues 30–34): the GPU tier's cohort, speculative, runtime and arch-path
 # files, the 27B C1 bench through the engine (K = 3, 32K draft head, accept 0.8), the cohort bench C1/C8 (fixed,
 # adaptive, plain), the sm_86 path, serve with no flags, long context, k-quants, and images (vision).
-# PART=attn,pattn,fixes,tests,bench,fold,chain,cohort,arch,serve,long,pace,kq,gguf27,vision (default: all, in that order). Logs to $OUT
+# PART=attn,pattn,fixes,sdiag,tests,bench,fold,chain,cohort,arch,serve,long,pace,kq,gguf27,vision (default: all, in that order). Logs to $OUT
 # as it goes. `chain` (session 15, issue 32 item 2): joined GEMV launches — their bit tests, then the same-run step
 # A/B of off / group / chain on the sm_90 path and on the sm_86 path.
 # The text benches load the 27B with --no-vision (the figures earlier sessions compare with); `vision` measures
@@ -38,6 +38,10 @@ if part fixes; then                  # session 15's fixes made after its device 
     "tests/gpu/test_chains_gpu.py::test_a_cohort_gives_the_default_builds_tokens_in_every_chain_mode" -v -s -rf \
     -p no:cacheprovider > $OUT/fixes_tests.log 2>&1
   echo "fixes tests: rc $?"; grep -a "PASSED\|FAILED\|ERROR" $OUT/fixes_tests.log | sed 's/ *\[ *[0-9]*%\]//' | tail -20
+fi
+if part sdiag; then                  # session 17: the sampled request that parted from its solo run at 8 lanes
+  timeout ${SDIAG_S:-150} python3 -m lab.cohort_sampled_diag > $OUT/sampled_diag.log 2>&1
+  echo "sampled diag: rc $?"; grep -a "request 5\|lanes:" $OUT/sampled_diag.log; tail -5 $OUT/sampled_diag.log
 fi
 if part tests; then
   timeout ${TESTS_S:-330} python3 -m pytest -m gpu ${TIER:-tests/gpu/test_cohort_gpu.py tests/gpu/test_speculative_gpu.py \
