@@ -1,11 +1,12 @@
 """attn_prefill_long: the prefill attention of one chunk at the end of a long history (issue: the 128K prefill's rate)
-— the shipped attn_prefill and the lab variant lab/templates/attn_prefill_pipe.cu.j2 (`PipeKey`: INT8 K/V converted
-once per block to scaled fp16 in a cp.async-fed double buffer, 8 warps of 16 flattened query rows) on the same
-inputs at the 27B's shape (24 query / 4 KV heads × 256, INT8-G64 pages in a shuffled pool, the runtime's 128K
-block table). Per history L (the keys in the cache, the chunk's own T the last of them): both checked against the
-fp32 reference on sampled query tokens (the whole reference at 128K is 24 × T × L scores), then timed (CUDA
-events, median), with the causal FLOPs counted exactly (4·hq·d per visible query-key pair). Writes JSON, prints a
-table last. `--dry-run` (any machine, no GPU): keys, tilings, launches, shared memory and FLOPs only.
+— the shipped INT8 attn_prefill (templates/attn_prefill_int8.cu.j2: K/V converted once per block to scaled fp16 in
+a cp.async-fed double buffer, `warps` × 16 flattened query rows) and the archived v1 it replaced
+(lab/templates/attn_prefill_v1.cu.j2, `V1Key`: one warp per query head, K/V dequantised to bf16 through registers)
+on the same inputs at the 27B's shape (24 query / 4 KV heads × 256, INT8-G64 pages in a shuffled pool, the
+runtime's 128K block table). Per history L (the keys in the cache, the chunk's own T the last of them): both checked
+against the fp32 reference on sampled query tokens (the whole reference at 128K is 24 × T × L scores), then timed
+(CUDA events, median), with the causal FLOPs counted exactly (4·hq·d per visible query-key pair). Writes JSON,
+prints a table last. `--dry-run` (any machine, no GPU): keys, launches, shared memory and FLOPs only.
 
   python3 -m lab.attn_prefill_long --out X.json --history 8192,32768,131072 --chunk 4096
   python3 -m lab.attn_prefill_long --dry-run [--arch sm_86]
@@ -19,58 +20,30 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from compiler.kernels import Launch, attn_prefill, ceil_div
+from compiler.kernels import Launch, attn_prefill
 from compiler.targets import lookup
 from lab.attn_long import D, HKV, HQ, LAB_TEMPLATES, PAGE, int_list
 
-# (warps, keys per tile) tried in order; the first whose shared memory fits the arch's card is the variant's tiling
-TILINGS = ((8, 32), (8, 16), (4, 16))
-
 
 @dataclass(frozen=True)
-class PipeKey(attn_prefill.Key):
-    """The lab variant of attn_prefill (the same parameters and output; its own launch: `launch`). INT8 KV only."""
-    warps: int = 8         # 16 flattened query rows each
-    tk: int = 32           # keys per tile
-    template, template_dir = "attn_prefill_pipe.cu.j2", LAB_TEMPLATES
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.kv_dtype != "int8" or (self.warps, self.tk) not in TILINGS or self.page % self.tk:
-            raise ValueError(f"attn_prefill pipe: unsupported {self}")
+class V1Key(attn_prefill.Key):
+    """The archived v1 INT8 prefill attention (lab/templates/attn_prefill_v1.cu.j2), built beside the shipped
+    kernel for same-run comparisons; its launch is `v1_launch`, its tiling fields are unused."""
+    template, template_dir = "attn_prefill_v1.cu.j2", LAB_TEMPLATES
 
     def _name_parts(self):
-        return super()._name_parts() + [f"pipe{self.warps}x{self.tk}"]
+        return super()._name_parts()[:-1] + ["v1"]
 
 
-def smem_bytes(key: PipeKey) -> int:
-    """Q rows (fp16, rows padded by 8 values), two fp16 K+V tile buffers, two ring stages of K and V codes and
-    their fp16 scales (the template asserts the same total)."""
-    row = (key.d + 8) * 2
-    return 16 * key.warps * row + 2 * 2 * key.tk * row + 2 * (2 * key.tk * key.d + 2 * key.tk * (key.d // 64) * 2)
+def v1_of(key: attn_prefill.Key) -> V1Key:
+    return V1Key(**key.fields())
 
 
-def tiling(key: attn_prefill.Key) -> tuple[int, int]:
-    limit, base = lookup(key.arch).smem_per_block, _base_fields(key)
-    for warps, tk in TILINGS:
-        if smem_bytes(PipeKey(**base, warps=warps, tk=tk)) <= limit:
-            return warps, tk
-    raise ValueError(f"attn_prefill pipe: no tiling fits {limit} B of shared memory")
-
-
-def _base_fields(key) -> dict:
-    return {n: v for n, v in key.fields().items() if n not in ("warps", "tk")}
-
-
-def variant_of(key: attn_prefill.Key) -> PipeKey:
-    warps, tk = tiling(key)
-    return PipeKey(**_base_fields(key), warps=warps, tk=tk)
-
-
-def launch(key: PipeKey) -> Launch:
-    """Blocks of 16·warps flattened rows (row r = token r / group, head r % group) per kv head."""
-    rows = key.hq // key.hkv * key.t
-    return Launch((ceil_div(rows, 16 * key.warps), key.hkv, 1), (32 * key.warps, 1, 1), smem_bytes(key))
+def v1_launch(key: V1Key) -> Launch:
+    """Blocks of 16 tokens per kv head, one warp per query head; the block's Q rows and a K and a V tile of 32 keys
+    as bf16 rows padded by 8 values."""
+    group = key.hq // key.hkv
+    return Launch((key.t // 16, key.hkv, 1), (32 * group, 1, 1), (group * 16 + 2 * 32) * (key.d + 8) * 2)
 
 
 def causal_flops(key, length: int) -> int:
@@ -79,9 +52,16 @@ def causal_flops(key, length: int) -> int:
     return 4 * key.hq * key.d * pairs
 
 
-def keys(args, target) -> list[tuple[attn_prefill.Key, PipeKey]]:
-    base = attn_prefill.make_key(HQ, HKV, D, args.chunk, "int8", args.max_pages, target)
-    return [(base, variant_of(base))]
+def keys(args, target) -> tuple[V1Key, attn_prefill.Key]:
+    """(v1, shipped) at the 27B's shape: the INT8 key the prefill plan compiles for `target`, and v1 of it."""
+    key = attn_prefill.make_key(HQ, HKV, D, args.chunk, "int8", args.max_pages, target)
+    return v1_of(key), key
+
+
+def launches(args, target) -> dict:
+    """{"v1": (key, launch), "shipped": (key, launch)}."""
+    v1, key = keys(args, target)
+    return {"v1": (v1, v1_launch(v1)), "shipped": (key, attn_prefill.launch(key))}
 
 
 def sampled_reference(key, q, gate_src, pages: dict, table_row, length: int, tokens):
@@ -129,13 +109,11 @@ def error(actual, expected) -> dict:
 
 
 def dry_run(args) -> list[dict]:
-    target = lookup(args.arch or "sm_90")
     rows = []
-    for base, var in keys(args, target):
-        for hist in args.history:
-            for key, cfg in ((base, attn_prefill.launch(base)), (var, launch(var))):
-                rows.append({"name": key.name, "history": hist, "grid": cfg.grid, "block": cfg.block,
-                             "smem": cfg.smem, "flops": causal_flops(key, hist)})
+    for hist in args.history:
+        for key, cfg in launches(args, lookup(args.arch or "sm_90")).values():
+            rows.append({"name": key.name, "history": hist, "grid": cfg.grid, "block": cfg.block,
+                         "smem": cfg.smem, "flops": causal_flops(key, hist)})
     return rows
 
 
@@ -156,23 +134,23 @@ def measure(args) -> dict:
 
     major, minor = torch.cuda.get_device_capability()
     target = lookup(args.arch or f"sm_{major}{minor}")
-    ((base, var),) = keys(args, target)
-    built = build_kernels([base, var], root=build_root() or DEFAULT_ROOT, progress=False).by_name()
-    kernels = {"shipped": _load(built[base.name], base, attn_prefill.launch(base)),
-               "variant": _load(built[var.name], var, launch(var))}
+    runs = launches(args, target)
+    key = runs["shipped"][0]
+    built = build_kernels([k for k, _ in runs.values()], root=build_root() or DEFAULT_ROOT, progress=False).by_name()
+    kernels = {n: _load(built[k.name], k, cfg) for n, (k, cfg) in runs.items()}
     info = {n: {"name": k.name, "registers": built[k.name].meta["registers"],
                 "spills": built[k.name].meta["spill_stores"] + built[k.name].meta["spill_loads"]}
-            for n, k in (("shipped", base), ("variant", var))}
+            for n, (k, _) in runs.items()}
     rows = []
     for hist in args.history:
-        row = {"history": hist, "chunk": args.chunk, "flops": causal_flops(base, hist)}
+        row = {"history": hist, "chunk": args.chunk, "flops": causal_flops(key, hist)}
         try:
-            case = make_case(base, "cuda", args.seed, ctx=hist)
+            case = make_case(key, "cuda", args.seed, ctx=hist)
             (_, kargs), = case.launches
             q, gate, pages = kargs[1], kargs[2], {"k": kargs[3], "v": kargs[4], "k_scales": kargs[5],
                                                   "v_scales": kargs[6]}
             tokens = check_tokens(args.chunk, args.check_tokens, args.seed).to(q.device)
-            ref = sampled_reference(base, q, gate, pages, kargs[7], hist, tokens)
+            ref = sampled_reference(key, q, gate, pages, kargs[7], hist, tokens)
             outs = {}
             for name, (_, bind) in kernels.items():
                 out = torch.full_like(kargs[0], float("nan"))
@@ -182,13 +160,13 @@ def measure(args) -> dict:
                 us = statistics.median(time_launches([[launcher]], args.iters, args.warmup))
                 outs[name] = out[tokens]
                 row[name] = {"us": us, "TFLOPs": row["flops"] / us / 1e6, **error(outs[name], ref)}
-            row["variant_vs_shipped_max_abs"] = (outs["variant"].float() - outs["shipped"].float()).abs().max().item()
-            row["speedup"] = row["shipped"]["us"] / row["variant"]["us"]
+            row["shipped_vs_v1_max_abs"] = (outs["shipped"].float() - outs["v1"].float()).abs().max().item()
+            row["speedup"] = row["v1"]["us"] / row["shipped"]["us"]
         except Exception as err:                       # one failing history must not hide the others
             row["error"] = f"{type(err).__name__}: {err}"
         rows.append(row)
-        print(f"  history {hist}: " + (row.get("error") or f"shipped {row['shipped']['us']:.0f} us, "
-                                       f"variant {row['variant']['us']:.0f} us"), flush=True)
+        print(f"  history {hist}: " + (row.get("error") or f"v1 {row['v1']['us']:.0f} us, "
+                                       f"shipped {row['shipped']['us']:.0f} us"), flush=True)
         case = ref = outs = None
         torch.cuda.empty_cache()
     return {"device": torch.cuda.get_device_name(), "target": target.name, "iters": args.iters, "kernels": info,
@@ -197,19 +175,19 @@ def measure(args) -> dict:
 
 def table(r: dict) -> str:
     k = r["kernels"]
-    lines = [f"device {r['device']} (median of {r['iters']}); shipped {k['shipped']['name']} "
-             f"({k['shipped']['registers']} regs), variant {k['variant']['name']} ({k['variant']['registers']} regs)",
-             f"{'history':>8} {'chunk':>6} {'TFLOP':>7} {'shipped us':>11} {'TFLOP/s':>8} {'ok':>3} "
-             f"{'variant us':>11} {'TFLOP/s':>8} {'ok':>3} {'speedup':>8} {'max|v-s|':>9}"]
+    lines = [f"device {r['device']} (median of {r['iters']}); v1 {k['v1']['name']} "
+             f"({k['v1']['registers']} regs), shipped {k['shipped']['name']} ({k['shipped']['registers']} regs)",
+             f"{'history':>8} {'chunk':>6} {'TFLOP':>7} {'v1 us':>11} {'TFLOP/s':>8} {'ok':>3} "
+             f"{'shipped us':>11} {'TFLOP/s':>8} {'ok':>3} {'speedup':>8} {'max|s-v1|':>9}"]
     for x in r["results"]:
         head = f"{x['history']:>8,} {x['chunk']:>6} {x['flops'] / 1e12:>7.2f}"
         if "error" in x:
             lines.append(f"{head} FAILED: {x['error'][:100]}")
             continue
-        s, v = x["shipped"], x["variant"]
-        lines.append(f"{head} {s['us']:>11,.0f} {s['TFLOPs']:>8.1f} {'y' if s['ok'] else 'N':>3} {v['us']:>11,.0f} "
-                     f"{v['TFLOPs']:>8.1f} {'y' if v['ok'] else 'N':>3} {x['speedup']:>7.2f}x "
-                     f"{x['variant_vs_shipped_max_abs']:>9.2e}")
+        v, s = x["v1"], x["shipped"]
+        lines.append(f"{head} {v['us']:>11,.0f} {v['TFLOPs']:>8.1f} {'y' if v['ok'] else 'N':>3} {s['us']:>11,.0f} "
+                     f"{s['TFLOPs']:>8.1f} {'y' if s['ok'] else 'N':>3} {x['speedup']:>7.2f}x "
+                     f"{x['shipped_vs_v1_max_abs']:>9.2e}")
     return "\n".join(lines)
 
 

@@ -25,7 +25,7 @@ if part attn; then                   # session 16 (issue 31 item 2): the tensor-
   echo "attn lab: rc $?"; shown $OUT/attn_long.log 30
 fi
 if part pattn; then                  # session 17 (issue 31, 128K TTFT): the prefill attention over a long history,
-                                     # shipped kernel vs lab/templates/attn_prefill_pipe.cu.j2
+                                     # the shipped INT8 kernel vs the archived v1 (lab/templates/attn_prefill_v1.cu.j2)
   timeout ${PATTN_S:-150} python3 -m lab.attn_prefill_long --out $OUT/attn_prefill_long.json \
     --history ${PHIST:-8192,32768,131072} --chunk ${PCHUNK:-4096} > $OUT/attn_prefill_long.log 2>&1
   echo "prefill attn lab: rc $?"; shown $OUT/attn_prefill_long.log 24

@@ -73,7 +73,8 @@ def _int32_extents(key) -> dict[str, int]:
         out["tile * TT + tok (kpos)"] = key.max_pages * (key.page // tt) * tt
         out["pg0 * SUBS (tile index)"] = key.max_pages * (key.page // tt)
     if key.family == "attn_prefill":
-        out["(kt + 2) * TK"] = (positions // 32 + 2) * 32
+        out["(kt + 2) * TK"] = (positions // key.tk + 2) * key.tk
+        out["GROUP * T (flattened query rows)"] = key.hq // key.hkv * key.t
     return out
 
 

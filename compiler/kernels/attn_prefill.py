@@ -2,6 +2,11 @@
 
 The chunk's T queries sit at positions L−T … L−1 (L = seq_len[0], a device input); pages as
 qk_rope_kv writes them (that kernel runs first, so the chunk attends to itself). One sequence.
+INT8 pages (templates/attn_prefill_int8.cu.j2): a kv head's GROUP·T query rows flattened into blocks of
+`warps` × 16 rows, K/V codes cp.async'd into a 2-stage ring and converted once per block to fp16
+code·scale in a double buffer between the QK mma, `tk` keys per tile (`tiling`: the most warps and keys
+whose shared memory fits the card). bf16 pages (templates/attn_prefill.cu.j2): a block of 16 query tokens,
+one warp per query head of a kv head, 32-key bf16 tiles through registers.
 """
 from __future__ import annotations
 
@@ -11,8 +16,13 @@ from typing import ClassVar
 from .._torch import torch
 
 from ..targets import Target
-from . import KernelKey, Launch, Param
+from . import KernelKey, Launch, Param, ceil_div
 from .attn_decode import gather_kv
+
+# (warps, keys per tile) of the INT8 kernel, tried in order: 8 warps × 16 rows keep the tensor pipe of every
+# SMSP busy (the one block per SM is bound by O's registers); 32-key tiles halve the barriers per key
+TILINGS = ((8, 32), (8, 16), (4, 16))
+INT8_TEMPLATE = "attn_prefill_int8.cu.j2"
 
 
 @dataclass(frozen=True)
@@ -26,29 +36,65 @@ class Key(KernelKey):
     page: int
     max_pages: int
     gate: bool
+    warps: int             # INT8: 16 flattened query rows each; bf16: one per query head of a kv head
+    tk: int                # keys per tile
     arch: str
 
     def __post_init__(self):
         if self.t % 16 or self.d % 64 or self.d > 256 or self.page % 32 or self.kv_dtype not in ("int8", "bf16"):
             raise ValueError(f"attn_prefill: unsupported shape {self}")
+        tilings = TILINGS if self.kv_dtype == "int8" else ((self.hq // self.hkv, 32),)
+        if (self.warps, self.tk) not in tilings or self.page % self.tk:
+            raise ValueError(f"attn_prefill: unsupported tiling {self.warps} warps × {self.tk} keys for {self}")
+
+    @property
+    def template(self) -> str | None:
+        """INT8 pages' own kernel; None: the family's, attn_prefill.cu.j2 (bf16)."""
+        return INT8_TEMPLATE if self.kv_dtype == "int8" else None
 
     def _name_parts(self):
         return [f"q{self.hq}", f"kv{self.hkv}", f"d{self.d}", f"t{self.t}", self.kv_dtype,
-                f"p{self.page}x{self.max_pages}"] + (["gate"] if self.gate else [])
+                f"p{self.page}x{self.max_pages}"] + (["gate"] if self.gate else []) + [f"w{self.warps}k{self.tk}"]
+
+
+def int8_smem_bytes(d: int, warps: int, tk: int) -> int:
+    """The INT8 kernel's shared memory: Q rows (fp16, rows padded by 8 values), two fp16 K+V tile buffers, two
+    ring stages of K and V codes and their fp16 scales (the template asserts the same total)."""
+    row = (d + 8) * 2
+    return 16 * warps * row + 2 * 2 * tk * row + 2 * (2 * tk * d + 2 * tk * (d // 64) * 2)
+
+
+def tiling(hq: int, hkv: int, d: int, kv_dtype: str, page: int, target: Target) -> tuple[int, int]:
+    """(warps, tk): INT8, the first of TILINGS whose shared memory fits one block of the card (sm_90: 8 × 32,
+    sm_80: 8 × 16, sm_86/sm_89: 4 × 16); bf16, one warp per query head and 32 keys."""
+    if kv_dtype != "int8":
+        return hq // hkv, 32
+    for warps, tk in TILINGS:
+        if page % tk == 0 and int8_smem_bytes(d, warps, tk) <= target.smem_per_block:
+            return warps, tk
+    raise ValueError(f"attn_prefill: no INT8 tiling of d = {d} fits {target.smem_per_block} B of shared memory")
 
 
 def make_key(hq, hkv, d, t, kv_dtype, max_pages, target: Target, gate=True, page=64) -> Key:
-    return Key(hq, hkv, d, t, kv_dtype, page, max_pages, gate, target.arch)
+    return Key(hq, hkv, d, t, kv_dtype, page, max_pages, gate, *tiling(hq, hkv, d, kv_dtype, page, target),
+               target.arch)
 
 
 def smem_bytes(key: Key) -> int:
-    """Dynamic shared memory: the block's Q rows (16 per query head) and one K and one V tile of 32 keys,
-    bf16 rows padded by 8 values (templates/attn_prefill.cu.j2)."""
+    """Dynamic shared memory. bf16: the block's Q rows (16 per query head) and one K and one V tile of 32 keys,
+    bf16 rows padded by 8 values."""
+    if key.kv_dtype == "int8":
+        return int8_smem_bytes(key.d, key.warps, key.tk)
     return (key.hq // key.hkv * 16 + 2 * 32) * (key.d + 8) * 2
 
 
 def launch(key: Key, target: Target | None = None) -> Launch:
-    return Launch((key.t // 16, key.hkv, 1), (32 * (key.hq // key.hkv), 1, 1), smem_bytes(key))
+    """INT8: blocks of 16·warps flattened rows (row r = token r / group, head r % group) per kv head;
+    bf16: blocks of 16 tokens per kv head, a warp per query head."""
+    if key.kv_dtype == "int8":
+        rows = key.hq // key.hkv * key.t
+        return Launch((ceil_div(rows, 16 * key.warps), key.hkv, 1), (32 * key.warps, 1, 1), smem_bytes(key))
+    return Launch((key.t // 16, key.hkv, 1), (32 * key.warps, 1, 1), smem_bytes(key))
 
 
 def params(key: Key) -> list[Param]:
