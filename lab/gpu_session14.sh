@@ -149,6 +149,8 @@ if part vision; then                 # issue 33: the M-RoPE kernels, images thro
     -q -s -rf -p no:cacheprovider > $OUT/vision_tests.log 2>&1; echo "vision tests: rc $?"; shown $OUT/vision_tests.log 16
   timeout ${VISION_S:-300} python3 -m lab.vision_bench --out $OUT/vision_27b.json > $OUT/vision_27b.log 2>&1
   echo "vision 27B: rc $?"; shown $OUT/vision_27b.log 8
+  timeout ${VISIONK_S:-200} python3 -m lab.vision_bench --vision-kernels --out $OUT/vision_27b_kernels.json \
+    > $OUT/vision_27b_kernels.log 2>&1; echo "vision 27B, compiled encoder: rc $?"; shown $OUT/vision_27b_kernels.log 8
   timeout ${VSTEP_S:-200} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --output-tokens 256 --repeats 1 \
     --prefill '' --json $OUT/bench_tower.json > $OUT/bench_tower.log 2>&1   # plain C1 with the tower (M-RoPE plans)
   echo "C1 with the tower: rc $?"; shown $OUT/bench_tower.log 12

@@ -24,6 +24,8 @@ def main(argv=None) -> int:
     p.add_argument("--side", type=int, default=1024, help="the image's width and height in pixels")
     p.add_argument("--question", type=int, default=100, help="text tokens after the image")
     p.add_argument("--new", type=int, default=64, help="tokens each cohort request generates")
+    p.add_argument("--vision-kernels", action="store_true", help="the tower on the compiler's encoder plans "
+                   "(executor.vision_plan) instead of torch")
     p.add_argument("--out", default=None)
     p.add_argument("--dry-run", action="store_true", help="any machine: the same flow on the reference backend with "
                    "the tiny vision spec, 2 lanes, a 96-pixel image (checks the script, measures nothing)")
@@ -50,7 +52,8 @@ def main(argv=None) -> int:
         model = load(args.spec, max_context=args.context)
     else:
         model = load(args.spec, backend="gpu", random_weights="device", cohorts=args.lanes, max_context=args.context,
-                     kv_pool_tokens=pool, draft=3, build_root=build_root(), progress=True, vram_budget=budget)
+                     kv_pool_tokens=pool, draft=3, build_root=build_root(), progress=True, vram_budget=budget,
+                     vision_kernels=args.vision_kernels)
     be = model.backend
     cuda = torch.cuda.is_available() and not args.dry_run
     sync = torch.cuda.synchronize if cuda else (lambda: None)

@@ -264,6 +264,9 @@ class LoadOptions:
                                         # section: images are refused)
     vision_patches: int = 4096          # GPU: the largest image the memory plan holds, in patches (larger ones are
                                         # resized down to it: executor.vision_encoder.DEFAULT_PATCHES)
+    vision_kernels: bool = False        # GPU: run the tower on the compiler's encoder plans (executor.vision_plan;
+                                        # they pass the GPU tier; speed unmeasured, their packed weights and arena
+                                        # not in the memory plan yet) instead of torch
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -283,6 +286,9 @@ class LoadOptions:
             raise ValueError(f"arch_path {self.arch_path!r} chooses the GPU's code path: use it with backend 'gpu'")
         if not isinstance(self.vision, bool):
             raise ValueError(f"vision must be True or False, got {self.vision!r}")
+        if self.vision_kernels and (self.backend != "gpu" or not self.vision):
+            raise ValueError("vision_kernels runs the vision tower's compiled plans: use it with backend 'gpu' and "
+                             "the tower loaded (not with --no-vision)")
         if self.vision_patches < 64:
             raise ValueError(f"vision_patches must be ≥ 64 (an image of at least 8×8 patches), got {self.vision_patches}")
 
@@ -356,5 +362,5 @@ def _load_gpu(path_or_spec, o: LoadOptions) -> Model:
                          round_mode="snapshot" if o.state_mode == "snapshot" else "fused",
                          accept_coin=o.accept_coin, cohorts=o.cohorts, kv_pool_tokens=o.kv_pool_tokens,
                          prefix_states=o.prefix_states, arch_path=o.arch_path, vision=tower,
-                         vision_patches=o.vision_patches)
+                         vision_patches=o.vision_patches, vision_kernels=o.vision_kernels)
     return Model(spec, backend, folder, source)

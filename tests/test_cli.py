@@ -35,6 +35,7 @@ def test_run_on_a_spec_streams_a_completion(capsys):
     (["run", "--weights", "no/such/dir.yaml", "--prompt", "x"], "spec file not found"),
     (["run", "--weights", TINY, "--prompt", "x", "--random-weights", "--backend", "reference"], "use it with --backend gpu"),
     (["run", "--weights", TINY, "--prompt", "x", "--top-p", "0"], "top_p"),
+    (["run", "--weights", TINY, "--prompt", "x", "--vision-kernels"], "use it with backend 'gpu'"),
     (["build", TINY, "--target", "gtx1080"], "unknown target 'gtx1080'"),
     (["build", TINY, "--arch", "sm_75"], "unsupported arch 'sm_75'"),
     (["build", TINY, "--cohorts", "1,x"], "comma-separated list of integers"),

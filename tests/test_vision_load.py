@@ -191,3 +191,14 @@ def test_run_no_vision_says_so(capsys):
     argv = ["run", "--weights", TINY_VL, "--no-vision", "--prompt", "x", "--max-tokens", "2", "--device", "cpu"]
     assert main(argv) == 0
     assert "[vision tower not loaded (--no-vision): images are refused]" in capsys.readouterr().err
+
+
+def test_vision_kernels_is_refused_where_it_cannot_run():
+    """`vision_kernels` runs the tower's compiled plans on the GPU: with the reference backend or without the tower
+    the load refuses it, naming why."""
+    from ninfer_gen.api import LoadOptions
+
+    for fields in ({"vision_kernels": True}, {"vision_kernels": True, "backend": "gpu", "vision": False}):
+        with pytest.raises(ValueError, match="vision_kernels runs the vision tower's compiled plans"):
+            LoadOptions(**fields)
+    assert LoadOptions(backend="gpu", vision_kernels=True).vision_kernels

@@ -176,7 +176,8 @@ def run_bench(args) -> dict:
                             compile_options=compile_options(), build_root=build_root(), draft=args.draft,
                             accept_coin=args.accept_prob is not None, draft_vocab=draft_vocab_arg(args),
                             state_mode=getattr(args, "state_mode", "replayssm"), arch_path=args.arch_path,
-                            vision=not getattr(args, "no_vision", False))
+                            vision=not getattr(args, "no_vision", False),
+                            vision_kernels=getattr(args, "vision_kernels", False))
     spec = model.spec
     be = model.backend
     torch.cuda.synchronize()

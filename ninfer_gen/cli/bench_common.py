@@ -43,7 +43,8 @@ def load_model(args, backend: str, k: int, lanes: int, context: int, pool: int, 
     if backend == "reference":
         fits_host(source)
         return ninfer_gen.load(source, backend="reference", device="cpu", max_context=context, draft=k,
-                               tp=getattr(args, "tp", 1), vision=not getattr(args, "no_vision", False))
+                               tp=getattr(args, "tp", 1), vision=not getattr(args, "no_vision", False),
+                               vision_kernels=getattr(args, "vision_kernels", False))
     from ninfer_gen.cli.env import build_root, compile_options
     from ninfer_gen.executor.memory_plan import parse_bytes
 
@@ -51,7 +52,8 @@ def load_model(args, backend: str, k: int, lanes: int, context: int, pool: int, 
                            random_weights="device", progress=True, compile_options=compile_options(), build_root=build_root(),
                            draft=k, accept_coin=args.accept_prob is not None, draft_vocab=draft_vocab_arg(args),
                            cohorts=lanes, kv_pool_tokens=pool, prefix_states=prefix_states,
-                           arch_path=getattr(args, "arch_path", None), vision=not getattr(args, "no_vision", False))
+                           arch_path=getattr(args, "arch_path", None), vision=not getattr(args, "no_vision", False),
+                           vision_kernels=getattr(args, "vision_kernels", False))
 
 
 def fits_host(source) -> None:

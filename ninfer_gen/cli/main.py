@@ -284,6 +284,8 @@ def _bench_arguments(p) -> None:
                    "reference backend; default 1)")
     p.add_argument("--no-vision", action="store_true", help="load the model as text only: without its vision tower "
                    "and vision section (saves its memory and, on the GPU, the M-RoPE buckets; images are refused)")
+    from ninfer_gen.cli.run import add_vision_kernels
+    add_vision_kernels(p)
     from ninfer_gen.cli.bench_cohort import add_arguments as add_cohort_arguments
     add_cohort_arguments(p)
     from ninfer_gen.cli.bench_long import add_arguments as add_long_arguments

@@ -39,13 +39,14 @@ def cmd_run(args) -> int:
                                 vram_budget=parse_bytes(args.vram_budget), use_graphs=not args.no_graphs,
                                 progress=True, compile_options=compile_options(), build_root=build_root(), draft=args.draft,
                                 verify=not args.no_verify, state_mode=args.state_mode, draft_vocab=args.draft_vocab,
-                                cohorts=cohort_size(args, prompts), arch_path=args.arch_path, vision=not args.no_vision)
+                                cohorts=cohort_size(args, prompts), arch_path=args.arch_path, vision=not args.no_vision,
+                                vision_kernels=args.vision_kernels)
     else:
         if args.random_weights:
             raise ValueError("--random-weights draws weights on the GPU: use it with --backend gpu")
         model = ninfer_gen.load(args.weights, backend=args.backend, dtype=args.dtype, quantize=args.quantize,
                                 device=args.device, max_context=args.max_context, verify=not args.no_verify,
-                                tp=args.tp, vision=not args.no_vision)
+                                tp=args.tp, vision=not args.no_vision, vision_kernels=args.vision_kernels)
     tok = model.tokenizer
     print(f"[model: {model.source}; backend: {args.backend} on {model.backend.device}; tokenizer: {tok.name}]",
           file=sys.stderr)
@@ -114,6 +115,13 @@ def prepare_images(model, data: list[bytes]):
     return images
 
 
+def add_vision_kernels(parser) -> None:
+    """`--vision-kernels`, the same on run, serve and bench."""
+    parser.add_argument("--vision-kernels", action="store_true", help="GPU, a model with its vision tower: run the "
+                        "tower on the compiler's encoder plans instead of torch (opt-in: correct on the GPU tier; its "
+                        "speed is not measured and its packed weights and arena are not in the memory plan yet)")
+
+
 def vision_note(model, vision: bool) -> str | None:
     """The load line about the vision tower: its size when loaded, else why images are refused (None for a
     text model loaded as asked)."""
@@ -161,6 +169,7 @@ def add_run_parser(sub) -> None:
                    "placeholder blocks go in front of the prompt, in order (every prompt of a cohort gets them)")
     r.add_argument("--no-vision", action="store_true", help="do not load the model's vision tower: a text model "
                    "(less memory and load time; images are refused)")
+    add_vision_kernels(r)
     r.add_argument("--prompts-file", default=None, help="a text file of prompts, one per line (blank lines "
                    "skipped), after any --prompt")
     r.add_argument("--lanes", type=int, default=None, help=f"several prompts: lanes of the cohort (default: one per "

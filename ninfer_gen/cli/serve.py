@@ -54,6 +54,8 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--no-verify", action="store_true", help="a converted container: skip checking its hashes")
     s.add_argument("--no-vision", action="store_true", help="do not load the model's vision tower: serve it as a "
                    "text model (less memory and load time; requests with images are refused)")
+    from ninfer_gen.cli.run import add_vision_kernels
+    add_vision_kernels(s)
     s.add_argument("--tp", type=int, default=1, help="tensor parallel: N rank processes (gloo, reference backend), "
                    "each with 1/N of the heads and MLP columns; rank 0 serves and drives the others (default 1)")
     s.add_argument("--max-images", type=int, default=MAX_IMAGES, metavar="N", help="images one request may send "
@@ -98,11 +100,11 @@ def build_lanes(args):
                                 build_root=build_root(), draft=args.draft, cohorts=args.lanes,
                                 kv_pool_tokens=args.kv_pool_tokens, prefix_states=args.prefix_cache,
                                 random_weights="device" if str(args.weights or "").endswith((".yaml", ".yml")) else "host",
-                                vision=not args.no_vision)
+                                vision=not args.no_vision, vision_kernels=args.vision_kernels)
     else:
         model = ninfer_gen.load(args.weights, backend="reference", dtype=args.dtype, device=args.device,
                                 max_context=args.max_context, verify=not args.no_verify, draft=args.draft or None,
-                                tp=args.tp, vision=not args.no_vision)
+                                tp=args.tp, vision=not args.no_vision, vision_kernels=args.vision_kernels)
     if args.draft is None:
         args.draft = min(model.spec.runtime.draft_tokens, model.max_draft)
     model.speculative(args.draft)                 # a ValueError naming why K drafts cannot run here
