@@ -2,9 +2,11 @@
 tests/gpu/test_cohort_gpu.py's 16) gave other tokens than alone, the greedy ones the same. Runs the tier's
 requests alone and in cohorts of 2 / 4 / 8, with the prompts' pieces batched across lanes (`prefill_many`, the
 default) and one lane at a time (the contract's default loop), and with request 5 greedy; prints per variant the
-requests that differ from alone and where.
+requests that differ from alone and where. `--rows`: also logs request 5's round rows (as collected: counter,
+length, emitted, tokens, drafts, accepted; and its first round's host drafts with q at each) alone and at 8 lanes,
+and prints both up to the first round that differs.
 
-    python -m lab.cohort_sampled_diag
+    python -m lab.cohort_sampled_diag [--rows]
 """
 from __future__ import annotations
 
@@ -13,6 +15,53 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def _rows_of(lanes, prompt: list[int], log: list) -> None:
+    """Wraps the adapter's `_take` and `prefill_many` to log the rounds and first drafts of the lane with `prompt`."""
+    from compiler.kernels import spec_round as sr
+    from ninfer_gen.lanes.round_rows import FIELD
+
+    take, prefill = type(lanes)._take, lanes.prefill_many
+
+    def logged_take(flight):
+        for r, lane in enumerate(flight.layout):
+            if lane is not None and lane.prompt == prompt and lane.seq is not None:
+                h = flight.rows[r]
+                n = int(h[FIELD["emitted"]])
+                log.append(("round", r, len(flight.layout), int(h[FIELD["counter"]]), int(h[FIELD["length"]]), n,
+                            h[sr.OUT_AT:sr.OUT_AT + n].tolist(), h[sr.DRAFTS_AT:sr.DRAFTS_AT + 3].tolist(),
+                            int(h[FIELD["accepted"]])))
+        take(lanes, flight)
+
+    def logged_prefill(chunks):
+        out = prefill(chunks)
+        for lane, _, last in chunks:
+            if last and lane.prompt == prompt and lane.private.q is not None:
+                q = lane.private.q
+                log.append(("first drafts", lane.anchor, lane.drafts,
+                            [float(q[i, d]) for i, d in enumerate(lane.drafts)], float(q.sum())))
+        return out
+
+    lanes._take, lanes.prefill_many = logged_take, logged_prefill
+
+
+def rows(lanes, tier, reqs) -> None:
+    alone, cohort = [], []
+    batched = lanes.prefill_many
+    _rows_of(lanes, reqs[5].prompt, alone)
+    tier._run(lanes, [reqs[5]], 1)
+    del lanes._take
+    lanes.prefill_many = batched
+    _rows_of(lanes, reqs[5].prompt, cohort)
+    tier._run(lanes, reqs, 8)
+    del lanes._take
+    lanes.prefill_many = batched
+    for i, (a, c) in enumerate(zip(alone, cohort)):
+        same = a[:1] + a[3:] == c[:1] + c[3:] if a[0] == "round" else a == c
+        print(f"{i:3d} {'=' if same else 'DIFFERS'}\n    alone: {a}\n    8 lanes: {c}", flush=True)
+        if not same:
+            break
 
 
 def main() -> None:
@@ -33,6 +82,9 @@ def main() -> None:
             out.update(type(lanes).prefill_many(lanes, [chunk]))
         return out
     reqs = tier._requests()
+    if sys.argv[1:] == ["--rows"]:
+        rows(lanes, tier, reqs)
+        return
     print("request 5:", len(reqs[5].prompt), "prompt tokens,", reqs[5].max_tokens, "tokens, draft", reqs[5].draft,
           reqs[5].sampling, flush=True)
     greedy5 = [*reqs[:5], dataclasses.replace(reqs[5], sampling=SamplingParams()), *reqs[6:]]

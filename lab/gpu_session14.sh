@@ -40,7 +40,7 @@ if part fixes; then                  # session 15's fixes made after its device 
   echo "fixes tests: rc $?"; grep -a "PASSED\|FAILED\|ERROR" $OUT/fixes_tests.log | sed 's/ *\[ *[0-9]*%\]//' | tail -20
 fi
 if part sdiag; then                  # session 17: the sampled request that parted from its solo run at 8 lanes
-  timeout ${SDIAG_S:-150} python3 -m lab.cohort_sampled_diag > $OUT/sampled_diag.log 2>&1
+  timeout ${SDIAG_S:-150} python3 -m lab.cohort_sampled_diag ${SDIAG_ARGS:-} > $OUT/sampled_diag.log 2>&1
   echo "sampled diag: rc $?"; grep -a "request 5\|lanes:" $OUT/sampled_diag.log; tail -5 $OUT/sampled_diag.log
 fi
 if part tests; then
