@@ -352,3 +352,32 @@ def test_cli_runs_several_prompts_as_one_cohort(tmp_path, capsys):
                           (["--prompt", "a", "--prompt", "b", "--lanes", "0"], "--lanes")]:
         assert main(base + argv) == 2
         assert message in capsys.readouterr().err
+
+
+class _Cuts(ReferenceLanes):
+    """Records each lane's prefill chunks (their lengths, in order)."""
+
+    def __init__(self, backend):
+        super().__init__(backend)
+        self.cuts: dict[tuple, list[int]] = {}
+
+    def prefill(self, lane, ids, last):
+        self.cuts.setdefault(tuple(lane.prompt), []).append(len(ids))
+        return super().prefill(lane, ids, last)
+
+
+def test_a_prompt_is_cut_as_it_is_alone_whatever_its_cohort_takes(backend):
+    """A lane's chunks are its prompt cut every `prefill_budget` tokens, in any cohort: the chunk boundaries set the
+    prefill's pieces and so its rounding (the GPU tier's 8 lanes, budget 64: a 90-token prompt behind lanes of 17,
+    17, 3, 200 and 3 tokens was cut 16 + 64 + 10, not 64 + 26, and a sampled request drew other tokens). The same
+    pattern at a quarter of the scale: the 22-token prompts were cut 2 + 16 + 4."""
+    lengths = [5, 5, 1, 50, 1, 22, 22, 5]
+    reqs = [Request(_prompt(n, 40 + i), 2) for i, n in enumerate(lengths)]
+    lanes = _Cuts(backend)
+    engine = Engine(lanes, lanes=8, prefill_budget=16)
+    for r in reqs:
+        engine.submit(r)
+    engine.run_until_idle()
+    for r, n in zip(reqs, lengths):
+        assert lanes.cuts[tuple(r.prompt)] == [16] * (n // 16) + ([n % 16] if n % 16 else []), n
+    assert _all_free(backend)

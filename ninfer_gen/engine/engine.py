@@ -215,10 +215,18 @@ class Engine:
         return admitted
 
     def _prefill(self) -> bool:
-        """Prefill chunks of the prefilling lanes, the oldest first, until the step's budget of prompt tokens is
-        spent, in one backend call (`prefill_many`: a backend may run them together): a burst of short prompts
-        starts together (eight 30-token prompts under the bench's 304-token budget: one step, where one lane per
-        step kept the last lane's first token behind seven rounds), and a long prompt is still cut across steps."""
+        """Prefill chunks of the prefilling lanes, the oldest first, while the step's budget of prompt tokens lasts,
+        in one backend call (`prefill_many`: a backend may run them together): a burst of short prompts starts
+        together (eight 30-token prompts under the bench's 304-token budget: one step, where one lane per step kept
+        the last lane's first token behind seven rounds), and a long prompt is still cut across steps.
+
+        A lane's chunks are its prompt cut every `prefill_budget` tokens from where its prefill starts, whatever
+        the other lanes take: the step runs a lane's next chunk whole or not at all (the first chunk of a step
+        always runs). Chunk boundaries set the prefill's pieces and so its rounding (the GDN's chunked recurrence
+        above all), so a request's logits are the bits it gets alone — the same greedy tokens and, for a sampled
+        request, the same draws (session 17: a sampled request cut 16 + 64 + 10 beside 7 lanes instead of 64 + 26
+        alone drew other tokens from its fourth on). With `max_gap_s` the pacer sizes each step's prefill from
+        measured times, so the chunks — and a sampled request's draws — follow the timing."""
         pending = sorted((live for live in self._lanes if live is not None and live.lane.anchor is None),
                          key=lambda x: x.order)
         if not pending:
@@ -231,7 +239,12 @@ class Engine:
             if budget <= 0:
                 break
             lane = live.lane
-            ids = lane.prompt[lane.prefilled:lane.prefilled + budget]
+            if self.pacer is None:               # the lane's own next chunk, whole: cut as it is alone
+                ids = lane.prompt[lane.prefilled:lane.prefilled + self.prefill_budget]
+                if chunks and len(ids) > budget:
+                    continue                     # it waits for a step with room; a smaller chunk may fit
+            else:
+                ids = lane.prompt[lane.prefilled:lane.prefilled + budget]
             chunks.append((live, ids, lane.prefilled + len(ids) == len(lane.prompt)))
             budget -= len(ids)
         t0 = self.clock()
