@@ -265,8 +265,8 @@ class LoadOptions:
     vision_patches: int = 4096          # GPU: the largest image the memory plan holds, in patches (larger ones are
                                         # resized down to it: executor.vision_encoder.DEFAULT_PATCHES)
     vision_kernels: bool = False        # GPU: run the tower on the compiler's encoder plans (executor.vision_plan;
-                                        # they pass the GPU tier; speed unmeasured, their packed weights and arena
-                                        # not in the memory plan yet) instead of torch
+                                        # they pass the GPU tier, speed not yet measured; the memory plan counts
+                                        # their packed weights and arena) instead of torch
 
     def __post_init__(self):
         if self.backend not in BACKENDS:

@@ -118,3 +118,27 @@ def test_the_snapshot_state_mode_takes_images_too():
     profile = profile_of(TINY_VL, cohorts=(1, 2), images=True, snapshots=True)
     verify = plan_bucket(TINY_VL, T3090, "verify", 2, profile.tail_tokens, profile)
     assert "mrope" in verify.step_inputs() and plan_rounds(TINY_VL, T3090, profile)
+
+
+def test_the_memory_plan_counts_the_compiled_encoder_as_it_holds_it():
+    """executor.vision_plan.encoder_bytes (what a load with vision_kernels plans for the tower) equals the packed
+    planes and arena the encoder builds (tiny-vl, counted on the CPU), and the 27B's fits the torch tower's part."""
+    from compiler.buckets_vision import plan_vision, vision_buckets
+    from compiler.emulate import weight_planes
+    from compiler.spec import load_spec, vision_tensor_table
+    from compiler.targets import lookup
+    from ninfer_gen.executor.memory_plan import GiB, plan_memory, vision_bytes
+    from ninfer_gen.executor.vision_plan import encoder_bytes
+
+    target = lookup("h200")
+    spec = load_spec(ROOT / "model_specs/qwen3.8-tiny-vl.yaml")
+    tensors = {t.name: torch.zeros(t.shape, dtype=torch.bfloat16) for t in vision_tensor_table(spec)}
+    plans = [plan_vision(spec, target, t) for t in vision_buckets(spec, 1024)]
+    held = sum(v.numel() * v.element_size() for v in weight_planes(plans[-1], tensors).values())
+    assert encoder_bytes(spec, target, 1024) == held + max(p.arena_bytes for p in plans)
+    big = load_spec(ROOT / "model_specs/qwen3.8-27b.yaml")
+    compiled, torch_tower = vision_bytes(big, 4096, target), vision_bytes(big, 4096)
+    assert 0.85 * GiB < compiled < torch_tower
+    plan = plan_memory(big, 8, 16384, 24 * GiB, kv_pool_tokens=8 * 16384 // 2, vision_patches=4096,
+                       vision_target=target)
+    assert plan.vision == compiled

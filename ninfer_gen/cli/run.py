@@ -118,8 +118,8 @@ def prepare_images(model, data: list[bytes]):
 def add_vision_kernels(parser) -> None:
     """`--vision-kernels`, the same on run, serve and bench."""
     parser.add_argument("--vision-kernels", action="store_true", help="GPU, a model with its vision tower: run the "
-                        "tower on the compiler's encoder plans instead of torch (opt-in: correct on the GPU tier; its "
-                        "speed is not measured and its packed weights and arena are not in the memory plan yet)")
+                        "tower on the compiler's encoder plans instead of torch (opt-in: correct on the GPU tier, its "
+                        "speed not yet measured; the memory plan counts its packed weights and arena)")
 
 
 def vision_note(model, vision: bool) -> str | None:

@@ -86,7 +86,8 @@ class GpuBackend(SequencePool):
         profile then takes prompts with images (M-RoPE buckets, image tokens in a prompt's pieces) and `encode`
         runs the tower (None: text only); `vision_patches`: the largest image (in patches) the memory plan
         holds the tower's activations for; `vision_kernels`: run the tower on the compiler's encoder plans
-        (executor.vision_plan, opt-in and not yet measured on a GPU) instead of torch."""
+        (executor.vision_plan, opt-in: correct on the GPU tier, speed not yet measured) instead of torch; the memory
+        plan then counts its packed weights and arena (0.92 GiB for the 27B's tower at 4,096 patches, torch's 1.10)."""
         self.spec, self.device, self.use_graphs = spec, torch.device(device), use_graphs
         self.target = device_target(self.device, arch_path)          # refuses a path this device cannot run
         rt = spec.runtime
@@ -97,7 +98,8 @@ class GpuBackend(SequencePool):
                                             snapshots=snapshots, kv_pool_tokens=kv_pool_tokens,
                                             record_sets=2 if options.fold_in_verify and not snapshots else 1,
                                             prefix_states=prefix_states,
-                                            vision_patches=vision_patches if vision is not None else 0)
+                                            vision_patches=vision_patches if vision is not None else 0,
+                                            vision_target=self.target if vision_kernels else None)
         self.prefix_states = prefix_states
         per_seq = math.ceil(ctx / rt.page_size)
         pages = min(self.memory.kv_pages, kv_pool_pages(cohorts, ctx, rt.page_size, kv_pool_tokens))
@@ -112,17 +114,19 @@ class GpuBackend(SequencePool):
                                   prefill_chunk=prefill_chunk, draft=draft, accept_coin=accept_coin,
                                   draft_vocab=len(draft_vocab) if draft_vocab else 0, snapshots=snapshots,
                                   images=vision is not None)
-        self.encoder = VisionEncoder(spec, vision, self.device) if vision is not None and not vision_kernels else None
+        self.kernels = KernelCache(build_root, jobs=jobs, progress=progress,
+                                   jit_ptx=self.target.arch != device_arch(self.device))
+        self.encoder = None
+        if vision is not None and vision_kernels:      # before the KV pool: packing holds the tower twice a moment
+            from ninfer_gen.executor.vision_plan import CompiledVisionEncoder
+            self.encoder = CompiledVisionEncoder(spec, vision, self.device, self.target, self.kernels, vision_patches)
+        elif vision is not None:
+            self.encoder = VisionEncoder(spec, vision, self.device)
         rounds = (max(self.profile.cohorts), self.profile.tail_tokens) if self.profile.speculative else (0, 0)
         sets = 2 if options.fold_in_verify and not snapshots else 1        # compiler.round.record_buckets
         self.state = DeviceState(spec, pages, cohorts, kv_dtype, self.device, *rounds, snapshots=snapshots,
                                  record_sets=sets)
         self.weights = weights
-        self.kernels = KernelCache(build_root, jobs=jobs, progress=progress,
-                                   jit_ptx=self.target.arch != device_arch(self.device))
-        if vision is not None and vision_kernels:
-            from ninfer_gen.executor.vision_plan import CompiledVisionEncoder
-            self.encoder = CompiledVisionEncoder(spec, vision, self.device, self.target, self.kernels, vision_patches)
         self.exe = Executable(spec, self.target, weights, self.state, self.kernels, self.profile, self.device)
         self.exe.prepare()                  # every kernel and all memory of the profile, once, up front
         super().__init__(cohorts, pages, rt.page_size, per_seq * rt.page_size)

@@ -100,13 +100,17 @@ def activation_bytes(spec: ModelSpec, cohort: int, draft: int) -> int:
     return spec.runtime.prefill_chunk * per_token * 2 + 2 * rows * a.vocab_size * 4
 
 
-def vision_bytes(spec: ModelSpec, patches: int) -> int:
+def vision_bytes(spec: ModelSpec, patches: int, target=None) -> int:
     """The vision tower on the device (executor.vision_encoder): its bf16 weights, and the live activations
     of one image of `patches` patches run eagerly in torch — per patch the bf16 input row, the residual, norm,
     qkv, attention output and the MLP's two intermediates, and the fp32 rotary temporaries of q and k — with
-    the merger's rows on top (a bound, not a count: torch's allocator keeps freed blocks for reuse)."""
+    the merger's rows on top (a bound, not a count: torch's allocator keeps freed blocks for reuse). With a
+    `target`, the compiled encoder's instead (executor.vision_plan.encoder_bytes: a count)."""
     if spec.vision is None or patches <= 0:
         return 0
+    if target is not None:
+        from ninfer_gen.executor.vision_plan import encoder_bytes
+        return encoder_bytes(spec, target, patches)
     from compiler.spec import vision_tensor_table
 
     v = spec.vision
@@ -126,13 +130,16 @@ def round_bytes(spec: ModelSpec, cohort: int, draft: int) -> int:
 
 def plan_memory(spec: ModelSpec, cohort: int, max_context: int, budget: int, draft: int | None = None,
                 kv_dtype: str | None = None, snapshots: bool = False, kv_pool_tokens: int | None = None,
-                prefix_states: int = 0, vision_patches: int = 0, record_sets: int = 1) -> MemoryPlan:
+                prefix_states: int = 0, vision_patches: int = 0, record_sets: int = 1,
+                vision_target=None) -> MemoryPlan:
     """`snapshots`: verify keeps K+1 state copies per lane (snapshot mode) instead of ReplaySSM records;
     `kv_pool_tokens`: the KV pool every lane shares must hold that many tokens (default: each lane its
     whole context, cohort × max_context); a lane's own limit stays `max_context`; `prefix_states`: saved
     GDN states of the prefix cache's checkpoints (their KV pages come out of the KV pool); `vision_patches`
-    (images on): the tower and one image of that many patches (`vision_bytes`); `record_sets` 2: the rounds
-    fold inside the next verify and keep two record sets (CompileOptions.fold_in_verify)."""
+    (images on): the tower and one image of that many patches (`vision_bytes`; with `vision_target`, the Target
+    of a load with `vision_kernels`: the compiled encoder's packed weights and arena, executor.vision_plan.
+    encoder_bytes); `record_sets` 2: the rounds fold inside the next verify and keep two record sets
+    (CompileOptions.fold_in_verify)."""
     if cohort <= 0 or max_context <= 0 or budget <= 0:
         raise MemoryPlanError("cohort, max context and budget must be positive")
     draft = spec.runtime.draft_tokens if draft is None else draft
@@ -146,7 +153,7 @@ def plan_memory(spec: ModelSpec, cohort: int, max_context: int, budget: int, dra
                                                 record_sets * record_bytes_per_token(spec)) if draft else 0,
                 rounds=round_bytes(spec, cohort, draft),
                  prefix_bytes=prefix_states * (s["gdn_state_bytes_per_sequence"] + s["conv_history_bytes_per_sequence"]),
-                 vision=vision_bytes(spec, vision_patches), headroom=CONTEXT_HEADROOM)
+                 vision=vision_bytes(spec, vision_patches, vision_target), headroom=CONTEXT_HEADROOM)
     left = budget - sum(fixed.values())
     plan = MemoryPlan(budget, cohort, draft, max_context, kv_dtype, kv_pool=max(0, left),
                       kv_bytes_per_token=per_token, page_size=spec.runtime.page_size, prefix_states=prefix_states,

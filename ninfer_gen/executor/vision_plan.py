@@ -9,6 +9,8 @@ constant tables, null); this module knows no kernel family. The tower's matrices
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from compiler.buckets_vision import bucket_for, plan_vision, vision_buckets
@@ -22,19 +24,37 @@ from ninfer_gen.executor.device_state import TORCH_DTYPES, ExecutableError
 from ninfer_gen.executor.vision_encoder import tower_tensors
 
 
+def encoder_bytes(spec: ModelSpec, target: Target, max_patches: int) -> int:
+    """The device memory a CompiledVisionEncoder of `max_patches` holds (executor.memory_plan counts it for a load
+    with `vision_kernels`): the tower's weights as the plans bind them — matrices packed bf16 with rows padded to
+    16 and K to whole units (weight_layout), other tensors bf16 as they are — and the arena of the largest plan."""
+    from compiler.kernels.weight_layout import padded_k, padded_rows
+    from compiler.spec import vision_tensor_table
+
+    plans = [plan_vision(spec, target, t) for t in vision_buckets(spec, max_patches)]
+    shapes = {t.name: t.shape for t in vision_tensor_table(spec)}
+    bound = {(b.name, b.plane == "tensor") for c in plans[-1].calls for _, b in c.args if isinstance(b, Weight)}
+    weights = 0
+    for name, whole in bound:
+        n, k = shapes[name][0], math.prod(shapes[name][1:])
+        weights += 2 * (n * k if whole or len(shapes[name]) == 1 else padded_rows(n) * padded_k("bf16", k))
+    return weights + max(p.arena_bytes for p in plans)
+
+
 class CompiledVisionEncoder:
     def __init__(self, spec: ModelSpec, tensors: dict, device, target: Target, kernels, max_patches: int):
         """`tensors`: the tower's tensors by canonical name (`visual.*`); `kernels`: an executor KernelCache;
         `max_patches`: the largest image (in patches) it encodes (its largest bucket)."""
         self.spec, self.device, self.target, self.kernels = spec, torch.device(device), target, kernels
-        self.tensors = tower_tensors(spec, tensors, self.device)
+        tensors = tower_tensors(spec, tensors, self.device)
         self.buckets = vision_buckets(spec, max_patches)
         self.plans: dict[int, Plan] = {t: plan_vision(spec, target, t) for t in self.buckets}
         self.kernels.build([k for p in self.plans.values() for k in p.keys()])
         spilled = set(self.kernels.spilled()) & {k.name for p in self.plans.values() for k in p.keys()}
         if spilled:
             raise ExecutableError(f"vision kernels spill registers: {', '.join(sorted(spilled))}")
-        self.planes = weight_planes(self.plans[self.buckets[-1]], self.tensors)
+        self.planes = weight_planes(self.plans[self.buckets[-1]], tensors)     # the matrices packed: the planes
+        del tensors                                # are the tower now (memory_plan.vision_bytes: weights + arena)
         self.arena = torch.empty(max(p.arena_bytes for p in self.plans.values()), dtype=torch.uint8,
                                  device=self.device)
         self.constants: dict[Const, torch.Tensor] = {}
