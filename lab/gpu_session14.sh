@@ -75,7 +75,7 @@ fi
 if part cohort; then                 # C1 and C8, fixed K, adaptive and plain, at each accept probability in PS
   for p in ${PS:-0.8}; do
     timeout ${COHORT_S:-300} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --no-vision --concurrency ${CONC:-1,8} \
-      --draft 3 --accept-prob $p --draft-vocab 32768 --output-tokens ${TOKENS:-256} --adaptive \
+      --draft 3 --accept-prob $p --draft-vocab 32768 --output-tokens ${TOKENS:-256} --adaptive --cohort-repeats ${CREP:-1} \
       --json $OUT/bench_cohort_$p.json > $OUT/bench_cohort_$p.log 2>&1
     echo "cohort bench p=$p: rc $?"; shown $OUT/bench_cohort_$p.log 24
   done

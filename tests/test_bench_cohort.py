@@ -33,18 +33,23 @@ def test_cohort_bench_prints_the_table_and_writes_json_and_a_plot(tmp_path, caps
     assert all(g["p50"] <= g["p99"] <= g["max"] and g["n"] > 0 for g in x["gap_ms"].values())
 
 
-def test_cohort_bench_without_drafts_and_bad_options(capsys, monkeypatch):
+def test_cohort_bench_without_drafts_and_bad_options(tmp_path, capsys, monkeypatch):
     import torch
 
-    assert main(BASE + ["--concurrency", "2", "--draft", "0"]) == 0
+    assert main(BASE + ["--concurrency", "2", "--draft", "0", "--cohort-repeats", "3", "--json",
+                        str(tmp_path / "r.json")]) == 0
     text = capsys.readouterr().out
     assert "plain decode (draft 0):" in text and "with MTP" not in text
+    (row,) = json.loads((tmp_path / "r.json").read_text())["runs"]["plain"]
+    speeds = sorted(x["e2e_tok_s"] for x in row["repeats"])
+    assert len(speeds) == 3 and row["e2e_tok_s"] == speeds[1]          # the run of median speed, all three kept
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for argv, message in [(["--concurrency", "1,x"], "comma-separated list of integers"),
                           (["--concurrency", "0"], "positive integers"),
                           (["--concurrency", "1", "--accept-prob", "0.8"], "GPU lanes only"),
                           (["--concurrency", "1", "--draft", "0", "--accept-prob", "0.8"], "needs --draft K > 0"),
                           (["--long-prompt", "-3"], "--long-prompt must be"),
+                          (["--concurrency", "1", "--cohort-repeats", "0"], "--cohort-repeats must be ≥ 1"),
                           (["--concurrency", "1", "--backend", "gpu"], "CUDA")]:
         assert main(BASE + argv) == 2
         err = capsys.readouterr().err

@@ -73,6 +73,10 @@ def add_arguments(p) -> None:
     from ninfer_gen.cli.bench_agent import add_arguments as add_agent_arguments
     add_agent_arguments(p)                  # --workload agent and its options
     p.add_argument("--no-plain", action="store_true", help="cohort bench: skip the runs without drafts")
+    p.add_argument("--cohort-repeats", type=int, default=1, metavar="N", help="cohort bench: run every kind N times "
+                   "in turn (MTP, adaptive, plain, MTP, ...) and report each row's run of median end-to-end speed, "
+                   "with every run's figure in the JSON: kinds compared a few %% apart need it (the GPU's clocks "
+                   "drift between runs)")
     p.add_argument("--adaptive", action="store_true", help="cohort bench: also run with the engine's adaptive draft "
                    "length (each lane K or plain steps by its tokens per round against the measured round cost)")
     p.add_argument("--long-prompt", type=int, nargs="?", const=0, default=None, metavar="N",
@@ -156,6 +160,12 @@ def cohort_run(lanes, prompts: list[list[int]], c: int, k: int, args, memory: Me
                                  if n > by_k_before.get(j, 0)}}
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run of median end-to-end speed (the lower of the middle two), with every run's e2e and decode speeds."""
+    chosen = sorted(runs, key=lambda r: r["e2e_tok_s"])[(len(runs) - 1) // 2]
+    return chosen | {"repeats": [{"e2e_tok_s": r["e2e_tok_s"], "decode_tok_s": r["decode_tok_s"]} for r in runs]}
+
+
 def _sizes(args, sweep: list[int], n: int, k: int) -> tuple[int, int, int]:
     """(lanes, context per lane, shared KV pool tokens) for the sweep and the long prompt; the running lanes
     of --long-prompt decode for WINDOW steps each side of its prefill of ≤ n / MIN_CHUNK steps."""
@@ -192,9 +202,16 @@ def run(args) -> dict:
     kinds = ([("mtp", k)] if k else []) + ([("adaptive", k)] if k and args.adaptive else []) + \
         ([] if k and args.no_plain else [("plain", 0)])
     result["round_cost"] = dict(adapter.caps.round_cost)
-    for name, draft in kinds if sweep else []:
-        result["runs"][name] = [cohort_run(adapter, prompts, c, draft, args, memory, name == "adaptive")
-                                for c in sweep]
+    repeats = getattr(args, "cohort_repeats", 1)
+    if repeats < 1:
+        raise ValueError(f"--cohort-repeats must be ≥ 1, got {repeats}")
+    runs = {(name, c): [] for name, _ in kinds for c in sweep}
+    for _ in range(repeats):                     # the kinds in turn, so a drift of the clocks reaches each alike
+        for name, draft in kinds if sweep else []:
+            for c in sweep:
+                runs[name, c].append(cohort_run(adapter, prompts, c, draft, args, memory, name == "adaptive"))
+    for name, _ in kinds if sweep else []:
+        result["runs"][name] = [median_run(runs[name, c]) for c in sweep]
     if n:
         from ninfer_gen.cli.bench_interference import interference
         result["interference"] = interference(adapter, prompts, n, k, args, memory, model.spec.model.vocab_size)
