@@ -13,7 +13,8 @@ its row's `k`. The kernels are batch-invariant: a request's greedy output is the
 Prefill takes every chunk of an engine step in one call (`prefill_many`): the lanes' prompt pieces of one shape
 run together (their prefill pieces on the B = 1 buckets, their tail steps as (B, 4) and (B, 1) steps; a piece with
 images alone: lanes.images); with drafts the MTP runs over each chunk and the last chunk's drafts come from
-ninfer_gen.speculative.draft_together, the lanes' MTP passes and chained drafts batched the same way. A lane
+ninfer_gen.speculative.draft_together, the lanes' MTP passes and chained drafts batched the same way
+(lanes.gpu_prompt). A lane
 without room for one more round continues with plain steps. Every graph is captured when the adapter is made.
 A constrained lane (engine.grammar) runs host-driven rounds on the B = 1 buckets, its verify rows masked by the
 grammar (lanes.contract.masked_verify), after the device rounds' pending fold. Prefix reuse (lanes.reuse):
@@ -28,12 +29,13 @@ import torch
 
 from compiler.kernels import spec_round as sr
 from ninfer_gen.lanes.contract import Capabilities, LaneBackend, LaneState, check_request, choose, masked_verify
-from ninfer_gen.lanes.images import check_images, chunk_images, open_images
+from ninfer_gen.lanes.gpu_prompt import run_chunks
+from ninfer_gen.lanes.images import check_images, open_images
 from ninfer_gen.lanes.reuse import MtpTail, PrefixReuse
 from ninfer_gen.lanes.round_costs import ACCEPTANCE_OF, measure_round_costs
-from ninfer_gen.lanes.round_rows import FIELD, RoundRows, idle_rows, round_row
+from ninfer_gen.lanes.round_rows import FIELD, RoundRows, idle_rows
 from ninfer_gen.sampling import Sampler, distribution
-from ninfer_gen.speculative import Drafter, accept_greedy, accept_sampled, draft_together, truncate
+from ninfer_gen.speculative import Drafter, accept_greedy, accept_sampled, truncate
 
 ROUND_MODES = ("fused", "eager")
 
@@ -155,90 +157,8 @@ class GpuLanes(LaneBackend):
         return out
 
     def prefill_many(self, chunks: list[tuple[LaneState, list[int], bool]]) -> dict[int, int | None | BaseException]:
-        """The lanes' chunks together: the target's pieces of one shape across lanes as one call
-        (GpuBackend.prefill_many), then every lane's MTP pass and chained drafts likewise (draft_together)."""
-        be, out, runs = self.be, {}, []
-        for lane, ids, last in chunks:                   # a lane whose chunk cannot start fails alone
-            try:
-                images = chunk_images(lane, lane.length, ids, be.spec.vision, be.encode)
-                be.reserve(lane.seq, lane.length + len(ids))
-                runs.append((lane, list(ids), last, lane.length, images))
-            except Exception as err:
-                out[lane.lane] = err
-        if not runs:
-            return out
-        try:
-            results = be.prefill_many([r[0].seq for r in runs], [r[1] for r in runs],
-                                      all_hidden=[bool(r[0].k) for r in runs], images=[r[4] for r in runs])
-        except Exception as err:                         # the call failed: every lane of it fails
-            return {**out, **{r[0].lane: err for r in runs}}
-        jobs, after = [], []
-        for (lane, ids, last, start, _), (logits, hidden) in zip(runs, results):
-            try:
-                job, done = self._chunk_done(lane, ids, last, start, logits, hidden)
-            except Exception as err:
-                out[lane.lane] = err
-                continue
-            if job is not None:
-                jobs.append((lane, job))
-            after.append((lane, done))
-        drafted = {}
-        if jobs:
-            try:
-                drafted = dict(zip((lane.lane for lane, _ in jobs), draft_together(be.mtp_many, [j for _, j in jobs])))
-            except Exception as err:
-                out.update({lane.lane: err for lane, _ in jobs})
-        for lane, done in after:
-            if lane.lane not in out:
-                try:
-                    out[lane.lane] = done(*drafted.get(lane.lane, ([], None)))
-                except Exception as err:
-                    out[lane.lane] = err
-        return out
-
-    def _chunk_done(self, lane: LaneState, ids: list[int], last: bool, start: int, logits, hidden):
-        """After the target ran a lane's chunk: (its MTP job for draft_together or None, and a function of the
-        job's (drafts, distributions) that finishes the chunk and gives the prefill's result)."""
-        be, priv, seq = self.be, lane.private, lane.seq
-        tail, priv.tail = priv.tail, None
-        mtp_start = start
-        if tail is not None and lane.k:  # a restored prefix's pending MTP rows come first
-            mtp_start, hidden = tail.start, torch.cat([tail.hidden.to(hidden.device), hidden])
-        gen = priv.sampler.gen
-        if not last:
-            job = None
-            if lane.k:           # every next token of a middle chunk is known: the MTP runs over it now
-                job = (Drafter(be, lane.sampling, 0, gen), seq, hidden,
-                       lane.prompt[mtp_start + 1:start + len(ids) + 1], mtp_start)
-
-            def middle(drafts, q):
-                # the MTP's last slot used the next prompt token, which a prompt restoring this one may not share
-                self._checkpoint(lane, start, False, lambda: MtpTail.of(lane.length - 1, hidden[-1:]))
-                return None
-            return job, middle
-        token = choose(lane, logits[-1])
-        lane.anchor = token
-        drafting = bool(lane.k) and self._room_for_round(seq.length)
-        job = None
-        if drafting:
-            be.reserve(seq, min(seq.length + 2 * self.T, self.max_context))     # the chained drafts' MTP slots
-            job = (Drafter(be, lane.sampling, self.k, gen), seq, hidden, lane.prompt[mtp_start + 1:] + [token],
-                   mtp_start)
-
-        def first(drafts, q):
-            if drafting:
-                lane.drafts, priv.q = drafts, q
-                if priv.matcher is not None:
-                    priv.host = True
-                else:
-                    priv.row = round_row(seq, token, drafts, lane.k, lane.sampling, lane.stop, self.accept_prob,
-                                         priv.seed, be.state.trash_page)
-            # drafting ran the MTP over the chunk, its last slot with this request's first token: only that slot
-            # is left for a restoring lane; without drafting the whole chunk is
-            self._checkpoint(lane, start, True, lambda: MtpTail.of(lane.length - 1, hidden[-1:]) if drafting
-                             else MtpTail.of(mtp_start, hidden))
-            return token
-        return job, first
+        """The lanes' chunks together (lanes.gpu_prompt)."""
+        return run_chunks(self, chunks)
 
     def round(self, lanes: list[LaneState]) -> dict[int, list[int] | BaseException]:
         out: dict[int, list[int] | BaseException] = {}
