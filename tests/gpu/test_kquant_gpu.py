@@ -5,6 +5,7 @@ the decode folds (split RMSNorm, GDN conv) and split-K; batch invariance (a row'
 the Q4_K embedding gather (bit-exact) and the GDN norm writing tiled heads; the 27B's k-quant buckets
 binding and running under the 24 GiB budget. The tiny Q4_K_M GGUF end to end: tests/gpu/test_gguf_gpu.py.
 Run: pytest -m gpu tests/gpu/test_kquant_gpu.py tests/gpu/test_gguf_gpu.py -q -s"""
+import gc
 from dataclasses import replace
 from pathlib import Path
 
@@ -149,5 +150,6 @@ def test_kquant_27b_buckets_bind_with_device_random_weights():
     peak = torch.cuda.max_memory_allocated()
     print(f"27B Q4_K_M: weights {weights.nbytes / GiB:.2f} GiB, peak allocated {peak / GiB:.2f} GiB")
     assert peak < 24 * GiB
-    del be, weights
+    del be, weights, seq, logits, step
+    gc.collect()                # the backend's graphs and lanes hold reference cycles
     torch.cuda.empty_cache()
