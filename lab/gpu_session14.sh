@@ -2,7 +2,7 @@
 # The device calls of sessions 13–14 (issues 30–34): the GPU tier's cohort, speculative, runtime and arch-path
 # files, the 27B C1 bench through the engine (K = 3, 32K draft head, accept 0.8), the cohort bench C1/C8 (fixed,
 # adaptive, plain), the sm_86 path, serve with no flags, long context, k-quants, and images (vision).
-# PART=attn,pattn,fixes,sdiag,tests,bench,fold,chain,cohort,arch,serve,long,pace,kq,gguf27,vision (default: all, in that order). Logs to $OUT
+# PART=attn,pattn,fixes,sdiag,tests,bench,fold,chain,cohort,arch,serve,long,pace,kq,gguf27,vision,agent,kqlab,kqab (default: all, in that order). Logs to $OUT
 # as it goes. `chain` (session 15, issue 32 item 2): joined GEMV launches — their bit tests, then the same-run step
 # A/B of off / group / chain on the sm_90 path and on the sm_86 path.
 # The text benches load the 27B with --no-vision (the figures earlier sessions compare with); `vision` measures
@@ -154,4 +154,31 @@ if part vision; then                 # issue 33: the M-RoPE kernels, images thro
   timeout ${VSTEP_S:-200} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --output-tokens 256 --repeats 1 \
     --prefill '' --json $OUT/bench_tower.json > $OUT/bench_tower.log 2>&1   # plain C1 with the tower (M-RoPE plans)
   echo "C1 with the tower: rc $?"; shown $OUT/bench_tower.log 12
+fi
+if part agent; then                  # issue 31 item 5: agent sessions on a 32K repository context, 8 turns, 1 and 4
+                                     # sessions, with and without prefix reuse (AREUSE=--no-reuse-run skips the latter)
+  for p in ${APS:-0.8 0.3}; do
+    timeout ${AGENT_S:-300} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --no-vision --workload agent \
+      --context-tokens ${ACONTEXT:-32768} --turns ${ATURNS:-8} --sessions ${ASESS:-1,4} --draft 3 --accept-prob $p \
+      --draft-vocab 32768 ${AREUSE:-} --json $OUT/bench_agent_$p.json > $OUT/bench_agent_$p.log 2>&1
+    echo "agent bench p=$p: rc $?"; shown $OUT/bench_agent_$p.log 30
+  done
+fi
+if part kqlab; then                  # session 18 (issue 34): the k-quant GEMVs beside their group-64 twins, with register caps
+                                     # and 8-warp blocks (lab/kernel_lab.py KQUANT_VARIANTS), M = 1 and 4
+  timeout ${KQLAB_S:-200} python3 -m lab.kernel_lab --only kquant --ms ${KQMS:-1,4} --out $OUT/kquant_lab.json \
+    > $OUT/kquant_lab.log 2>&1; echo "k-quant lab: rc $?"; grep -a "^gemv_" $OUT/kquant_lab.log | tail -${KQROWS:-90}
+fi
+if part kqab; then                   # session 18 (issue 34): the 27B Q4_K_M GGUF's plain decode under NINFER_GEMV variants
+  G=${GGUF:-/tmp/qwen3.8-27b-q4_k_m.gguf}
+  [ -f $G ] || { timeout ${GGUFW_S:-300} python3 -m tools.synth_gguf $G --device cuda > $OUT/gguf_write.json 2> $OUT/gguf_write.log
+                 echo "GGUF write: rc $?"; }
+  IFS='|' read -ra VS <<< "${GAB:-base|min_blocks=4|min_blocks=3}"; i=0      # '|'-separated; base: no override
+  for v in "${VS[@]}"; do
+    [ "$v" = base ] && v=""
+    NINFER_GEMV="$v" timeout ${GGUFB_S:-120} python3 -m ninfer_gen.cli bench --weights $G --output-tokens 256 --repeats 1 \
+      --prefill '' --json $OUT/bench_gguf_ab$i.json > $OUT/bench_gguf_ab$i.log 2>&1
+    echo "GGUF plain, NINFER_GEMV='$v': rc $?"; grep -a "decode tok/s\|decode step (graph\|bandwidth eff\|copy" $OUT/bench_gguf_ab$i.log
+    i=$((i + 1))
+  done
 fi

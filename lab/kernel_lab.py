@@ -218,6 +218,11 @@ KQUANT_GEMV = tuple((kq, g64, n, k, epi, out) for kq, g64 in (("q4_k", "q4g64"),
                                            (248320, 5120, "none", "f32")))
 
 
+# Session 18: the k-quant M = 1 kernels hold 168 (Q4_K) to 231 (Q6_K) registers on sm_90 against 80-96 for their
+# group-64 twins, so 2-3 blocks of 4 warps per SM against 6: register caps and 8-warp blocks as variants.
+KQUANT_VARIANTS = [{}, {"min_blocks": 3}, {"min_blocks": 4}, {"warps": 8}]
+
+
 def kquant_plan(target, l2, ms):
     """`kquant`: the k-quant GEMVs beside their group-64 twins; `kquant_gemm`: a Q4_K_M-style 27B prefill
     chunk's GEMMs (gemm_kq.cu.j2) beside the same shapes in the 27B's own formats."""
@@ -228,7 +233,7 @@ def kquant_plan(target, l2, ms):
     for kq, g64, n, k, epi, out in KQUANT_GEMV:
         m_list = ms if n < 200000 else (1, 4)
         yield "kquant", gemv_runs(g64, n, k, m_list, epi, out, target, l2)
-        yield "kquant", gemv_runs(kq, n, k, m_list, epi, out, target, l2, [{}, {"min_blocks": 3}, {"min_blocks": 4}])
+        yield "kquant", gemv_runs(kq, n, k, m_list, epi, out, target, l2, KQUANT_VARIANTS)
     spec = load_spec(Path(__file__).resolve().parent.parent / "model_specs/qwen3.8-27b.yaml")
     chunk = spec.runtime.prefill_chunk
     keys = [k for s in (q4_k_m_recipe(spec), spec) for k in plan_bucket(s, target, "prefill", 1, chunk).keys()
@@ -248,9 +253,10 @@ def tune_configs(fmt, n, k, epi, out, target) -> list[dict]:
     return configs
 
 
-def plan(target):
-    """(label, [thunk → (key, runs, bytes, flops[, extra])]) at the 27B shapes."""
-    l2, ms = target.l2_bytes, (1, 4, 8, 16, 32)
+def plan(target, ms=(1, 4, 8, 16, 32)):
+    """(label, [thunk → (key, runs, bytes, flops[, extra])]) at the 27B shapes; `ms`: the M list of the
+    gemv and kquant groups."""
+    l2 = target.l2_bytes
     # every way units stream through the decode GEMV, at the 27B decode shapes (v9 notes)
     for fmt, n, k, epi, out in DECODE_GEMV[:6] + (("w8g32", 248320, 5120, "none", "f32"),):
         yield "gemv9", gemv_runs(fmt, n, k, (1, 4, 32) if n < 200000 else (1, 4), epi, out, target, l2,
@@ -366,12 +372,14 @@ def main(argv=None):
     ap.add_argument("--out", default="kernel_lab.json")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--only", default="", help="comma-separated labels: gemv9,gemv,kquant,kquant_gemm,gdn_step,gdn_chunk,gdn_conv,attn_decode,prefill,gemm_sweep,gemm_27b,wg_27b,wg_sweep,sweep,warps,tune,misc")
+    ap.add_argument("--ms", default="1,4,8,16,32", help="M values of the gemv and kquant groups")
     args = ap.parse_args(argv)
     major, minor = torch.cuda.get_device_capability()
     target = lookup(f"sm_{major}{minor}")
     copy_gbs = copy_bandwidth(args.iters)
     rows, t0 = [], time.time()
-    groups = [(label, items) for label, items in plan(target) if not args.only or label in args.only.split(",")]
+    ms = tuple(int(m) for m in args.ms.split(","))
+    groups = [(label, items) for label, items in plan(target, ms) if not args.only or label in args.only.split(",")]
     try:                                            # all cores, once; a failure shows again per kernel below
         KERNELS.build([t.key for _, items in groups for t in items if hasattr(t, "key")])
     except Exception as err:

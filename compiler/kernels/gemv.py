@@ -207,8 +207,8 @@ def stream_config(fmt: str, n: int, k: int, m: int, warps: int, target: Target, 
     blocks per SM (`min_blocks` 6: 89 → 80 registers, 20 → 24 warps per SM; −1.7 % per step; 7 blocks
     −0.3 %, and the same cap on the ≈ one-wave qkv and q projections ±0)."""
     waves = ceil_div(n, 16) / (target.sms * 9)
-    if fmt in KFORMATS:           # gemv_kq.cu.j2 has none of these fields
-        return {}
+    if fmt in KFORMATS:           # gemv_kq.cu.j2 has only min_blocks of these fields
+        return kquant_stream_config(fmt, n, m, target)
     if m > 8:
         return {"prefetch": 1 if target.arch == "sm_90" else 0}
     if waves >= 4:
@@ -219,6 +219,18 @@ def stream_config(fmt: str, n: int, k: int, m: int, warps: int, target: Target, 
     if m == 1 and splits == 1 and warps == 4 and ceil_div(n, 16) > 2 * 5 * target.sms:
         fields["min_blocks"] = 6
     return fields
+
+
+def kquant_stream_config(fmt: str, n: int, m: int, target: Target) -> dict:
+    """The k-quant GEMVs' register cap (kernel lab, H100, sm_90, session 18: lab/results/kquant_lab_h100_*_s18).
+    At M ≤ 8 the Q5_K and Q6_K kernels hold 201–231 registers, two 4-warp blocks per SM; capped for three
+    (≤ 168, no spills) they took 9–24 % less time at every 27B shape (Q5_K 5120×17408 52.5 → 42.9 µs, Q6_K
+    5120×6144 31.2 → 24.7), but Q6_K's grids of many waves lost (gate/up, 2,176 row tiles, +2.6 %; the LM head
+    +3.3 %). Q4_K (168 registers) gained nothing from three or four blocks. M > 8 keeps the default (three
+    blocks spill at M = 32). Measured on sm_90, applied to every arch (the same register file per SM)."""
+    if m > 8 or fmt == "q4_k" or (fmt == "q6_k" and ceil_div(n, 16) >= 16 * target.sms):
+        return {}
+    return {"min_blocks": 3}
 
 
 def make_key(fmt: str, n: int, k: int, m: int, target: Target, epilogue: str = "none",
