@@ -28,8 +28,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ninfer_gen.cli.bench_common import (Driver, Memory, device_name, int_list, lane_tokens, line_plot, load_model,
-                                         memory_text, pct, pick_backend, random_ids, write_report)
+from ninfer_gen.cli.bench_common import (Driver, Memory, device_name, gdn_state_per_lane, int_list, lane_tokens,
+                                         line_plot, load_model, memory_text, pct, pick_backend, random_ids,
+                                         write_report)
 
 CONTEXT_DEFAULT = {"gpu": 8192, "reference": 1024}
 SESSIONS_DEFAULT = {"gpu": "1,2,4,8", "reference": "1,2"}   # the CPU: about a minute on 2 cores
@@ -223,7 +224,8 @@ def run(args) -> dict:
     result = {"workload": "agent", "model": model.source, "backend": backend, "device": device_name(backend),
               "draft": k, "accept_prob": args.accept_prob, "batch_steps": bool(options), "context_tokens": n,
               "context_source": work.source, "turns": args.turns, "tool_tokens": list(tool),
-              "answer_tokens": list(answer), "prefix_cache": checkpoints, "load_s": time.perf_counter() - t0, "runs": {}}
+              "answer_tokens": list(answer), "prefix_cache": checkpoints, "load_s": time.perf_counter() - t0, "runs": {},
+              "gdn_state_bytes_per_lane": gdn_state_per_lane(model, k) if backend == "gpu" else None}
     memory = Memory(backend == "gpu")
     for reuse in modes:
         cache = {"prefix_cache": checkpoints if reuse else 0}
@@ -256,6 +258,12 @@ def table(r: dict) -> str:
         lines.append(f"{x['sessions']:>2} {'yes' if x['reuse'] else 'no':>5} {ttft[0]:>22} {ttft[1]:>22} "
                      f"{prefill:>23} {f'{later:.0%}' if later is not None else '-':>8} {x['tok_s']:7.1f} {accept} "
                      f"{memory_text(x['memory']):>23}")
+    if r.get("gdn_state_bytes_per_lane"):
+        st = r["gdn_state_bytes_per_lane"]
+        lines.append(f"GDN state per lane, K = {r['draft']} (sized by K, whatever the acceptance): ReplaySSM "
+                     f"{st['total'] / 2**20:,.1f} MiB (state {st['committed'] / 2**20:,.1f} + records "
+                     f"{st['verify_buffers'] / 2**20:,.1f}); K + 1 snapshots would hold {st['snapshots'] / 2**20:,.1f} "
+                     f"MiB; a prefix checkpoint holds {st['committed'] / 2**20:,.1f} MiB in either design")
     if len(r["runs"]) == 2:
         pairs = [(a, b) for a, b in zip(r["runs"]["reuse"], r["runs"]["no_reuse"]) if a["ttft_ms"]["later"]]
         lines.append("TTFT of turns 2+ with reuse / without (mean): " + ", ".join(

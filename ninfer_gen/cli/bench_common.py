@@ -162,6 +162,21 @@ def step_bytes(spec, plan, context: int, kv_dtype: str) -> dict[str, int]:
     return {"weights": weights, "state": state, "kv": kv, "total": weights + state + kv}
 
 
+def gdn_state_per_lane(model, k: int) -> dict[str, int]:
+    """The GDN state bytes one lane of a GPU model holds for rounds of K drafts: its committed state, its share
+    of the ReplaySSM records (one row per lane of the largest cohort), and what the snapshot design would hold
+    instead (K + 1 state copies: the state after each token of the verify). Both are sized by K, not by what a
+    round accepts; a prefix checkpoint is one committed state in either design."""
+    be = model.backend
+    state_store = be.state
+    g = model.spec.model.linear_attention
+    n_gdn = sum(kind == "linear_attention" for kind in model.spec.model.layers.kinds)
+    state = n_gdn * g.num_value_heads * g.key_head_dim * g.value_head_dim * 4
+    records = sum(t.numel() * t.element_size() for store in (state_store.records, state_store.records1)
+                  for layer in store.values() for t in layer.values()) // max(be.profile.cohorts)
+    return {"committed": state, "verify_buffers": records, "total": state + records, "snapshots": (k + 1) * state}
+
+
 def draft_vocab_arg(args):
     """--draft-vocab: a draft_vocab.json, or N (bench only: the first N ids, labelled in the output)."""
     value = getattr(args, "draft_vocab", None)

@@ -15,7 +15,7 @@ with `--per-k`, the same request at every K from 1 to the built K (a lane's own 
 """
 from __future__ import annotations
 
-from ninfer_gen.cli.bench_common import engine_run, plan_weight_bytes, random_ids, step_bytes
+from ninfer_gen.cli.bench_common import engine_run, gdn_state_per_lane, plan_weight_bytes, random_ids, step_bytes
 
 
 def speculative_figures(model, args, plain: dict, copy_gbs: float) -> dict:
@@ -38,12 +38,6 @@ def speculative_figures(model, args, plain: dict, copy_gbs: float) -> dict:
     moved = step_bytes(spec, verify, out["final_context"], be.state.kv_dtype)
     moved["mtp"] = k * mtp_weights
     moved["total"] += moved["mtp"]
-    g = spec.model.linear_attention
-    n_gdn = sum(kind == "linear_attention" for kind in spec.model.layers.kinds)
-    state = n_gdn * g.num_value_heads * g.key_head_dim * g.value_head_dim * 4
-    lanes_n = max(be.profile.cohorts)                    # the records hold one row per lane of a round
-    records = sum(t.numel() * t.element_size() for store in (be.state.records, be.state.records1)
-                  for layer in store.values() for t in layer.values()) // lanes_n
     plain_ms = 1e3 / plain["decode_tok_s"]
     out |= {"draft": k, "accept_prob": args.accept_prob, "bytes_per_round": moved,
             "state_mode": "snapshot" if snapshots else "replayssm", "draft_vocab": be.profile.draft_vocab,
@@ -51,7 +45,7 @@ def speculative_figures(model, args, plain: dict, copy_gbs: float) -> dict:
             "round_vs_plain_step": out["round_ms"] / plain_ms,
             "round_vs_step_replay": out["round_ms"] / plain["step_replay_ms"],
             "speedup_vs_plain_decode": out["decode_tok_s"] / plain["decode_tok_s"],
-            "gdn_state_bytes_per_lane": {"committed": state, "verify_buffers": records, "total": state + records}}
+            "gdn_state_bytes_per_lane": gdn_state_per_lane(model, k)}
     out["bandwidth_efficiency"] = out["bandwidth_GBps"] / copy_gbs
     return out
 
