@@ -218,9 +218,11 @@ KQUANT_GEMV = tuple((kq, g64, n, k, epi, out) for kq, g64 in (("q4_k", "q4g64"),
                                            (248320, 5120, "none", "f32")))
 
 
-# Session 18: the k-quant M = 1 kernels hold 168 (Q4_K) to 231 (Q6_K) registers on sm_90 against 80-96 for their
-# group-64 twins, so 2-3 blocks of 4 warps per SM against 6: register caps and 8-warp blocks as variants.
-KQUANT_VARIANTS = [{}, {"min_blocks": 3}, {"min_blocks": 4}, {"warps": 8}]
+# Session 18: the k-quant M = 1 kernels held 168 (Q4_K) to 231 (Q6_K) registers on sm_90 against 80-96 for their
+# group-64 twins; register caps (3, 4 blocks) and 8-warp blocks were measured (Q5_K/Q6_K ship 3 blocks at M <= 8;
+# 8 warps lost everywhere). Next: weight loads kept in L1 (`weights_l1`): a block as stored straddles 32-byte
+# sectors, so with L1::no_allocate two load instructions fetch each shared sector from L2.
+KQUANT_VARIANTS = [{}, {"min_blocks": 2}, {"weights_l1": True}, {"weights_l1": True, "min_blocks": 2}]
 
 
 def kquant_plan(target, l2, ms):

@@ -68,6 +68,19 @@ def test_kquant_gemv_keys():
             replace(keys[0], **bad)
 
 
+def test_kquant_register_cap_and_l1_experiment():
+    """Q5_K and Q6_K at M ≤ 8 ask for 3 blocks per SM (kernel lab, session 18), except Q6_K's grids of 16+ blocks
+    per SM; Q4_K and M > 8 keep 2. `weights_l1` (an experiment rule) names itself and is a k-quant option only."""
+    cap = lambda fmt, n, m: gemv.make_key(fmt, n, 5120, m, H200).min_blocks     # noqa: E731
+    assert [cap("q5_k", 10240, m) for m in (1, 4, 8, 16, 32)] == [3, 3, 3, 2, 2]
+    assert cap("q5_k", 248320, 1) == 3 and cap("q6_k", 6144, 1) == 3
+    assert cap("q6_k", 34816, 1) == 2 and cap("q6_k", 248320, 1) == 2 and cap("q4_k", 6144, 1) == 2
+    key = gemv.apply_overrides(gemv.make_key("q4_k", 6144, 5120, 1, H200), "weights_l1=1")
+    assert key.weights_l1 and key.name.endswith("_l1_sm90")
+    with pytest.raises(ValueError, match="k-quant load option"):
+        replace(gemv.make_key("q4g64", 6144, 5120, 1, H200), weights_l1=True)
+
+
 def test_matmul_dispatch_of_kquants():
     """Up to 32 rows the k-quant GEMV, above the mma.sync GEMM on the blocks as stored (gemm_kq.cu.j2; never
     the Hopper warpgroup GEMM), whose warp tiles stay within 4 token tiles and whose ring fits the card."""

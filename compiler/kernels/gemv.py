@@ -80,6 +80,8 @@ class Key(KernelKey):
     conv: int = 0           # > 0: the GDN conv of this width (+ SiLU) on each row's one new column, in the epilogue
     stage_x: bool = False   # right after the dependency wait each warp copies its units' activations to shared
                             # memory, and its loop reads them there (same bits)
+    weights_l1: bool = False  # k-quants: weight loads allocate in L1 (evict-first) instead of L1::no_allocate, so a
+                              # 32-byte sector two load instructions share comes from L2 once (experiment, same bits)
 
     def __post_init__(self):
         if self.fmt not in FORMATS and self.fmt not in KFORMATS:
@@ -89,6 +91,8 @@ class Key(KernelKey):
         if self.k % unit_of(self.fmt):
             unit = "super-block" if self.fmt in KFORMATS else "group"
             raise ValueError(f"gemv: k = {self.k} not a multiple of the {self.fmt} {unit}")
+        if self.weights_l1 and self.fmt not in KFORMATS:
+            raise ValueError(f"gemv: weights_l1 is a k-quant load option (their blocks straddle sectors), not {self.fmt}")
         if self.fmt in KFORMATS and (self.tiles != 1 or self.prefetch or self.interleave or self.stage_x):
             raise ValueError(f"gemv: {self.fmt} streams one row tile per block, one unit at a time (tiles 1, no "
                              f"prefetch, interleave or stage_x), got {self.tiles}/{self.prefetch}/{self.interleave}/"
@@ -125,7 +129,8 @@ class Key(KernelKey):
                 + ([f"p{self.prefetch}"] if self.prefetch else []) + (["il"] if self.interleave else [])
                 + ([f"b{self.min_blocks}"] if self.min_blocks != 2 else [])
                 + (["hn"] if self.norm_out else []) + (["rs"] if self.scale_in else [])
-                + ([f"cv{self.conv}"] if self.conv else []) + (["xs"] if self.stage_x else []))
+                + ([f"cv{self.conv}"] if self.conv else []) + (["xs"] if self.stage_x else [])
+                + (["l1"] if self.weights_l1 else []))
 
 
 STAGE_X_LIMIT = 24 * 1024    # bytes of activations a `stage_x` block may stage (static shared memory is 48 KiB)
@@ -251,7 +256,8 @@ def _flag(v: str) -> bool:
     return v in ("1", "true")
 
 
-OVERRIDABLE = {"prefetch": int, "interleave": _flag, "min_blocks": int, "stage_x": _flag, "warps": int, "splits": int}
+OVERRIDABLE = {"prefetch": int, "interleave": _flag, "min_blocks": int, "stage_x": _flag, "warps": int, "splits": int,
+               "weights_l1": _flag}
 
 
 def parse_overrides(rules: str) -> list[tuple[tuple[int, int] | None, dict]]:

@@ -38,6 +38,9 @@ def _gemv_keys():
         keys += [replace(gemv.make_key(fmt, 6144, 5120, m, TARGET), scale_in=True, eps=1e-6) for m in (1, 8, 32)]
         keys += [replace(gemv.make_key(fmt, 10240, 5120, m, TARGET), conv=4) for m in (1, 4, 8)]
     keys.append(gemv.make_key("q6_k", 248320, 5120, 4, TARGET, out_dtype="f32"))       # the LM head
+    # the weights_l1 experiment (loads kept in L1): same bits as its key without it, checked against the reference
+    keys += [replace(gemv.make_key(fmt, n, k, m, TARGET, out_dtype="f32"), weights_l1=True)
+             for fmt in FMTS for n, k in ((200, 768), (1024, 5120)) for m in (1, 4)]
     return keys
 
 
@@ -78,6 +81,19 @@ def test_kquant_kernel_matches_reference(h, key):
         err = _rel_l2(y, case.reference()["y"].to(y.device))
         print(f"{key.name}: rel-L2 {err:.2e}")
         assert err <= REL_L2, f"{key.name}: rel-L2 {err:.3g} beyond fp32 accumulation error"
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_weights_kept_in_l1_give_the_same_bits(h, fmt):
+    """`weights_l1` changes only the loads' cache policy: the same inputs give the same bits as the shipped key."""
+    keys = [gemv.make_key(fmt, 1024, 5120, 4, TARGET, out_dtype="f32")]
+    keys.append(replace(keys[0], weights_l1=True))
+    outs = []
+    for key in keys:
+        case = make_case(key, "cuda", seed=7)
+        h.run(case)
+        outs.append(case.outputs["y"])
+    assert h.same_bits(outs[0], outs[1]), f"{fmt}: weights_l1 changed the bits"
 
 
 @pytest.mark.parametrize("fmt", FMTS)
