@@ -221,8 +221,9 @@ KQUANT_GEMV = tuple((kq, g64, n, k, epi, out) for kq, g64 in (("q4_k", "q4g64"),
 # Session 18: the k-quant M = 1 kernels held 168 (Q4_K) to 231 (Q6_K) registers on sm_90 against 80-96 for their
 # group-64 twins; register caps (3, 4 blocks) and 8-warp blocks were measured (Q5_K/Q6_K ship 3 blocks at M <= 8;
 # 8 warps lost everywhere). Next: weight loads kept in L1 (`weights_l1`): a block as stored straddles 32-byte
-# sectors, so with L1::no_allocate two load instructions fetch each shared sector from L2.
-KQUANT_VARIANTS = [{}, {"min_blocks": 2}, {"weights_l1": True}, {"weights_l1": True, "min_blocks": 2}]
+# sectors, so with L1::no_allocate two load instructions fetch each shared sector from L2; and Q4_K/Q5_K weights
+# staged in shared memory by 16-byte cp.async (`stage_w` stages per warp; a variant no format takes is left out).
+KQUANT_VARIANTS = [{}, {"min_blocks": 2}, {"weights_l1": True}, {"stage_w": 2}, {"stage_w": 3}, {"stage_w": 4}]
 
 
 def kquant_plan(target, l2, ms):

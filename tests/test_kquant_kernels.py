@@ -81,6 +81,18 @@ def test_kquant_register_cap_and_l1_experiment():
         replace(gemv.make_key("q4g64", 6144, 5120, 1, H200), weights_l1=True)
 
 
+def test_kquant_weight_staging_is_an_experiment_of_the_16_byte_aligned_formats():
+    """`stage_w` (weights staged in shared memory, stages per warp): Q4_K/Q5_K only (Q6_K blocks are 2-byte
+    aligned), 2..6 stages within its shared-memory limit; names itself; off in every shipped key."""
+    key = gemv.make_key("q4_k", 34816, 5120, 1, H200, "silu_mul")
+    assert key.stage_w == 0 and gemv.stage_w_bytes(key) == 0
+    staged = gemv.apply_overrides(key, "stage_w=4")
+    assert staged.name.endswith("_sw4_sm90") and gemv.stage_w_bytes(staged) == 4 * 4 * 16 * 144 <= gemv.STAGE_W_LIMIT
+    for fmt, sw in (("q6_k", 2), ("q4_k", 1), ("q4_k", 7), ("q5_k", 4)):       # q5_k: 4 · 4 · 16 · 176 B too many
+        with pytest.raises(ValueError, match="stage_w"):
+            replace(gemv.make_key(fmt, 34816, 5120, 1, H200, "silu_mul"), stage_w=sw)
+
+
 def test_matmul_dispatch_of_kquants():
     """Up to 32 rows the k-quant GEMV, above the mma.sync GEMM on the blocks as stored (gemm_kq.cu.j2; never
     the Hopper warpgroup GEMM), whose warp tiles stay within 4 token tiles and whose ring fits the card."""

@@ -83,17 +83,35 @@ def test_kquant_kernel_matches_reference(h, key):
         assert err <= REL_L2, f"{key.name}: rel-L2 {err:.3g} beyond fp32 accumulation error"
 
 
-@pytest.mark.parametrize("fmt", FMTS)
-def test_weights_kept_in_l1_give_the_same_bits(h, fmt):
-    """`weights_l1` changes only the loads' cache policy: the same inputs give the same bits as the shipped key."""
-    keys = [gemv.make_key(fmt, 1024, 5120, 4, TARGET, out_dtype="f32")]
-    keys.append(replace(keys[0], weights_l1=True))
+def _same_bits_as_shipped(h, shipped, variant):
     outs = []
-    for key in keys:
+    for key in (shipped, variant):
         case = make_case(key, "cuda", seed=7)
         h.run(case)
         outs.append(case.outputs["y"])
-    assert h.same_bits(outs[0], outs[1]), f"{fmt}: weights_l1 changed the bits"
+    assert h.same_bits(outs[0], outs[1]), f"{variant.name}: other bits than {shipped.name}"
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_weights_kept_in_l1_give_the_same_bits(h, fmt):
+    """`weights_l1` changes only the loads' cache policy: the same inputs give the same bits as the shipped key."""
+    key = gemv.make_key(fmt, 1024, 5120, 4, TARGET, out_dtype="f32")
+    _same_bits_as_shipped(h, key, replace(key, weights_l1=True))
+
+
+STAGED = [(fmt, n, k, epi, out, m, sw) for fmt in ("q4_k", "q5_k")
+          for n, k, epi, out in ((1024, 5120, "none", "f32"), (200, 768, "residual", "f32"))
+          for m in (1, 32) for sw in (2, 3)] + [(f, 34816, 5120, "silu_mul", "bf16", 4, 3) for f in ("q4_k", "q5_k")]
+
+
+@pytest.mark.parametrize("fmt,n,k,epi,out,m,sw", STAGED)
+def test_weights_staged_in_shared_memory_give_the_same_bits(h, fmt, n, k, epi, out, m, sw):
+    """`stage_w` moves the weights global → shared → registers instead of global → registers; the lanes read the
+    same bytes, so the same inputs give the shipped key's bits (split-K, odd unit counts, M = 1 … 32)."""
+    key = gemv.make_key(fmt, n, k, m, TARGET, epi, out)
+    staged = replace(key, stage_w=sw)
+    h.build([key, staged])
+    _same_bits_as_shipped(h, key, staged)
 
 
 @pytest.mark.parametrize("fmt", FMTS)
