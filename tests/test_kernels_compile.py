@@ -105,7 +105,7 @@ def test_gemv_experiment_variants_compile_without_spills(build_root, arch):
     keys += [replace(gemv.make_key(fmt, 5120, a.intermediate_size, m, target, "residual"), weights_l1=True)
              for fmt in ("q4_k", "q6_k") for m in (1, 32)]        # k-quant loads kept in L1
     keys += [replace(gemv.make_key(fmt, 2 * a.intermediate_size, a.hidden_size, m, target, "silu_mul"), stage_w=sw)
-             for fmt, sw in (("q4_k", 4), ("q5_k", 3)) for m in (1, 32)]     # k-quant weights staged in shared memory
+             for fmt, sw in (("q4_k", 4), ("q5_k", 3), ("q6_k", 2)) for m in (1, 32)]   # k-quant weights staged
     summary = build_kernels(keys, jobs=2, root=build_root, progress=False)
     spilled = [b.key.name for b in summary.built if b.meta["spill_stores"] or b.meta["spill_loads"]]
     assert not spilled and summary.spills == 0, f"spills in {spilled}"

@@ -81,14 +81,16 @@ def test_kquant_register_cap_and_l1_experiment():
         replace(gemv.make_key("q4g64", 6144, 5120, 1, H200), weights_l1=True)
 
 
-def test_kquant_weight_staging_is_an_experiment_of_the_16_byte_aligned_formats():
-    """`stage_w` (weights staged in shared memory, stages per warp): Q4_K/Q5_K only (Q6_K blocks are 2-byte
-    aligned), 2..6 stages within its shared-memory limit; names itself; off in every shipped key."""
+def test_kquant_weight_staging_is_an_experiment_rule():
+    """`stage_w` (weights staged in shared memory, stages per warp): every k-quant (a Q6_K row takes 14 chunks of
+    16 bytes: its 2-byte aligned block and the bytes before it), 2..6 stages within its shared-memory limit;
+    names itself; off in every shipped key."""
     key = gemv.make_key("q4_k", 34816, 5120, 1, H200, "silu_mul")
     assert key.stage_w == 0 and gemv.stage_w_bytes(key) == 0
     staged = gemv.apply_overrides(key, "stage_w=4")
     assert staged.name.endswith("_sw4_sm90") and gemv.stage_w_bytes(staged) == 4 * 4 * 16 * 144 <= gemv.STAGE_W_LIMIT
-    for fmt, sw in (("q6_k", 2), ("q4_k", 1), ("q4_k", 7), ("q5_k", 4)):       # q5_k: 4 · 4 · 16 · 176 B too many
+    assert gemv.stage_w_bytes(replace(key, fmt="q6_k", stage_w=2)) == 2 * 4 * 16 * 224
+    for fmt, sw in (("q6_k", 3), ("q4_k", 1), ("q4_k", 7), ("q5_k", 4)):       # 4 · 4 · 16 · 176 B: too many
         with pytest.raises(ValueError, match="stage_w"):
             replace(gemv.make_key(fmt, 34816, 5120, 1, H200, "silu_mul"), stage_w=sw)
 
@@ -213,3 +215,33 @@ def test_gemm_reads_scales_and_mins_as_the_reference_decodes_them():
         for t in range(4):
             word = z & 0x3F3F3F3F if t < 2 else and_or(w >> 4, 0x0F0F0F0F, (z >> 2) & 0x30303030)
             assert [(word >> (8 * ((2 * t + i) & 3))) & 0xFF for i in (0, 1)] == mn[b, 2 * t:2 * t + 2].tolist()
+
+
+@pytest.mark.parametrize("units", [1, 3, 20])
+def test_q6_k_staging_gives_each_lane_the_words_of_its_block(units):
+    """templates/gemv_kq.cu.j2 `stage_w` on Q6_K, its index math transcribed: 14 chunks of 16 bytes from each block
+    row's start rounded down to 16 (the last cut to the block's end, zero-filled) hold the whole block and read
+    nothing past it; word t of segment s read back as two aligned words and a funnel shift is the block's bytes
+    16s + 4t … + 3 (what load_unit + kq_realign give), and d is bytes 208-209 — at every row offset mod 16."""
+    qb, rs, cpr = 210, 224, 14
+    rng = np.random.default_rng(units)
+    mem = rng.integers(0, 256, 32 * units * qb, dtype=np.uint8).tobytes()
+    for row0 in (0, 16):
+        for u in range(units):
+            st = bytearray(16 * rs)
+            for i in range(16 * cpr):                          # lane l copies chunks l, l + 32, … (224 = 7 · 32)
+                r, c = divmod(i, cpr)
+                blk = ((row0 + r) * units + u) * qb
+                o = blk & 15
+                n, src = min(16, o + qb - 16 * c), blk - o + 16 * c
+                assert n >= 2 and src + n <= len(mem)
+                st[r * rs + 16 * c:r * rs + 16 * c + 16] = mem[src:src + n] + bytes(16 - n)
+            for r in range(16):
+                blk = ((row0 + r) * units + u) * qb
+                o = blk & 15
+                word = lambda k: int.from_bytes(st[r * rs + (o & ~3) + 4 * k:][:4], "little")    # noqa: E731
+                for s in range(13):
+                    for t in range(4):
+                        got = ((word(4 * s + t + 1) << 32 | word(4 * s + t)) >> (8 * (o & 2))) & 0xFFFFFFFF
+                        assert got == int.from_bytes(mem[blk + 16 * s + 4 * t:][:4], "little")
+                assert st[r * rs + o + 208:r * rs + o + 210] == mem[blk + 208:blk + 210]

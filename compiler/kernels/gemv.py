@@ -82,7 +82,7 @@ class Key(KernelKey):
                             # memory, and its loop reads them there (same bits)
     weights_l1: bool = False  # k-quants: weight loads allocate in L1 (evict-first) instead of L1::no_allocate, so a
                               # 32-byte sector two load instructions share comes from L2 once (experiment, same bits)
-    stage_w: int = 0        # Q4_K/Q5_K: > 0 stages a unit's 16 block rows global → shared with 16-byte cp.async, this
+    stage_w: int = 0        # k-quants: > 0 stages a unit's 16 block rows global → shared with 16-byte cp.async, this
                             # many units ahead per warp (experiment, same bits: the lanes read the same bytes)
 
     def __post_init__(self):
@@ -95,10 +95,10 @@ class Key(KernelKey):
             raise ValueError(f"gemv: k = {self.k} not a multiple of the {self.fmt} {unit}")
         if self.weights_l1 and self.fmt not in KFORMATS:
             raise ValueError(f"gemv: weights_l1 is a k-quant load option (their blocks straddle sectors), not {self.fmt}")
-        if self.stage_w and (self.fmt not in ("q4_k", "q5_k") or not 2 <= self.stage_w <= 6
+        if self.stage_w and (self.fmt not in KFORMATS or not 2 <= self.stage_w <= 6
                              or stage_w_bytes(self) > STAGE_W_LIMIT):
-            raise ValueError(f"gemv: stage_w = {self.stage_w} needs q4_k/q5_k (16-byte aligned blocks), 2..6 stages "
-                             f"and ≤ {STAGE_W_LIMIT} B of shared memory, got {self.fmt}, {stage_w_bytes(self)} B")
+            raise ValueError(f"gemv: stage_w = {self.stage_w} needs a k-quant, 2..6 stages and ≤ {STAGE_W_LIMIT} B of "
+                             f"shared memory, got {self.fmt}, {stage_w_bytes(self)} B")
         if self.fmt in KFORMATS and (self.tiles != 1 or self.prefetch or self.interleave or self.stage_x):
             raise ValueError(f"gemv: {self.fmt} streams one row tile per block, one unit at a time (tiles 1, no "
                              f"prefetch, interleave or stage_x), got {self.tiles}/{self.prefetch}/{self.interleave}/"
@@ -145,9 +145,12 @@ STAGE_X_LIMIT = 24 * 1024    # bytes of activations a `stage_x` block may stage 
 STAGE_W_LIMIT = 36 * 1024    # bytes of weight stages a `stage_w` block may hold (beside its reduction buffer)
 
 
+STAGE_W_ROW = {"q4_k": 144, "q5_k": 176, "q6_k": 224}     # bytes a staged block row takes (Q6_K: its 16-byte chunks)
+
+
 def stage_w_bytes(key: Key) -> int:
     """Shared memory a `stage_w` key stages weights in: per warp, stage_w units of 16 block rows."""
-    return key.warps * key.stage_w * 16 * KFORMATS[key.fmt].block_bytes if key.stage_w else 0
+    return key.warps * key.stage_w * 16 * STAGE_W_ROW[key.fmt] if key.stage_w else 0
 
 
 def stage_x_bytes(key: Key) -> int:

@@ -99,9 +99,10 @@ def test_weights_kept_in_l1_give_the_same_bits(h, fmt):
     _same_bits_as_shipped(h, key, replace(key, weights_l1=True))
 
 
-STAGED = [(fmt, n, k, epi, out, m, sw) for fmt in ("q4_k", "q5_k")
+STAGED = [(fmt, n, k, epi, out, m, sw) for fmt in FMTS
           for n, k, epi, out in ((1024, 5120, "none", "f32"), (200, 768, "residual", "f32"))
-          for m in (1, 32) for sw in (2, 3)] + [(f, 34816, 5120, "silu_mul", "bf16", 4, 3) for f in ("q4_k", "q5_k")]
+          for m in (1, 32) for sw in ((2,) if fmt == "q6_k" else (2, 3))] + \
+    [(f, 34816, 5120, "silu_mul", "bf16", 4, 2 if f == "q6_k" else 3) for f in FMTS]
 
 
 @pytest.mark.parametrize("fmt,n,k,epi,out,m,sw", STAGED)
