@@ -381,3 +381,62 @@ def test_a_prompt_is_cut_as_it_is_alone_whatever_its_cohort_takes(backend):
     for r, n in zip(reqs, lengths):
         assert lanes.cuts[tuple(r.prompt)] == [16] * (n // 16) + ([n % 16] if n % 16 else []), n
     assert _all_free(backend)
+
+
+class _StepLog(ReferenceLanes):
+    """Records which prompt (by its length) each prefill chunk of a step belongs to."""
+
+    def __init__(self, backend):
+        super().__init__(backend)
+        self.step, self.log = 0, []
+
+    def prefill(self, lane, ids, last):
+        self.log.append((self.step, len(lane.prompt)))
+        return super().prefill(lane, ids, last)
+
+
+def _steps(engine, lanes, n, each=None):
+    for _ in range(n):
+        if each:
+            each(lanes.step)
+        engine.step()
+        lanes.step += 1
+
+
+def test_a_short_prompt_does_not_wait_behind_a_long_prefill(backend):
+    """A prompt that is one chunk runs in the first step after it arrives, before a long prompt's next chunk (which
+    no longer fits the step's budget and runs a step later): an agent's next turn does not queue behind another
+    session's long prefill. The order changes no lane's tokens (each equals its run alone)."""
+    long_req, short_req = Request(_prompt(80, 1), 3), Request(_prompt(10, 2), 3)
+    lanes = _StepLog(backend)
+    engine = Engine(lanes, lanes=4, prefill_budget=16)
+    handles = {id(long_req): engine.submit(long_req)}
+    _steps(engine, lanes, 2)                                     # the long prompt's first two chunks
+    handles[id(short_req)] = engine.submit(short_req)
+    _steps(engine, lanes, 1)
+    assert lanes.log[-1] == (2, 10) and [s for s, n in lanes.log if n == 80] == [0, 1]
+    _steps(engine, lanes, 1)
+    assert lanes.log[-1] == (3, 80)                              # one step later, whole (16 tokens)
+    engine.run_until_idle()
+    for r in (long_req, short_req):
+        assert handles[id(r)].tokens == alone(backend, r, 16)
+    assert _all_free(backend)
+
+
+def test_short_prompts_every_step_do_not_starve_a_long_one(backend):
+    """A new one-chunk prompt every step goes first, but a long prompt passed over STARVE_STEPS steps in a row goes
+    first in the next: it runs at least once every STARVE_STEPS + 1 steps and finishes."""
+    from ninfer_gen.engine.engine import STARVE_STEPS
+
+    long_req = Request(_prompt(96, 3), 1)
+    lanes = _StepLog(backend)
+    engine = Engine(lanes, lanes=4, prefill_budget=16)
+    handle = engine.submit(long_req)
+    _steps(engine, lanes, 40, each=lambda i: engine.submit(Request(_prompt(12, 100 + i), 1)))
+    ran = [s for s, n in lanes.log if n == 96]
+    assert len(ran) == 6 and ran[0] == STARVE_STEPS              # 96 tokens in chunks of 16, all run
+    assert max(b - a for a, b in zip(ran, ran[1:])) <= STARVE_STEPS + 1, ran
+    assert sum(n == 12 for _, n in lanes.log) >= 30              # the short prompts ran too
+    assert handle.tokens == alone(backend, long_req, 16)
+    engine.run_until_idle()
+    assert _all_free(backend)
