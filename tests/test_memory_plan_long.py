@@ -96,3 +96,17 @@ def test_kernel_index_math_holds_131072_positions(entry, batch, tokens):
     decode = [k for k in paged if k.family == "attn_decode"]
     for key in decode:                        # the split rule gives every split at least one page at 128K
         assert 1 <= key.splits <= key.max_pages and -(-key.max_pages // key.splits) * key.splits >= key.max_pages
+
+
+def test_a_plan_held_back_by_prefix_checkpoints_names_the_option():
+    """Session 18's agent bench (4 sessions × 32K, 16 prefix checkpoints: 2.29 GiB of GDN states) did not fit and the
+    message named only --max-context, --cohorts and --vram-budget; with checkpoints in the plan it names
+    --prefix-cache too, and 8 checkpoints fit."""
+    pool = 4 * 34816
+    with pytest.raises(MemoryPlanError) as err:
+        plan_memory(BIG, cohort=4, max_context=34816, budget=BUDGET, draft=3, kv_pool_tokens=pool, prefix_states=16)
+    assert "keep fewer than 16 prefix checkpoints (--prefix-cache)" in str(err.value)
+    plan_memory(BIG, cohort=4, max_context=34816, budget=BUDGET, draft=3, kv_pool_tokens=pool, prefix_states=8)
+    with pytest.raises(MemoryPlanError) as err:
+        plan_memory(BIG, cohort=8, max_context=131072, budget=BUDGET, draft=3)
+    assert "--prefix-cache" not in str(err.value)

@@ -169,7 +169,8 @@ def plan_memory(spec: ModelSpec, cohort: int, max_context: int, budget: int, dra
             f"does not fit in {budget / GiB:.2f} GiB: {parts} leave {max(left, 0) / GiB:.2f} GiB for the KV "
             f"cache, but {what} need {need / GiB:.2f} GiB "
             f"({kv_dtype} KV, {per_token / 1024:.1f} KiB per token). Lower --max-context or --cohorts, "
-            f"or raise --vram-budget.")
+            + (f"keep fewer than {prefix_states} prefix checkpoints (--prefix-cache), " if prefix_states else "")
+            + "or raise --vram-budget.")
     return plan
 
 
