@@ -9,7 +9,8 @@ iteration: reap cancelled requests, admit waiting ones into free lanes, run pref
 prompt tokens in all (lanes whose whole remaining prompt is one chunk first, then the oldest prefilling lane, and
 the next while the budget lasts), then one decode round over every decode-ready lane — so a long prompt is cut
 across steps and never stalls the running lanes for its whole prefill, a burst of short prompts starts in one step,
-and a short prompt (an agent's next turn after a tool call) does not queue behind another request's long prefill. Drive it by hand (`step`, `run_until_idle`: deterministic, with any `clock`), or in a background
+and a short prompt (an agent's next turn after a tool call) does not queue behind another request's long prefill.
+Drive it by hand (`step`, `run_until_idle`: deterministic, with any `clock`), or in a background
 thread (`start`/`stop`) that a server uses: submit and cancel are thread-safe and events arrive on
 thread-safe queues. An exception in one request fails that request alone (an `error` event).
 """
