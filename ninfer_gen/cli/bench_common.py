@@ -167,12 +167,10 @@ def gdn_state_per_lane(model, k: int) -> dict[str, int]:
     of the ReplaySSM records (one row per lane of the largest cohort), and what the snapshot design would hold
     instead (K + 1 state copies: the state after each token of the verify). Both are sized by K, not by what a
     round accepts; a prefix checkpoint is one committed state in either design."""
-    be = model.backend
-    state_store = be.state
-    g = model.spec.model.linear_attention
+    be, g = model.backend, model.spec.model.linear_attention
     n_gdn = sum(kind == "linear_attention" for kind in model.spec.model.layers.kinds)
     state = n_gdn * g.num_value_heads * g.key_head_dim * g.value_head_dim * 4
-    records = sum(t.numel() * t.element_size() for store in (state_store.records, state_store.records1)
+    records = sum(t.numel() * t.element_size() for store in (be.state.records, be.state.records1)
                   for layer in store.values() for t in layer.values()) // max(be.profile.cohorts)
     return {"committed": state, "verify_buffers": records, "total": state + records, "snapshots": (k + 1) * state}
 
