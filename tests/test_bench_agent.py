@@ -61,7 +61,8 @@ def test_agent_bench_bad_options(argv, message, capsys):
 def test_gdn_state_per_lane_counts_the_records_per_lane_and_the_snapshots_k_plus_1_states():
     """The figure the agent bench and the C1 bench print (issue 31: does ReplaySSM still save memory under low
     acceptance and frequent tool calls): a lane's committed GDN state, its share of the ReplaySSM records (the
-    records hold one row per lane of the largest cohort), and K + 1 state copies for the snapshot design."""
+    records hold one row per lane of the largest cohort), and the snapshot design's state + K + 1 snapshots (a
+    state copy and the pre-conv column per verify token, as the memory plan counts them)."""
     from types import SimpleNamespace
 
     import torch
@@ -76,7 +77,9 @@ def test_gdn_state_per_lane_counts_the_records_per_lane_and_the_snapshots_k_plus
     be = SimpleNamespace(state=SimpleNamespace(records=records, records1={}), profile=SimpleNamespace(cohorts=(1, 2, 4)))
     st = gdn_state_per_lane(SimpleNamespace(backend=be, spec=spec), 3)
     state = n_gdn * g.num_value_heads * g.key_head_dim * g.value_head_dim * 4
-    assert st == {"committed": state, "verify_buffers": (80 + 96) // 4, "total": state + 44, "snapshots": 4 * state}
+    snapshot = n_gdn * (4 * g.num_value_heads * g.key_head_dim * g.value_head_dim + 2 * g.conv_dim)   # per token
+    assert st == {"committed": state, "verify_buffers": (80 + 96) // 4, "total": state + 44,
+                  "snapshot_total": state + 4 * snapshot}
     r = {"backend": "gpu", "model": "m", "device": "d", "context_tokens": 8, "context_source": "s", "turns": 1,
          "tool_tokens": [1, 2], "answer_tokens": [1, 2], "draft": 3, "accept_prob": 0.3, "prefill_budget": 64,
          "prefix_cache": 2, "runs": {"reuse": []}, "gdn_state_bytes_per_lane": st}

@@ -262,8 +262,8 @@ def table(r: dict) -> str:
         st = r["gdn_state_bytes_per_lane"]
         lines.append(f"GDN state per lane, K = {r['draft']} (sized by K, whatever the acceptance): ReplaySSM "
                      f"{st['total'] / 2**20:,.1f} MiB (state {st['committed'] / 2**20:,.1f} + records "
-                     f"{st['verify_buffers'] / 2**20:,.1f}); K + 1 snapshots would hold {st['snapshots'] / 2**20:,.1f} "
-                     f"MiB; a prefix checkpoint holds {st['committed'] / 2**20:,.1f} MiB in either design")
+                     f"{st['verify_buffers'] / 2**20:,.1f}); the snapshot design {st['snapshot_total'] / 2**20:,.1f} MiB "
+                     f"(state + K + 1 snapshots); a prefix checkpoint holds {st['committed'] / 2**20:,.1f} MiB in either")
     if len(r["runs"]) == 2:
         pairs = [(a, b) for a, b in zip(r["runs"]["reuse"], r["runs"]["no_reuse"]) if a["ttft_ms"]["later"]]
         lines.append("TTFT of turns 2+ with reuse / without (mean): " + ", ".join(

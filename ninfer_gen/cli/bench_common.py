@@ -163,16 +163,18 @@ def step_bytes(spec, plan, context: int, kv_dtype: str) -> dict[str, int]:
 
 
 def gdn_state_per_lane(model, k: int) -> dict[str, int]:
-    """The GDN state bytes one lane of a GPU model holds for rounds of K drafts: its committed state, its share
-    of the ReplaySSM records (one row per lane of the largest cohort), and what the snapshot design would hold
-    instead (K + 1 state copies: the state after each token of the verify). Both are sized by K, not by what a
-    round accepts; a prefix checkpoint is one committed state in either design."""
-    be, g = model.backend, model.spec.model.linear_attention
-    n_gdn = sum(kind == "linear_attention" for kind in model.spec.model.layers.kinds)
-    state = n_gdn * g.num_value_heads * g.key_head_dim * g.value_head_dim * 4
+    """The GDN state bytes one lane of a GPU model holds for rounds of K drafts: its committed state and its share of
+    the ReplaySSM records (one row per lane of the largest cohort), against the snapshot design's committed state and
+    K + 1 snapshots (the state after each token of the verify: compiler.sizes, as the memory plan counts them). Both
+    are sized by K, not by what a round accepts; a prefix checkpoint is one committed state in either design."""
+    from compiler.sizes import snapshot_bytes_per_token, summary
+
+    be = model.backend
+    state = summary(model.spec)["gdn_state_bytes_per_sequence"]
     records = sum(t.numel() * t.element_size() for store in (be.state.records, be.state.records1)
                   for layer in store.values() for t in layer.values()) // max(be.profile.cohorts)
-    return {"committed": state, "verify_buffers": records, "total": state + records, "snapshots": (k + 1) * state}
+    return {"committed": state, "verify_buffers": records, "total": state + records,
+            "snapshot_total": state + (k + 1) * snapshot_bytes_per_token(model.spec)}
 
 
 def draft_vocab_arg(args):
