@@ -1,6 +1,8 @@
 """gemv_ncu: the shipped M = 1 decode GEMVs of the 27B spec, launched back to back over rotated weight
 copies (bigger than L2), for a profiler to read: run it under Nsight Compute to see where a shape's
 warps stall. Each shape is launched `--launches` times after a warm-up; the kernel names say the shape.
+A shape may end in `:RULE`, an experiment rule of `compiler.kernels.gemv.parse_overrides` (e.g.
+`q4_k:34816x5120:silu_mul:stage_w=2`), to profile a variant.
 
     ncu --clock-control none --kernel-name regex:gemv --launch-skip 8 --launch-count 1 \\
         --section SpeedOfLight --section WarpStateStats python -m lab.gemv_ncu --shapes q5g64:5120x17408:residual
@@ -11,6 +13,7 @@ import argparse
 
 import torch
 
+from compiler.kernels.gemv import apply_overrides
 from lab.kernel_lab import KERNELS, gemv_runs, time_chain
 from compiler.targets import lookup
 
@@ -19,7 +22,7 @@ DEFAULT = "q5g64:5120x17408:residual,q4g64:34816x5120:silu_mul,q5g64:5120x6144:r
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default=DEFAULT, help="comma-separated FMT:NxK:EPILOGUE")
+    ap.add_argument("--shapes", default=DEFAULT, help="comma-separated FMT:NxK:EPILOGUE[:RULE]")
     ap.add_argument("--launches", type=int, default=12)
     args = ap.parse_args(argv)
     major, minor = torch.cuda.get_device_capability()
@@ -27,9 +30,10 @@ def main(argv=None) -> None:
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     thunks = []
     for shape in args.shapes.split(","):
-        fmt, nk, epi = shape.split(":")
+        fmt, nk, epi, *rule = shape.split(":")
         n, k = (int(v) for v in nk.split("x"))
-        thunks += gemv_runs(fmt, n, k, [1], epi, "bf16", target, l2)
+        cfg = [lambda key, r=rule[0]: apply_overrides(key, r)] if rule else None
+        thunks += gemv_runs(fmt, n, k, [1], epi, "bf16", target, l2, cfg)
     KERNELS.build([t.key for t in thunks])
     for thunk in thunks:
         key, runs, *_ = thunk()

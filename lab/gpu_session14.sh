@@ -2,7 +2,7 @@
 # The device calls of sessions 13–14 (issues 30–34): the GPU tier's cohort, speculative, runtime and arch-path
 # files, the 27B C1 bench through the engine (K = 3, 32K draft head, accept 0.8), the cohort bench C1/C8 (fixed,
 # adaptive, plain), the sm_86 path, serve with no flags, long context, k-quants, and images (vision).
-# PART=attn,pattn,fixes,sdiag,tests,bench,fold,chain,cohort,arch,serve,long,pace,kq,gguf27,vision,agent,kqlab,kqab,vlab (default: all, in that order). Logs to $OUT
+# PART=attn,pattn,fixes,sdiag,tests,bench,fold,chain,cohort,arch,serve,long,pace,kq,gguf27,vision,agent,kqlab,kqab,vlab,kqncu (default: all, in that order). Logs to $OUT
 # as it goes. `chain` (session 15, issue 32 item 2): joined GEMV launches — their bit tests, then the same-run step
 # A/B of off / group / chain on the sm_90 path and on the sm_86 path.
 # The text benches load the 27B with --no-vision (the figures earlier sessions compare with); `vision` measures
@@ -123,8 +123,10 @@ if part gguf27; then                 # issue 34's 27B line: a Q4_K_M-style 27B G
   G=${GGUF:-/tmp/qwen3.8-27b-q4_k_m.gguf}
   [ -f $G ] || { timeout ${GGUFW_S:-300} python3 -m tools.synth_gguf $G --device cuda > $OUT/gguf_write.json 2> $OUT/gguf_write.log
                  echo "GGUF write: rc $?"; cat $OUT/gguf_write.json; }
+  if [ "${GGUF_RSS:-1}" = 1 ]; then                 # GGUF_RSS=0 / GGUF_C8=0 skip the host-RSS loads / the cohort bench
   timeout ${GGUFR_S:-300} python3 -m lab.gguf_rss --gguf $G --modes stream,gpu --work /tmp/gguf-rss --json $OUT/gguf_rss.json \
     > $OUT/gguf_rss.log 2>&1; echo "GGUF host RSS: rc $?"; grep -a "^stream:\|^gpu:" $OUT/gguf_rss.log
+  fi
   timeout ${GGUFB_S:-300} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --no-vision --output-tokens 512 \
     --repeats 1 --prefill '' --json $OUT/bench_q4g64_plain.json > $OUT/bench_q4g64_plain.log 2>&1
   echo "Q4G64 plain: rc $?"; shown $OUT/bench_q4g64_plain.log 12
@@ -139,9 +141,11 @@ PY
   timeout ${GGUFB_S:-300} python3 -m ninfer_gen.cli bench --weights $G --draft 3 --accept-prob 0.8 --draft-vocab 32768 \
     --output-tokens 512 --repeats 1 --prefill '' --json $OUT/bench_gguf_mtp3.json > $OUT/bench_gguf_mtp3.log 2>&1
   echo "GGUF MTP3: rc $?"; shown $OUT/bench_gguf_mtp3.log 16
+  if [ "${GGUF_C8:-1}" = 1 ]; then
   timeout ${GGUFC_S:-300} python3 -m ninfer_gen.cli bench --weights $G --concurrency 1,8 --draft 3 --accept-prob 0.8 \
     --draft-vocab 32768 --output-tokens 256 --json $OUT/bench_gguf_c8.json > $OUT/bench_gguf_c8.log 2>&1
   echo "GGUF C1/C8: rc $?"; shown $OUT/bench_gguf_c8.log 16
+  fi
   [ -n "${KEEP_GGUF:-}" ] || rm -f $G
 fi
 if part vision; then                 # issue 33: the M-RoPE kernels, images through the GPU engine, the 27B image line
@@ -186,4 +190,14 @@ if part vlab; then                   # session 18 (issue 33's compiled encoder, 
                                      # with their launch counts in the 27B one-image plan
   timeout ${VLAB_S:-150} python3 -m lab.kernel_lab --only vision --out $OUT/vision_lab.json > $OUT/vision_lab.log 2>&1
   echo "vision kernel lab: rc $?"; grep -a "^attn_vision\|^gemm_bf16\|^layernorm\|^pos_embed\|^27B encoder" $OUT/vision_lab.log
+fi
+if part kqncu; then                  # session 19 (issue 34): Nsight Compute on the k-quant GEMVs and their group-64 twin,
+                                     # shipped and staged (lab/gemv_ncu.py FMT:NxK:EPI[:RULE]), one report per shape
+  for shape in ${KQNCU_SHAPES:-q4_k:34816x5120:silu_mul q4_k:34816x5120:silu_mul:stage_w=2 q4g64:34816x5120:silu_mul \
+               q6_k:5120x17408:residual q6_k:5120x17408:residual:stage_w=2}; do
+    timeout ${NCU_S:-90} ncu --clock-control none --kernel-name regex:gemv --launch-skip 4 --launch-count 1 \
+      --set full --import-source no python3 -m lab.gemv_ncu --shapes $shape >> $OUT/kq_ncu.txt 2>&1
+    echo "ncu $shape: rc $?"
+  done
+  grep -a "gemv_\|Duration\|Memory Throughput\|DRAM Throughput\|Executed Ipc A\|Registers Per\|Achieved Occupancy\|Issue Slots Busy\|No Eligible\|Executed Instructions  " $OUT/kq_ncu.txt | grep -av "us per launch" | head -80
 fi

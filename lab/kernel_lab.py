@@ -223,7 +223,12 @@ KQUANT_GEMV = tuple((kq, g64, n, k, epi, out) for kq, g64 in (("q4_k", "q4g64"),
 # 8 warps lost everywhere). Next: weight loads kept in L1 (`weights_l1`): a block as stored straddles 32-byte
 # sectors, so with L1::no_allocate two load instructions fetch each shared sector from L2; and Q4_K/Q5_K weights
 # staged in shared memory by 16-byte cp.async (`stage_w` stages per warp; a variant no format takes is left out).
-KQUANT_VARIANTS = [{}, {"min_blocks": 2}, {"weights_l1": True}, {"stage_w": 2}, {"stage_w": 3}, {"stage_w": 4}]
+# Session 19 (s18's run: stage_w 2 took Q6_K 50 → 76–81 % of copy at its big shapes, Q4_K 57 → 64 %; Nsight: Q4_K
+# at 168 registers runs 3 warps per scheduler and 515 instructions per unit against the q4g64 twin's 270):
+# staging with more blocks per SM, and `code_bias` (no HFMA2 per code pair, −64 instructions per unit).
+KQUANT_VARIANTS = [{}, {"stage_w": 2}, {"stage_w": 2, "min_blocks": 4}, {"stage_w": 2, "min_blocks": 5},
+                   {"code_bias": True}, {"code_bias": True, "stage_w": 2}, {"code_bias": True, "stage_w": 2, "min_blocks": 4},
+                   {"code_bias": True, "stage_w": 2, "min_blocks": 5}, {"stage_w": 3}]
 
 
 def kquant_plan(target, l2, ms):

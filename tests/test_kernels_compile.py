@@ -106,6 +106,8 @@ def test_gemv_experiment_variants_compile_without_spills(build_root, arch):
              for fmt in ("q4_k", "q6_k") for m in (1, 32)]        # k-quant loads kept in L1
     keys += [replace(gemv.make_key(fmt, 2 * a.intermediate_size, a.hidden_size, m, target, "silu_mul"), stage_w=sw)
              for fmt, sw in (("q4_k", 4), ("q5_k", 3), ("q6_k", 2)) for m in (1, 32)]   # k-quant weights staged
+    keys += [replace(gemv.make_key(fmt, 2 * a.intermediate_size, a.hidden_size, m, target, "silu_mul"), code_bias=True,
+                     stage_w=sw) for fmt in ("q4_k", "q5_k") for m in (1, 32) for sw in (0, 2)]  # codes + 128
     summary = build_kernels(keys, jobs=2, root=build_root, progress=False)
     spilled = [b.key.name for b in summary.built if b.meta["spill_stores"] or b.meta["spill_loads"]]
     assert not spilled and summary.spills == 0, f"spills in {spilled}"

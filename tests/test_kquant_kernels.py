@@ -68,31 +68,52 @@ def test_kquant_gemv_keys():
             replace(keys[0], **bad)
 
 
-def test_kquant_register_cap_and_l1_experiment():
-    """Q5_K and Q6_K at M ≤ 8 ask for 3 blocks per SM (kernel lab, session 18), except Q6_K's grids of 16+ blocks
-    per SM; Q4_K and M > 8 keep 2. `weights_l1` (an experiment rule) names itself and is a k-quant option only."""
+def test_kquant_stream_config_and_l1_experiment():
+    """The shipped k-quant fields (kernel lab and the GGUF step, sessions 18–19): Q5_K and Q6_K at M ≤ 8 ask for 3
+    blocks per SM, except Q6_K's grids of 16+ blocks per SM; Q4_K and M > 8 keep 2. Every k-quant stages its
+    weights (`stage_w` 2) at M ≤ 8; Q4_K and Q5_K take `code_bias` at every M (a row's bits never depend on M).
+    `weights_l1` (an experiment rule) names itself and is a k-quant option only."""
     cap = lambda fmt, n, m: gemv.make_key(fmt, n, 5120, m, H200).min_blocks     # noqa: E731
     assert [cap("q5_k", 10240, m) for m in (1, 4, 8, 16, 32)] == [3, 3, 3, 2, 2]
     assert cap("q5_k", 248320, 1) == 3 and cap("q6_k", 6144, 1) == 3
     assert cap("q6_k", 34816, 1) == 2 and cap("q6_k", 248320, 1) == 2 and cap("q4_k", 6144, 1) == 2
-    key = gemv.apply_overrides(gemv.make_key("q4_k", 6144, 5120, 1, H200), "weights_l1=1")
-    assert key.weights_l1 and key.name.endswith("_l1_sm90")
+    for fmt in ("q4_k", "q5_k", "q6_k"):
+        keys = [gemv.make_key(fmt, 6144, 5120, m, H200) for m in (1, 8, 9, 32)]
+        assert [k.stage_w for k in keys] == [2, 2, 0, 0]
+        assert [k.code_bias for k in keys] == [fmt != "q6_k"] * 4
+    key = gemv.apply_overrides(gemv.make_key("q4_k", 6144, 5120, 16, H200), "weights_l1=1")
+    assert key.weights_l1 and key.name.endswith("_l1_cb_sm90")
     with pytest.raises(ValueError, match="k-quant load option"):
         replace(gemv.make_key("q4g64", 6144, 5120, 1, H200), weights_l1=True)
 
 
-def test_kquant_weight_staging_is_an_experiment_rule():
+def test_kquant_weight_staging_limits():
     """`stage_w` (weights staged in shared memory, stages per warp): every k-quant (a Q6_K row takes 14 chunks of
     16 bytes: its 2-byte aligned block and the bytes before it), 2..6 stages within its shared-memory limit;
-    names itself; off in every shipped key."""
-    key = gemv.make_key("q4_k", 34816, 5120, 1, H200, "silu_mul")
+    names itself."""
+    key = gemv.make_key("q4_k", 34816, 5120, 16, H200, "silu_mul")
     assert key.stage_w == 0 and gemv.stage_w_bytes(key) == 0
     staged = gemv.apply_overrides(key, "stage_w=4")
-    assert staged.name.endswith("_sw4_sm90") and gemv.stage_w_bytes(staged) == 4 * 4 * 16 * 144 <= gemv.STAGE_W_LIMIT
-    assert gemv.stage_w_bytes(replace(key, fmt="q6_k", stage_w=2)) == 2 * 4 * 16 * 224
+    assert staged.name.endswith("_sw4_cb_sm90") and gemv.stage_w_bytes(staged) == 4 * 4 * 16 * 144 <= gemv.STAGE_W_LIMIT
+    assert gemv.stage_w_bytes(replace(key, fmt="q6_k", stage_w=2, code_bias=False)) == 2 * 4 * 16 * 224
     for fmt, sw in (("q6_k", 3), ("q4_k", 1), ("q4_k", 7), ("q5_k", 4)):       # 4 · 4 · 16 · 176 B: too many
         with pytest.raises(ValueError, match="stage_w"):
             replace(gemv.make_key(fmt, 34816, 5120, 1, H200, "silu_mul"), stage_w=sw)
+    for fmt in ("bf16", "q4g64"):       # a process-wide rule leaves the other families' keys as they are
+        plain = gemv.make_key(fmt, 6144, 5120, 1, H200)
+        assert gemv.apply_overrides(plain, "stage_w=2") == plain
+        with pytest.raises(ValueError, match="needs a k-quant"):
+            replace(plain, stage_w=2)
+
+
+def test_kquant_code_bias_only_for_formats_with_mins():
+    """`code_bias` (codes + 128 into the mma, the 128s out with the mins' sums): Q4_K and Q5_K only; names itself."""
+    key = gemv.make_key("q5_k", 10240, 5120, 1, H200)
+    assert key.code_bias and key.name.endswith("_sw2_cb_sm90")
+    assert not replace(key, code_bias=False).name.endswith("_cb_sm90")
+    for fmt in ("q6_k", "q4g64", "bf16"):
+        with pytest.raises(ValueError, match="code_bias needs a k-quant with mins"):
+            replace(gemv.make_key(fmt, 1024, 5120, 1, H200), code_bias=True)
 
 
 def test_matmul_dispatch_of_kquants():

@@ -83,7 +83,9 @@ class Key(KernelKey):
     weights_l1: bool = False  # k-quants: weight loads allocate in L1 (evict-first) instead of L1::no_allocate, so a
                               # 32-byte sector two load instructions share comes from L2 once (experiment, same bits)
     stage_w: int = 0        # k-quants: > 0 stages a unit's 16 block rows global → shared with 16-byte cp.async, this
-                            # many units ahead per warp (experiment, same bits: the lanes read the same bytes)
+                            # many units ahead per warp (same bits: the lanes read the same bytes)
+    code_bias: bool = False  # Q4_K/Q5_K: the mma takes each code + 128 as PRMT leaves it (no HFMA2 per pair) and
+                             # 128·d·Σ_j sc_j·S_j leaves with the mins (other bits than without, fp32 accuracy)
 
     def __post_init__(self):
         if self.fmt not in FORMATS and self.fmt not in KFORMATS:
@@ -99,6 +101,8 @@ class Key(KernelKey):
                              or stage_w_bytes(self) > STAGE_W_LIMIT):
             raise ValueError(f"gemv: stage_w = {self.stage_w} needs a k-quant, 2..6 stages and ≤ {STAGE_W_LIMIT} B of "
                              f"shared memory, got {self.fmt}, {stage_w_bytes(self)} B")
+        if self.code_bias and self.fmt not in ("q4_k", "q5_k"):
+            raise ValueError(f"gemv: code_bias needs a k-quant with mins (q4_k, q5_k), not {self.fmt}")
         if self.fmt in KFORMATS and (self.tiles != 1 or self.prefetch or self.interleave or self.stage_x):
             raise ValueError(f"gemv: {self.fmt} streams one row tile per block, one unit at a time (tiles 1, no "
                              f"prefetch, interleave or stage_x), got {self.tiles}/{self.prefetch}/{self.interleave}/"
@@ -136,7 +140,8 @@ class Key(KernelKey):
                 + ([f"b{self.min_blocks}"] if self.min_blocks != 2 else [])
                 + (["hn"] if self.norm_out else []) + (["rs"] if self.scale_in else [])
                 + ([f"cv{self.conv}"] if self.conv else []) + (["xs"] if self.stage_x else [])
-                + (["l1"] if self.weights_l1 else []) + ([f"sw{self.stage_w}"] if self.stage_w else []))
+                + (["l1"] if self.weights_l1 else []) + ([f"sw{self.stage_w}"] if self.stage_w else [])
+                + (["cb"] if self.code_bias else []))
 
 
 STAGE_X_LIMIT = 24 * 1024    # bytes of activations a `stage_x` block may stage (static shared memory is 48 KiB)
@@ -150,7 +155,7 @@ STAGE_W_ROW = {"q4_k": 144, "q5_k": 176, "q6_k": 224}     # bytes a staged block
 
 def stage_w_bytes(key: Key) -> int:
     """Shared memory a `stage_w` key stages weights in: per warp, stage_w units of 16 block rows."""
-    return key.warps * key.stage_w * 16 * STAGE_W_ROW[key.fmt] if key.stage_w else 0
+    return key.warps * key.stage_w * 16 * STAGE_W_ROW[key.fmt] if key.stage_w and key.fmt in STAGE_W_ROW else 0
 
 
 def stage_x_bytes(key: Key) -> int:
@@ -229,7 +234,7 @@ def stream_config(fmt: str, n: int, k: int, m: int, warps: int, target: Target, 
     blocks per SM (`min_blocks` 6: 89 → 80 registers, 20 → 24 warps per SM; −1.7 % per step; 7 blocks
     −0.3 %, and the same cap on the ≈ one-wave qkv and q projections ±0)."""
     waves = ceil_div(n, 16) / (target.sms * 9)
-    if fmt in KFORMATS:           # gemv_kq.cu.j2 has only min_blocks of these fields
+    if fmt in KFORMATS:           # gemv_kq.cu.j2 has its own fields (min_blocks, code_bias, stage_w)
         return kquant_stream_config(fmt, n, m, target)
     if m > 8:
         return {"prefetch": 1 if target.arch == "sm_90" else 0}
@@ -244,15 +249,25 @@ def stream_config(fmt: str, n: int, k: int, m: int, warps: int, target: Target, 
 
 
 def kquant_stream_config(fmt: str, n: int, m: int, target: Target) -> dict:
-    """The k-quant GEMVs' register cap (kernel lab, H100, sm_90, session 18: lab/results/kquant_lab_h100_*_s18).
-    At M ≤ 8 the Q5_K and Q6_K kernels hold 201–231 registers, two 4-warp blocks per SM; capped for three
-    (≤ 168, no spills) they took 9–24 % less time at every 27B shape (Q5_K 5120×17408 52.5 → 42.9 µs, Q6_K
-    5120×6144 31.2 → 24.7), but Q6_K's grids of many waves lost (gate/up, 2,176 row tiles, +2.6 %; the LM head
-    +3.3 %). Q4_K (168 registers) gained nothing from three or four blocks. M > 8 keeps the default (three
-    blocks spill at M = 32). Measured on sm_90, applied to every arch (the same register file per SM)."""
-    if m > 8 or fmt == "q4_k" or (fmt == "q6_k" and ceil_div(n, 16) >= 16 * target.sms):
-        return {}
-    return {"min_blocks": 3}
+    """How the k-quant GEMVs stream (kernel lab and the 27B Q4_K_M GGUF's step, H100, sm_90; lab/NOTES.md sessions
+    18–19, lab/results/kquant_lab_h100_*_s18, gguf_ab*_h100_*_s19):
+    - `code_bias` for Q4_K and Q5_K at every M (so a row's bits never depend on M): the mma takes the codes + 128
+      and the 128s leave with the mins, 64 fewer instructions per unit (Nsight: 515 per unit against the q4g64
+      twin's 270);
+    - `stage_w` 2 at M ≤ 8: a unit's block rows copied to shared memory by whole 16-byte chunks instead of each
+      lane loading 8 (4) bytes that straddle sectors (Q6_K 50 → 76–88 % of copy at gate/up and the LM head,
+      Q4_K 57 → 64 %, same bits); M > 8 unmeasured, left as loaded;
+    - three blocks per SM for Q5_K and Q6_K at M ≤ 8 (≤ 168 registers: 9–24 % less time at every 27B shape but
+      Q6_K's grids of many waves; Q4_K gained nothing from three or four).
+    Together, the GGUF's plain step 11.26 → 8.72 ms (48.2 → 63.6 % of copy; the A/B's three other rules 62.2–62.4).
+    Measured on sm_90, applied to every arch (the same register file per SM; no spills on sm_86 either)."""
+    fields = {"code_bias": True} if fmt in ("q4_k", "q5_k") else {}
+    if m > 8:
+        return fields
+    fields["stage_w"] = 2
+    if fmt != "q4_k" and not (fmt == "q6_k" and ceil_div(n, 16) >= 16 * target.sms):
+        fields["min_blocks"] = 3
+    return fields
 
 
 def make_key(fmt: str, n: int, k: int, m: int, target: Target, epilogue: str = "none",
@@ -265,8 +280,8 @@ def make_key(fmt: str, n: int, k: int, m: int, target: Target, epilogue: str = "
     return apply_overrides(key, overrides) if overrides else key
 
 
-# Fields an experiment rule may set: how units stream and the registers (never the bits), and `warps` and
-# `splits`, which change the summation order (bits; batch invariance still holds).
+# Fields an experiment rule may set: how units stream and the registers (never the bits), and `warps`, `splits`
+# and `code_bias`, which change the summation (bits; batch invariance still holds).
 def _flag(v: str) -> bool:
     if v not in ("0", "1", "false", "true"):
         raise ValueError(v)
@@ -274,21 +289,25 @@ def _flag(v: str) -> bool:
 
 
 OVERRIDABLE = {"prefetch": int, "interleave": _flag, "min_blocks": int, "stage_x": _flag, "warps": int, "splits": int,
-               "weights_l1": _flag, "stage_w": int}
+               "weights_l1": _flag, "stage_w": int, "code_bias": _flag}
 
 
-def parse_overrides(rules: str) -> list[tuple[tuple[int, int] | None, dict]]:
+def parse_overrides(rules: str) -> list[tuple[tuple[int, int] | int | None, dict]]:
     """"prefetch=2,interleave=0" → [(None, fields)]. Rules are separated by ';', and a rule may start
-    with a shape `NxK:` that limits it to keys of that shape (e.g. "5120x6144:min_blocks=3;prefetch=1").
+    with a shape `NxK:` that limits it to keys of that shape (e.g. "5120x6144:min_blocks=3;prefetch=1"),
+    or with `mR:`, which limits it to keys of at most R rows (e.g. "m8:min_blocks=4;stage_w=2").
     A malformed rule raises ValueError naming it."""
     out = []
     for rule in (r.strip() for r in rules.split(";") if r.strip()):
         shape, _, body = rule.rpartition(":")
         where = None
-        if shape:
+        if shape.strip().startswith("m") and shape.strip()[1:].isdigit():
+            where = int(shape.strip()[1:])
+        elif shape:
             n, _, k = shape.partition("x")
             if not (n.strip().isdigit() and k.strip().isdigit()):
-                raise ValueError(f"gemv override {rule!r}: {shape!r} is not a shape NxK (e.g. 5120x6144)")
+                raise ValueError(f"gemv override {rule!r}: {shape!r} is not a shape NxK (e.g. 5120x6144) "
+                                 "or rows mR (e.g. m8)")
             where = (int(n), int(k))
         fields = {}
         for item in body.split(","):
@@ -306,12 +325,12 @@ def parse_overrides(rules: str) -> list[tuple[tuple[int, int] | None, dict]]:
 def apply_overrides(key: Key, rules: str) -> Key:
     """The first rule that applies to the key's shape and gives a valid key wins; else the key as it is."""
     for where, fields in parse_overrides(rules):
-        if where is not None and where != (key.n, key.k):
+        if isinstance(where, int) and key.m > where or isinstance(where, tuple) and where != (key.n, key.k):
             continue
         try:
             return replace(key, **fields)
         except ValueError:
-            return key
+            continue
     return key
 
 

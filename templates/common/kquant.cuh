@@ -59,6 +59,13 @@ __device__ __forceinline__ uint32_t kq_pair(uint32_t codes) {
   return bf2_bits(__hfma2(bits_bf2(__byte_perm(codes, 0x43u, 0x4040 | S)), one, neg));
 }
 
+// Bytes (S & 0xF, S >> 8 & 0xF) of a word of codes (each < 128) as the bf16x2 (128 + code, 128 + code'), exactly:
+// kq_pair without its HFMA2 (key `code_bias`: the 128s leave the sum with the mins).
+template <int S>
+__device__ __forceinline__ uint32_t kq_biased(uint32_t codes) {
+  return __byte_perm(codes, 0x43u, 0x4040 | S);
+}
+
 // Byte i (a constant after unrolling) of a word as fp32, exactly, without I2F: 0x4B0000bb reads 2^23 + bb.
 __device__ __forceinline__ float byte_as_f32(uint32_t w, int i) {
   return __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7650 | i)) - 8388608.f;

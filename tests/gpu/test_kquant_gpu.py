@@ -39,8 +39,14 @@ def _gemv_keys():
         keys += [replace(gemv.make_key(fmt, 10240, 5120, m, TARGET), conv=4) for m in (1, 4, 8)]
     keys.append(gemv.make_key("q6_k", 248320, 5120, 4, TARGET, out_dtype="f32"))       # the LM head
     # the weights_l1 experiment (loads kept in L1): same bits as its key without it, checked against the reference
-    keys += [replace(gemv.make_key(fmt, n, k, m, TARGET, out_dtype="f32"), weights_l1=True)
+    keys += [replace(gemv.make_key(fmt, n, k, m, TARGET, out_dtype="f32"), weights_l1=True, stage_w=0)
              for fmt in FMTS for n, k in ((200, 768), (1024, 5120)) for m in (1, 4)]
+    # the code_bias experiment (codes + 128 into the mma, the 128s out with the mins): other bits, the same
+    # reference tolerances (rel-L2 ≤ REL_L2 on f32 outputs), loaded and staged, one unit to split-K, M = 1 … 32
+    keys += [replace(gemv.make_key(fmt, n, k, m, TARGET, epi, "f32"), code_bias=True, stage_w=sw)
+             for fmt in ("q4_k", "q5_k") for n, k, epi in ((5120, 17408, "residual"), (40, 256, "none"),
+                                                           (200, 768, "residual"), (1024, 5120, "none"))
+             for m in (1, 4, 32) for sw in (0, 2)]
     return keys
 
 
@@ -83,7 +89,7 @@ def test_kquant_kernel_matches_reference(h, key):
         assert err <= REL_L2, f"{key.name}: rel-L2 {err:.3g} beyond fp32 accumulation error"
 
 
-def _same_bits_as_shipped(h, shipped, variant):
+def _same_bits(h, shipped, variant):
     outs = []
     for key in (shipped, variant):
         case = make_case(key, "cuda", seed=7)
@@ -94,9 +100,10 @@ def _same_bits_as_shipped(h, shipped, variant):
 
 @pytest.mark.parametrize("fmt", FMTS)
 def test_weights_kept_in_l1_give_the_same_bits(h, fmt):
-    """`weights_l1` changes only the loads' cache policy: the same inputs give the same bits as the shipped key."""
-    key = gemv.make_key(fmt, 1024, 5120, 4, TARGET, out_dtype="f32")
-    _same_bits_as_shipped(h, key, replace(key, weights_l1=True))
+    """`weights_l1` changes only the loads' cache policy: the same inputs give the same bits as without it."""
+    key = replace(gemv.make_key(fmt, 1024, 5120, 4, TARGET, out_dtype="f32"), stage_w=0)     # loaded, not staged
+    h.build([key, replace(key, weights_l1=True)])
+    _same_bits(h, key, replace(key, weights_l1=True))
 
 
 STAGED = [(fmt, n, k, epi, out, m, sw) for fmt in FMTS
@@ -108,19 +115,26 @@ STAGED = [(fmt, n, k, epi, out, m, sw) for fmt in FMTS
 @pytest.mark.parametrize("fmt,n,k,epi,out,m,sw", STAGED)
 def test_weights_staged_in_shared_memory_give_the_same_bits(h, fmt, n, k, epi, out, m, sw):
     """`stage_w` moves the weights global → shared → registers instead of global → registers; the lanes read the
-    same bytes, so the same inputs give the shipped key's bits (split-K, odd unit counts, M = 1 … 32)."""
-    key = gemv.make_key(fmt, n, k, m, TARGET, epi, out)
+    same bytes, so the same inputs give the loaded key's bits (split-K, odd unit counts, M = 1 … 32)."""
+    key = replace(gemv.make_key(fmt, n, k, m, TARGET, epi, out), stage_w=0)       # loaded (the shipped M > 8 way)
     staged = replace(key, stage_w=sw)
     h.build([key, staged])
-    _same_bits_as_shipped(h, key, staged)
+    _same_bits(h, key, staged)
 
 
-@pytest.mark.parametrize("fmt", FMTS)
-@pytest.mark.parametrize("n,k,epi", [(34816, 5120, "silu_mul"), (5120, 17408, "residual"), (1024, 5120, "none"),
-                                     (200, 768, "none"), (5120, 6144, "norm_out"), (6144, 5120, "scale_in")])
-def test_kquant_gemv_batch_invariance(h, fmt, n, k, epi):
+BIASED = "code_bias=1,stage_w=2"      # the code_bias experiment, staged as it would ship
+
+
+@pytest.mark.parametrize("fmt,n,k,epi,rule", [
+    (fmt, n, k, epi, "") for fmt in FMTS for n, k, epi in (
+        (34816, 5120, "silu_mul"), (5120, 17408, "residual"), (1024, 5120, "none"), (200, 768, "none"),
+        (5120, 6144, "norm_out"), (6144, 5120, "scale_in"))] + [
+    (fmt, n, k, epi, BIASED) for fmt in ("q4_k", "q5_k") for n, k, epi in ((34816, 5120, "silu_mul"),
+                                                                           (5120, 17408, "residual"), (200, 768, "none"))])
+def test_kquant_gemv_batch_invariance(h, fmt, n, k, epi, rule):
     """A row's bits (y; with norm_out also xn and the tile sums of squares) do not depend on M: M = 1, 4, 16
-    and 32 share weights and leading rows; split-K tickets come back zero."""
+    and 32 share weights and leading rows; split-K tickets come back zero. `rule`: an experiment rule on every
+    key (gemv.apply_overrides)."""
     g = torch.Generator(device="cuda").manual_seed(7)
     packed = pack_kquant_for_device(random_kquant(fmt, n, k, g), gate_up=epi == "silu_mul")
     x = torch.randn(32, k, generator=g, device="cuda").bfloat16()
@@ -135,6 +149,8 @@ def test_kquant_gemv_batch_invariance(h, fmt, n, k, epi):
             keys[m] = replace(gemv.make_key(fmt, n, k, m, TARGET), scale_in=True, eps=1e-6)
         else:
             keys[m] = replace(gemv.make_key(fmt, n, k, m, TARGET, "residual"), norm_out=epi == "norm_out")
+        keys[m] = gemv.apply_overrides(keys[m], rule) if rule else keys[m]
+    assert not rule or all(key.code_bias for key in keys.values()), f"{rule} made no key"
     h.build(list(keys.values()))
     outs = {}
     for m, key in keys.items():
