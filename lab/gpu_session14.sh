@@ -2,7 +2,7 @@
 # The device calls of sessions 13–14 (issues 30–34): the GPU tier's cohort, speculative, runtime and arch-path
 # files, the 27B C1 bench through the engine (K = 3, 32K draft head, accept 0.8), the cohort bench C1/C8 (fixed,
 # adaptive, plain), the sm_86 path, serve with no flags, long context, k-quants, and images (vision).
-# PART=attn,pattn,fixes,sdiag,tests,bench,fold,chain,cohort,arch,serve,long,pace,kq,gguf27,vision,agent,kqlab,kqab,vlab,kqncu (default: all, in that order). Logs to $OUT
+# PART=attn,pattn,fixes,sdiag,tests,bench,fold,chain,cohort,arch,serve,long,pace,kq,gguf27,vision,agent,kqlab,kqab,vlab,kqncu,buckets (default: all, in that order). Logs to $OUT
 # as it goes. `chain` (session 15, issue 32 item 2): joined GEMV launches — their bit tests, then the same-run step
 # A/B of off / group / chain on the sm_90 path and on the sm_86 path.
 # The text benches load the 27B with --no-vision (the figures earlier sessions compare with); `vision` measures
@@ -200,4 +200,9 @@ if part kqncu; then                  # session 19 (issue 34): Nsight Compute on 
     echo "ncu $shape: rc $?"
   done
   grep -a "gemv_\|Duration\|Memory Throughput\|DRAM Throughput\|Executed Ipc A\|Registers Per\|Achieved Occupancy\|Issue Slots Busy\|No Eligible\|Executed Instructions  " $OUT/kq_ncu.txt | grep -av "us per launch" | head -80
+fi
+if part buckets; then                # session 19 (issue 32's C8 line): the decode GEMVs of the 27B's B = 1 and B = 8 steps and
+                                     # of the C8 verify (32 rows), with launches per bucket: Σ ms, % of copy, TFLOP/s per bucket
+  timeout ${BUCKETS_S:-200} python3 -m lab.kernel_lab --only buckets --out $OUT/buckets_lab.json > $OUT/buckets_lab.log 2>&1
+  echo "bucket GEMVs lab: rc $?"; grep -a "^gemv_\|^27B step" $OUT/buckets_lab.log
 fi

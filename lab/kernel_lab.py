@@ -249,25 +249,43 @@ def kquant_plan(target, l2, ms):
     yield "kquant_gemm", [case_runs(k, l2) for k in dict.fromkeys(keys)]
 
 
-def vision_plan(target, l2):
-    """`vision`: every kernel of the 27B encoder's largest bucket (one image of 4,096 patches, what lab.vision_bench
-    times), each row with its launches in that plan (`in_plan`): Σ in_plan × µs is the encoder's kernel time, to set
-    beside the bench's encoder time (session 18: 89.9 ms compiled against 42.1 ms for the torch tower)."""
+def planned_runs(plan, l2, label: str, families=None) -> list:
+    """Thunks for the kernels of one plan (those of `families`, or all), each row carrying its launches in the plan
+    (`in_plan`) and the plan's `label`: main prints Σ in_plan × µs per label beside the bytes those launches move."""
     from collections import Counter
-    from compiler.buckets_vision import plan_vision, vision_buckets
 
-    spec = load_spec(Path(__file__).resolve().parent.parent / "model_specs/qwen3.8-27b.yaml")
-    plan = plan_vision(spec, target, vision_buckets(spec)[-1], 1)
     counts = Counter(c.key for c in plan.calls)
     items = []
     for key in plan.keys():
+        if families and key.family not in families:
+            continue
         inner = case_runs(key, l2)
 
         def build(inner=inner, n=counts[key]):
-            return (*inner(), {"in_plan": n})
+            return (*inner(), {"in_plan": n, "plan": label})
         build.key = key
         items.append(build)
-    yield "vision", items
+    return items
+
+
+def vision_plan(target, l2):
+    """`vision`: every kernel of the 27B encoder's largest bucket (one image of 4,096 patches, what lab.vision_bench
+    times), each row with its launches in that plan: Σ launches × µs is the encoder's kernel time, to set beside the
+    bench's encoder time (session 18: 89.9 ms compiled against 42.1 ms for the torch tower)."""
+    from compiler.buckets_vision import plan_vision, vision_buckets
+
+    spec = load_spec(Path(__file__).resolve().parent.parent / "model_specs/qwen3.8-27b.yaml")
+    yield "vision", planned_runs(plan_vision(spec, target, vision_buckets(spec)[-1], 1), l2, "27B encoder, one image")
+
+
+def step_buckets_plan(target, l2):
+    """`buckets` (issue 32's C8 line): the decode GEMVs of the 27B's plain step at B = 1 and 8 and of its verify at
+    B = 8, K = 3 (32 rows), each with its launches in that bucket: the 32-row GEMVs' time, fraction of copy and
+    TFLOP/s against the 8-row step's — what a C8 round pays over a C8 step (session 17: 1.84 steps per round)."""
+    spec = load_spec(Path(__file__).resolve().parent.parent / "model_specs/qwen3.8-27b.yaml")
+    for batch, tokens in ((1, 1), (8, 1), (8, 4)):
+        label = f"27B step B = {batch}, T = {tokens} ({batch * tokens} rows)"
+        yield "buckets", planned_runs(plan_bucket(spec, target, "step", batch, tokens), l2, label, ("gemv",))
 
 
 def tune_configs(fmt, n, k, epi, out, target) -> list[dict]:
@@ -294,6 +312,7 @@ def plan(target, ms=(1, 4, 8, 16, 32)):
     yield "gemv", gemv_runs("q4g64", 248320, 5120, ms, "none", "f32", target, l2)
     yield from kquant_plan(target, l2, ms)
     yield from vision_plan(target, l2)
+    yield from step_buckets_plan(target, l2)
     yield "gemv", gemv_runs("w8g32", 248320, 5120, (1, 4, 32), "none", "f32", target, l2)
     yield "gemv", gemv_runs("q5g64", 5120, 17408, (1, 8, 32), "residual", "bf16", target, l2)
     yield "gemv", gemv_runs("q4g64", 10240, 5120, (1, 8, 32), "none", "bf16", target, l2)
@@ -401,7 +420,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="kernel_lab.json")
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--only", default="", help="comma-separated labels: gemv9,gemv,kquant,kquant_gemm,vision,gdn_step,gdn_chunk,gdn_conv,attn_decode,prefill,gemm_sweep,gemm_27b,wg_27b,wg_sweep,sweep,warps,tune,misc")
+    ap.add_argument("--only", default="", help="comma-separated labels: gemv9,gemv,kquant,kquant_gemm,vision,buckets,gdn_step,gdn_chunk,gdn_conv,attn_decode,prefill,gemm_sweep,gemm_27b,wg_27b,wg_sweep,sweep,warps,tune,misc")
     ap.add_argument("--ms", default="1,4,8,16,32", help="M values of the gemv and kquant groups")
     args = ap.parse_args(argv)
     major, minor = torch.cuda.get_device_capability()
@@ -427,13 +446,17 @@ def main(argv=None):
             continue
         print(f"{r['name'][:62]:<62} {r['us_median']:>9.1f} {r['gbps']:>8.0f} {100 * r['frac_copy']:>6.1f} "
               f"{r['tflops']:>8.2f} {r['us_chain']:>9.1f} {100 * r['frac_copy_chain']:>6.1f}")
-    planned = [r for r in rows if "in_plan" in r and "error" not in r]
-    if planned:
+    for label in dict.fromkeys(r["plan"] for r in rows if "plan" in r and "error" not in r):
+        planned = [r for r in rows if r.get("plan") == label and "error" not in r]
         by_family: dict = {}
         for r in planned:
             by_family[r["family"]] = by_family.get(r["family"], 0.0) + r["in_plan"] * r["us_median"] / 1e3
-        print(f"27B encoder kernels (one image, Σ launches × median): {sum(by_family.values()):.1f} ms — " +
-              ", ".join(f"{f} {ms:.1f}" for f, ms in sorted(by_family.items(), key=lambda x: -x[1])))
+        ms_total = sum(by_family.values())
+        moved = sum(r["in_plan"] * r["bytes"] for r in planned)
+        flops = sum(r["in_plan"] * r["flops"] for r in planned)
+        print(f"{label} (Σ launches × median): {ms_total:.3f} ms, {moved / ms_total / 1e6 / copy_gbs:.1%} of copy, "
+              f"{flops / ms_total / 1e9:.1f} TFLOP/s — " +
+              ", ".join(f"{f} {ms:.3f}" for f, ms in sorted(by_family.items(), key=lambda x: -x[1])))
 
 
 if __name__ == "__main__":
