@@ -84,3 +84,14 @@ def test_gdn_state_per_lane_counts_the_records_per_lane_and_the_snapshots_k_plus
          "tool_tokens": [1, 2], "answer_tokens": [1, 2], "draft": 3, "accept_prob": 0.3, "prefill_budget": 64,
          "prefix_cache": 2, "runs": {"reuse": []}, "gdn_state_bytes_per_lane": st}
     assert "GDN state per lane, K = 3 (sized by K, whatever the acceptance): ReplaySSM" in bench_agent.table(r)
+
+
+def test_gpu_memory_cell_shows_allocated_reserved_and_device():
+    """The benches' GPU memory cell: allocated / reserved / device GiB (device − reserved is what lies outside the
+    allocator: CUDA context, module images); figures of an older JSON without the reserved peak still print."""
+    from ninfer_gen.cli.bench_common import GiB, memory_text
+
+    m = {"allocator_peak_bytes": 23 * GiB, "allocator_reserved_peak_bytes": 23.5 * GiB, "device_used_peak_bytes": 24 * GiB}
+    assert memory_text(m) == "23.00 / 23.50 / 24.00"
+    assert memory_text({"allocator_peak_bytes": 2 * GiB, "device_used_peak_bytes": 3 * GiB}) == "2.00 / — / 3.00"
+    assert memory_text({"host_peak_rss_bytes": 3 * 2 ** 20}) == "3"

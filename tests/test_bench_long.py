@@ -116,7 +116,8 @@ def test_the_table_of_a_gpu_run(tmp_path, capsys):
     r = json.loads(out.read_text())
     r |= {"backend": "gpu", "device": "NVIDIA H200", "read_GBps": 4449.0, "copy_GBps": 4283.0,
           "budget_bytes": 24 * 2 ** 30, "memory_plan": {"peak": 22 * 2 ** 30},
-          "peak_memory": {"allocator_peak_bytes": 21 * 2 ** 30, "device_used_peak_bytes": 22 * 2 ** 30}}
+          "peak_memory": {"allocator_peak_bytes": 21 * 2 ** 30, "allocator_reserved_peak_bytes": 21.5 * 2 ** 30,
+                          "device_used_peak_bytes": 22 * 2 ** 30}}
     for x in r["plain"]:
         x |= {"step_replay_ms": 5.4, "replay_read_fraction": 0.66}
         x["vs_base"]["step_replay_ms"] = 1.0
@@ -124,8 +125,8 @@ def test_the_table_of_a_gpu_run(tmp_path, capsys):
         x["read_fraction"] = 0.6
     text = table(r)
     assert "read stream 4,449 GB/s, copy 4,283 GB/s" in text and "5.400" in text and "66.0%" in text
-    assert text.splitlines()[-1] == ("peak memory of the runs (GiB allocator / device): 21.00 / 22.00; planned 22.00 "
-                                     "GiB of a 24.00 GiB budget")
+    assert text.splitlines()[-1] == ("peak memory of the runs (GiB allocated / reserved / device): 21.00 / 21.50 / "
+                                     "22.00; planned 22.00 GiB of a 24.00 GiB budget")
 
 
 def test_the_read_stream_probe_compiles_for_every_target_arch():

@@ -28,8 +28,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ninfer_gen.cli.bench_common import (Driver, Memory, device_name, gdn_state_per_lane, int_list, lane_tokens,
-                                         line_plot, load_model, memory_text, pct, pick_backend, random_ids,
+from ninfer_gen.cli.bench_common import (MEMORY_HEAD_GPU, Driver, Memory, device_name, gdn_state_per_lane, int_list,
+                                         lane_tokens, line_plot, load_model, memory_text, pct, pick_backend, random_ids,
                                          write_report)
 
 CONTEXT_DEFAULT = {"gpu": 8192, "reference": 1024}
@@ -247,7 +247,7 @@ def table(r: dict) -> str:
              f"{r['answer_tokens'][1]} greedy tokens, K = {r['draft']}{coin}; prefill budget {r['prefill_budget']} "
              f"tokens per step; {cache}",
              f"{'S':>2} {'reuse':>5} {'TTFT turn 1 ms':>22} {'TTFT turns 2+ ms':>22} {'prefilled / prompt tok':>23} "
-             f"{'turns 2+':>8} {'tok/s':>7} {'accept':>7} {'peak alloc / device GiB' if gpu else 'peak RSS MiB':>23}",
+             f"{'turns 2+':>8} {'tok/s':>7} {'accept':>7} {MEMORY_HEAD_GPU if gpu else 'peak RSS MiB':>34}",
              f"{'':8} {'mean / p50 / p99':>22} {'mean / p50 / p99':>22} {'(engine, all turns)':>23} {'prefilled':>8}"]
     rows = sorted((x for rs in r["runs"].values() for x in rs), key=lambda x: (x["sessions"], x["reuse"]))
     for x in rows:
@@ -257,7 +257,7 @@ def table(r: dict) -> str:
         accept = f"{x['acceptance']:7.1%}" if x["acceptance"] is not None else f"{'-':>7}"
         lines.append(f"{x['sessions']:>2} {'yes' if x['reuse'] else 'no':>5} {ttft[0]:>22} {ttft[1]:>22} "
                      f"{prefill:>23} {f'{later:.0%}' if later is not None else '-':>8} {x['tok_s']:7.1f} {accept} "
-                     f"{memory_text(x['memory']):>23}")
+                     f"{memory_text(x['memory']):>34}")
     if r.get("gdn_state_bytes_per_lane"):
         st = r["gdn_state_bytes_per_lane"]
         lines.append(f"GDN state per lane, K = {r['draft']} (sized by K, whatever the acceptance): ReplaySSM "

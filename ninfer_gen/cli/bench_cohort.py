@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 from ninfer_gen.cli.bench_interference import MIN_CHUNK, WINDOW
-from ninfer_gen.cli.bench_common import (Driver, Memory, device_name, int_list, lane_tokens, line_plot, load_model,
-                                         memory_text, pick_backend, random_ids, write_report)
+from ninfer_gen.cli.bench_common import (MEMORY_HEAD_GPU, Driver, Memory, device_name, int_list, lane_tokens,
+                                         line_plot, load_model, memory_text, pick_backend, random_ids, write_report)
 
 LONG_DEFAULT = {"gpu": 32768, "reference": 2048}
 # distinct prompts for models with a real tokenizer: windows of this text (not in the small model's corpus)
@@ -226,7 +226,7 @@ def table(r: dict) -> str:
     lines = [f"cohort bench: {r['model']}; {r['backend']} backend on {r['device']}; {workload}"
              f"prefill budget {r['prefill_budget']} tokens per step"]
     head = (f"{'C':>3} {'e2e tok/s':>10} {'decode tok/s':>13} {'TTFT mean / p50 / max ms':>26} {'accept':>7} "
-            f"{'tok/round':>9} {'peak alloc / device GiB' if gpu else 'peak RSS MiB':>23}")
+            f"{'tok/round':>9} {MEMORY_HEAD_GPU if gpu else 'peak RSS MiB':>34}")
     titles = {"mtp": f"with MTP, K = {r['draft']}{coin}:", "plain": "plain decode (draft 0):",
               "adaptive": f"adaptive draft length, K = {r['draft']} or 0 per lane{coin} (round cost in plain steps: "
                           + (", ".join(f"C{b} {x:.2f}" for b, x in r.get("round_cost", {}).items())
@@ -240,7 +240,7 @@ def table(r: dict) -> str:
             per_round = f"{x['tokens_per_round']:9.2f}" if x["tokens_per_round"] is not None else f"{'-':>9}"
             ttft = f"{t['mean']:,.0f} / {t['p50']:,.0f} / {t['max']:,.0f}"
             lines.append(f"{x['concurrency']:>3} {x['e2e_tok_s']:10.1f} {decode} {ttft:>26} {accept} {per_round} "
-                         f"{memory_text(x['memory']):>23}")
+                         f"{memory_text(x['memory']):>34}")
             if name == "adaptive":
                 share = x.get("lane_rounds_by_k", {})
                 total = sum(share.values()) or 1

@@ -123,7 +123,9 @@ class Memory:
 
         self.sample()
         if self.gpu:
-            return {"allocator_peak_bytes": torch.cuda.max_memory_allocated(), "device_used_peak_bytes": self.peak}
+            return {"allocator_peak_bytes": torch.cuda.max_memory_allocated(),
+                    "allocator_reserved_peak_bytes": torch.cuda.max_memory_reserved(),
+                    "device_used_peak_bytes": self.peak}
         return {"host_peak_rss_bytes": self.peak, "method": "VmHWM" if self.hwm else "VmRSS sampled"}
 
 
@@ -132,10 +134,17 @@ def _status(field: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
 
+MEMORY_HEAD_GPU = "peak alloc / reserved / device GiB"
+
+
 def memory_text(m: dict) -> str:
-    """A Memory's figures for a table cell: GiB allocator / device on the GPU, MiB peak RSS on the CPU."""
+    """A Memory's figures for a table cell: GiB allocated / reserved by the allocator / used on the device (what the
+    allocator does not hold — CUDA context, module images — is device − reserved) on the GPU, MiB peak RSS on the
+    CPU."""
     if "allocator_peak_bytes" in m:
-        return f"{m['allocator_peak_bytes'] / GiB:.2f} / {m['device_used_peak_bytes'] / GiB:.2f}"
+        reserved = m.get("allocator_reserved_peak_bytes")
+        return (f"{m['allocator_peak_bytes'] / GiB:.2f} / " + (f"{reserved / GiB:.2f} / " if reserved else "— / ")
+                + f"{m['device_used_peak_bytes'] / GiB:.2f}")
     return f"{m['host_peak_rss_bytes'] / MiB:,.0f}"
 
 

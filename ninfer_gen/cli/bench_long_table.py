@@ -73,7 +73,7 @@ def table(r: dict) -> str:
         lines += [f"MTP rounds, K = {r['draft']}{coin}:", *_round_lines(r["rounds"])]
     lines += ["time to first token (plain):", *_prompt_lines(r["prompts"])]
     peak = r["peak_memory"]
-    mem = f"peak memory of the runs ({'GiB allocator / device' if gpu else 'MiB resident'}): " + \
+    mem = f"peak memory of the runs ({'GiB allocated / reserved / device' if gpu else 'MiB resident'}): " + \
         (memory_text(peak) if peak else "—")
     if r["memory_plan"]:
         mem += f"; planned {r['memory_plan']['peak'] / GiB:.2f} GiB of a {r['budget_bytes'] / GiB:.2f} GiB budget"
