@@ -36,8 +36,8 @@ def host_weights(path_or_spec, verify: bool = True, require_mtp: bool = False,
         spec = own(path_or_spec)
         return spec, random_weights(spec), None, f"{spec.name} (random weights)"
     path = Path(path_or_spec)
-    from ninfer_gen.weights.gguf_load import is_gguf, load_gguf
-    if is_gguf(path):                 # a llama.cpp GGUF: its own formats, dequantised for the reference
+    from ninfer_gen.weights.gguf_load import load_gguf, names_gguf
+    if names_gguf(path):              # a llama.cpp GGUF: its own formats, dequantised for the reference
         from ninfer_gen.weights.checkpoint import dequantized
         g = load_gguf(path, require_mtp=require_mtp)
         return g.spec, dequantized(g.weights), g.folder, g.source
@@ -53,6 +53,9 @@ def host_weights(path_or_spec, verify: bool = True, require_mtp: bool = False,
     if path.suffix in (".yaml", ".yml"):
         spec = own(load_spec(path))
         return spec, random_weights(spec), None, f"{spec.name} (random weights, seed 0)"
+    if not path.exists():
+        raise SpecError("", f"{path}: no such file or directory (--weights takes an HF checkpoint directory, a "
+                            "converted container, a .gguf file or a model spec .yaml file)")
     raise SpecError("", f"{path}: expected an HF checkpoint directory, a converted container, a .gguf file or a model spec "
                         ".yaml file")
 
@@ -67,8 +70,8 @@ def device_weights(path_or_spec, progress: bool, verify: bool, require_mtp: bool
     from ninfer_gen.weights.container import is_container
 
     path = DEFAULT_MODEL if path_or_spec is None and (DEFAULT_MODEL / "config.json").is_file() else path_or_spec
-    from ninfer_gen.weights.gguf_load import folder_of, is_gguf, iter_tensors, open_gguf
-    if isinstance(path, (str, Path)) and is_gguf(path):      # one tensor at a time, formats as stored
+    from ninfer_gen.weights.gguf_load import folder_of, iter_tensors, names_gguf, open_gguf
+    if isinstance(path, (str, Path)) and names_gguf(path):   # one tensor at a time, formats as stored
         from ninfer_gen.executor.device_weights import from_stream
         g = open_gguf(path, require_mtp=require_mtp)
         return g.spec, from_stream(g.spec, iter_tensors(g, progress)), None, folder_of(g), f"{path} (GGUF)"

@@ -39,11 +39,25 @@ def test_run_on_a_spec_streams_a_completion(capsys):
     (["build", TINY, "--target", "gtx1080"], "unknown target 'gtx1080'"),
     (["build", TINY, "--arch", "sm_75"], "unsupported arch 'sm_75'"),
     (["build", TINY, "--cohorts", "1,x"], "comma-separated list of integers"),
+    (["run", "--weights", "no/such/model.gguf", "--prompt", "x"], "GGUF file not found: no/such/model.gguf"),
+    (["run", "--weights", "no/such/checkpoint", "--prompt", "x"], "no/such/checkpoint: no such file or directory"),
+    (["convert", "no/such/model.gguf", "out"], "GGUF file not found"),
 ])
 def test_bad_input_is_one_clear_line(capsys, argv, message):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and message in err and "Traceback" not in err
+
+
+def test_a_file_named_gguf_gets_the_gguf_readers_error(capsys, tmp_path):
+    """A *.gguf path that is not a GGUF (no magic) is refused by the GGUF reader, by name, not as "expected a
+    checkpoint" (run and convert)."""
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"GGML" + bytes(60))
+    for argv in (["run", "--weights", str(bad), "--prompt", "x"], ["convert", str(bad), str(tmp_path / "out")]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error:") and "is not a GGUF file" in err and err.count("\n") == 1
 
 
 def test_gpu_commands_without_a_gpu_say_so(capsys, monkeypatch):

@@ -21,7 +21,7 @@ import yaml
 from compiler.spec import ModelSpec
 
 from .checkpoint import open_checkpoint
-from .gguf_file import is_gguf, open_gguf
+from .gguf_file import names_gguf, open_gguf
 from .gguf_load import folder_of, iter_tensors
 from .gguf_tokenizer import metadata_digest
 from .container import FORMAT, FORMAT_VERSION, MANIFEST, SPEC_FILE, file_hash, spec_dict, spec_hash
@@ -104,7 +104,7 @@ def convert_checkpoint(source, out, spec: ModelSpec | None = None, device=None, 
     `spec` (default: derived from config.json) chooses the recipe; `device` the quantiser's (default
     cuda when available). A GGUF file `source` keeps its own formats (`convert_gguf`)."""
     source, out = Path(source), Path(out)
-    if is_gguf(source):
+    if names_gguf(source):
         if spec is not None:
             raise CheckpointError(f"{source} is a GGUF file: it carries its own spec and formats (no --spec)")
         return convert_gguf(source, out, shard_bytes, overwrite, progress)

@@ -53,6 +53,12 @@ def is_gguf(path: str | Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
+def names_gguf(path: str | Path) -> bool:
+    """A path the GGUF loader takes: a file that starts with the GGUF magic, or any path named *.gguf — so a missing,
+    truncated or mislabelled one gets the reader's own error, not "expected a checkpoint"."""
+    return is_gguf(path) or Path(path).suffix.lower() == ".gguf"
+
+
 def _reader(path: Path):
     from gguf import GGUFReader
 

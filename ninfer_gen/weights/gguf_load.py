@@ -14,10 +14,10 @@ from tqdm import tqdm
 
 from compiler.spec import ModelSpec
 
-from .gguf_file import GGUFError, GGUFFile, is_gguf, open_gguf
+from .gguf_file import GGUFError, GGUFFile, is_gguf, names_gguf, open_gguf
 from .gguf_tokenizer import tokenizer_folder
 
-__all__ = ["GGUFError", "GGUFModel", "folder_of", "is_gguf", "iter_tensors", "load_gguf", "open_gguf"]
+__all__ = ["GGUFError", "GGUFModel", "folder_of", "is_gguf", "iter_tensors", "load_gguf", "names_gguf", "open_gguf"]
 
 
 @dataclass
