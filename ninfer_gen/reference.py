@@ -43,7 +43,7 @@ class ReferenceBackend(SequencePool):
         per_seq = math.ceil(ctx / rt.page_size)
         self.pools = StatePools(num_pages=per_seq * max_sequences, num_slots=max_sequences,
                                 pages_per_seq=per_seq, page_size=rt.page_size, kv_dtype=kv_dtype or self.act)
-        super().__init__(max_sequences, self.pools.num_pages, rt.page_size, per_seq * rt.page_size)
+        super().__init__(max_sequences, self.pools.num_pages, rt.page_size, ctx)   # pages round up, the limit not
         self.weights = {k: self._place(k, v) for k, v in weights.items()}
         self.state = {name: torch.zeros(shape, dtype=torch_dtype(dt), device=self.device)
                       for name, (shape, dt) in state_avals(spec, self.pools).items()}

@@ -30,6 +30,19 @@ def test_run_on_a_spec_streams_a_completion(capsys):
     assert "5 new tokens" in captured.err and "tok/s" in captured.err
 
 
+@pytest.mark.parametrize("context", [20, 37])
+def test_max_context_is_the_limit_asked_not_its_pages(capsys, context):
+    """--max-context between page boundaries (64-token pages): a request stops at that many tokens in context, with
+    drafts on (the KV pages round up; the limit does not)."""
+    import json
+
+    assert main(["run", "--weights", TINY, "--prompt", "abc", "--max-tokens", "200", "--max-context", str(context),
+                 "--draft", "3", "--json", "--device", "cpu"]) == 0
+    r = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert r["finish"] == "length" and r["error"] is None
+    assert r["prompt_tokens"] + len(r["tokens"]) == context + 1     # the last token is emitted, not yet in context
+
+
 @pytest.mark.parametrize("argv,message", [
     (["check", "missing.yaml"], "spec file not found"),
     (["run", "--weights", "no/such/dir.yaml", "--prompt", "x"], "spec file not found"),

@@ -129,7 +129,7 @@ class GpuBackend(SequencePool):
         self.weights = weights
         self.exe = Executable(spec, self.target, weights, self.state, self.kernels, self.profile, self.device)
         self.exe.prepare()                  # every kernel and all memory of the profile, once, up front
-        super().__init__(cohorts, pages, rt.page_size, per_seq * rt.page_size)
+        super().__init__(cohorts, pages, rt.page_size, ctx)          # pages round up, the limit not
 
     def capture_profile(self) -> None:
         """Every bucket of the profile bound and captured now (start-up), so that no request waits for a
