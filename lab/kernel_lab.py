@@ -223,12 +223,12 @@ KQUANT_GEMV = tuple((kq, g64, n, k, epi, out) for kq, g64 in (("q4_k", "q4g64"),
 # 8 warps lost everywhere). Next: weight loads kept in L1 (`weights_l1`): a block as stored straddles 32-byte
 # sectors, so with L1::no_allocate two load instructions fetch each shared sector from L2; and Q4_K/Q5_K weights
 # staged in shared memory by 16-byte cp.async (`stage_w` stages per warp; a variant no format takes is left out).
-# Session 19 (s18's run: stage_w 2 took Q6_K 50 → 76–81 % of copy at its big shapes, Q4_K 57 → 64 %; Nsight: Q4_K
-# at 168 registers runs 3 warps per scheduler and 515 instructions per unit against the q4g64 twin's 270):
-# staging with more blocks per SM, and `code_bias` (no HFMA2 per code pair, −64 instructions per unit).
-KQUANT_VARIANTS = [{}, {"stage_w": 2}, {"stage_w": 2, "min_blocks": 4}, {"stage_w": 2, "min_blocks": 5},
-                   {"code_bias": True}, {"code_bias": True, "stage_w": 2}, {"code_bias": True, "stage_w": 2, "min_blocks": 4},
-                   {"code_bias": True, "stage_w": 2, "min_blocks": 5}, {"stage_w": 3}]
+# Session 19 shipped `code_bias` (Q4_K/Q5_K) and `stage_w` 2 at M ≤ 8 ({} below); session 18's keys are the second
+# variant. Staged, the Q6_K down projection (5120 × 17408, 6 K splits: ~3 units per warp per block) reached only
+# 57 % of copy against 76–88 % at the big one-split shapes: the per-block fixed cost (stage fill, split-K reduction)
+# over few units. Next: fewer splits (a shape's choice, never per M: the summation order), a third stage, 4 blocks.
+KQUANT_VARIANTS = [{}, {"code_bias": False, "stage_w": 0}, {"stage_w": 0}, {"stage_w": 3}, {"min_blocks": 4},
+                   {"splits": 2}, {"splits": 3}, {"splits": 4}]
 
 
 def kquant_plan(target, l2, ms):
