@@ -25,9 +25,10 @@ if part attn; then                   # session 16 (issue 31 item 2): the tensor-
   echo "attn lab: rc $?"; shown $OUT/attn_long.log 30
 fi
 if part pattn; then                  # session 17 (issue 31, 128K TTFT): the prefill attention over a long history,
-                                     # the shipped INT8 kernel vs the archived v1 (lab/templates/attn_prefill_v1.cu.j2)
+                                     # the shipped INT8 kernel vs the archived v1 (lab/templates/attn_prefill_v1.cu.j2);
+                                     # PARCH=sm_86: the 3090's 4-warp tiling, run as PTX (never timed yet)
   timeout ${PATTN_S:-150} python3 -m lab.attn_prefill_long --out $OUT/attn_prefill_long.json \
-    --history ${PHIST:-8192,32768,131072} --chunk ${PCHUNK:-4096} > $OUT/attn_prefill_long.log 2>&1
+    --history ${PHIST:-8192,32768,131072} --chunk ${PCHUNK:-4096} ${PARCH:+--arch $PARCH} > $OUT/attn_prefill_long.log 2>&1
   echo "prefill attn lab: rc $?"; shown $OUT/attn_prefill_long.log 24
 fi
 if part fixes; then                  # session 15's fixes made after its device time: the 5/8-prompt cohort mismatch
