@@ -91,7 +91,8 @@ def test_gpu_memory_cell_shows_allocated_reserved_and_device():
     allocator: CUDA context, module images); figures of an older JSON without the reserved peak still print."""
     from ninfer_gen.cli.bench_common import GiB, memory_text
 
-    m = {"allocator_peak_bytes": 23 * GiB, "allocator_reserved_peak_bytes": 23.5 * GiB, "device_used_peak_bytes": 24 * GiB}
+    m = {"allocator_peak_bytes": 23 * GiB, "allocator_reserved_peak_bytes": 23.5 * GiB,
+         "device_used_peak_bytes": 24 * GiB}
     assert memory_text(m) == "23.00 / 23.50 / 24.00"
     assert memory_text({"allocator_peak_bytes": 2 * GiB, "device_used_peak_bytes": 3 * GiB}) == "2.00 / — / 3.00"
     assert memory_text({"host_peak_rss_bytes": 3 * 2 ** 20}) == "3"

@@ -118,9 +118,9 @@ def prepare_images(model, data: list[bytes]):
 def add_vision_kernels(parser) -> None:
     """`--vision-kernels`, the same on run, serve and bench."""
     parser.add_argument("--vision-kernels", action="store_true", help="GPU, a model with its vision tower: run the "
-                        "tower on the compiler's encoder plans instead of torch (opt-in: correct on the GPU tier, but on the "
-                        "H100 the 27B's encoder took 89.9 ms per 1024² image against torch's 42.1; the memory plan counts "
-                        "its packed weights and arena)")
+                        "tower on the compiler's encoder plans instead of torch (opt-in: correct on the GPU tier, but "
+                        "on the H100 the 27B's encoder took 89.9 ms per 1024² image against torch's 42.1; the memory "
+                        "plan counts its packed weights and arena)")
 
 
 def vision_note(model, vision: bool) -> str | None:
