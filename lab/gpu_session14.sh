@@ -178,7 +178,7 @@ if part kqab; then                   # session 18 (issue 34): the 27B Q4_K_M GGU
   G=${GGUF:-/tmp/qwen3.8-27b-q4_k_m.gguf}
   [ -f $G ] || { timeout ${GGUFW_S:-300} python3 -m tools.synth_gguf $G --device cuda > $OUT/gguf_write.json 2> $OUT/gguf_write.log
                  echo "GGUF write: rc $?"; }
-  IFS='|' read -ra VS <<< "${GAB:-base|weights_l1=1|stage_w=3|stage_w=2}"; i=0      # '|'-separated; base: no override
+  IFS='|' read -ra VS <<< "${GAB:-base|stage_w=0|stage_w=3}"; i=0      # '|'-separated; base: no override
   for v in "${VS[@]}"; do
     [ "$v" = base ] && v=""
     NINFER_GEMV="$v" timeout ${GGUFB_S:-120} python3 -m ninfer_gen.cli bench --weights $G --output-tokens 256 --repeats 1 \

@@ -220,9 +220,8 @@ KQUANT_GEMV = tuple((kq, g64, n, k, epi, out) for kq, g64 in (("q4_k", "q4g64"),
 
 # Session 18: the k-quant M = 1 kernels held 168 (Q4_K) to 231 (Q6_K) registers on sm_90 against 80-96 for their
 # group-64 twins; register caps (3, 4 blocks) and 8-warp blocks were measured (Q5_K/Q6_K ship 3 blocks at M <= 8;
-# 8 warps lost everywhere). Next: weight loads kept in L1 (`weights_l1`): a block as stored straddles 32-byte
-# sectors, so with L1::no_allocate two load instructions fetch each shared sector from L2; and Q4_K/Q5_K weights
-# staged in shared memory by 16-byte cp.async (`stage_w` stages per warp; a variant no format takes is left out).
+# 8 warps lost everywhere). Then loads kept in L1 (an experiment, 57 → 58 % at Q4_K gate/up; removed in session 19:
+# staging won) and weights staged in shared memory by 16-byte cp.async (`stage_w`).
 # Session 19 shipped `code_bias` (Q4_K/Q5_K) and `stage_w` 2 at M ≤ 8 ({} below); session 18's keys are the second
 # variant. Staged, the Q6_K down projection (5120 × 17408, 6 K splits: ~3 units per warp per block) reached only
 # 57 % of copy against 76–88 % at the big one-split shapes: the per-block fixed cost (stage fill, split-K reduction)

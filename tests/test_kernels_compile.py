@@ -95,15 +95,13 @@ def test_every_kernel_compiles_without_spills(build_root, arch):
 @pytest.mark.parametrize("arch", ["sm_86", "sm_90"])
 def test_gemv_experiment_variants_compile_without_spills(build_root, arch):
     """The decode-GEMV fields not shipped (NINFER_GEMV experiments): a higher min_blocks on the 27B
-    Q4/Q5/Q6 shapes and k-quant weights kept in L1 compile without spills, so an experiment never trips the
-    executable's spill check."""
+    Q4/Q5/Q6 shapes, k-quant weights staged at other depths and M, and `code_bias` loaded and staged compile
+    without spills, so an experiment never trips the executable's spill check."""
     target, a = lookup(arch), SPECS["27b"].model
     shapes = [("q4g64", 2 * a.intermediate_size, a.hidden_size, "silu_mul"), ("q5g64", a.hidden_size, 6144, "residual"),
               ("q5g64", a.hidden_size, a.intermediate_size, "residual"), ("q6g64", a.hidden_size, a.intermediate_size, "residual")]
     keys = [replace(gemv.make_key(fmt, n, k, 1, target, epi), min_blocks=3 if n <= 6144 else 5)
             for fmt, n, k, epi in shapes]
-    keys += [replace(gemv.make_key(fmt, 5120, a.intermediate_size, m, target, "residual"), weights_l1=True)
-             for fmt in ("q4_k", "q6_k") for m in (1, 32)]        # k-quant loads kept in L1
     keys += [replace(gemv.make_key(fmt, 2 * a.intermediate_size, a.hidden_size, m, target, "silu_mul"), stage_w=sw)
              for fmt, sw in (("q4_k", 4), ("q5_k", 3), ("q6_k", 2)) for m in (1, 32)]   # k-quant weights staged
     keys += [replace(gemv.make_key(fmt, 2 * a.intermediate_size, a.hidden_size, m, target, "silu_mul"), code_bias=True,

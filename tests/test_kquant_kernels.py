@@ -68,11 +68,10 @@ def test_kquant_gemv_keys():
             replace(keys[0], **bad)
 
 
-def test_kquant_stream_config_and_l1_experiment():
+def test_kquant_stream_config():
     """The shipped k-quant fields (kernel lab and the GGUF step, sessions 18–19): Q5_K and Q6_K at M ≤ 8 ask for 3
     blocks per SM, except Q6_K's grids of 16+ blocks per SM; Q4_K and M > 8 keep 2. Every k-quant stages its
-    weights (`stage_w` 2) at M ≤ 8; Q4_K and Q5_K take `code_bias` at every M (a row's bits never depend on M).
-    `weights_l1` (an experiment rule) names itself and is a k-quant option only."""
+    weights (`stage_w` 2) at M ≤ 8; Q4_K and Q5_K take `code_bias` at every M (a row's bits never depend on M)."""
     cap = lambda fmt, n, m: gemv.make_key(fmt, n, 5120, m, H200).min_blocks     # noqa: E731
     assert [cap("q5_k", 10240, m) for m in (1, 4, 8, 16, 32)] == [3, 3, 3, 2, 2]
     assert cap("q5_k", 248320, 1) == 3 and cap("q6_k", 6144, 1) == 3
@@ -81,10 +80,6 @@ def test_kquant_stream_config_and_l1_experiment():
         keys = [gemv.make_key(fmt, 6144, 5120, m, H200) for m in (1, 8, 9, 32)]
         assert [k.stage_w for k in keys] == [2, 2, 0, 0]
         assert [k.code_bias for k in keys] == [fmt != "q6_k"] * 4
-    key = gemv.apply_overrides(gemv.make_key("q4_k", 6144, 5120, 16, H200), "weights_l1=1")
-    assert key.weights_l1 and key.name.endswith("_l1_cb_sm90")
-    with pytest.raises(ValueError, match="k-quant load option"):
-        replace(gemv.make_key("q4g64", 6144, 5120, 1, H200), weights_l1=True)
 
 
 def test_kquant_weight_staging_limits():

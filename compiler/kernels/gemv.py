@@ -80,8 +80,6 @@ class Key(KernelKey):
     conv: int = 0           # > 0: the GDN conv of this width (+ SiLU) on each row's one new column, in the epilogue
     stage_x: bool = False   # right after the dependency wait each warp copies its units' activations to shared
                             # memory, and its loop reads them there (same bits)
-    weights_l1: bool = False  # k-quants: weight loads allocate in L1 (evict-first) instead of L1::no_allocate, so a
-                              # 32-byte sector two load instructions share comes from L2 once (experiment, same bits)
     stage_w: int = 0        # k-quants: > 0 stages a unit's 16 block rows global → shared with 16-byte cp.async, this
                             # many units ahead per warp (same bits: the lanes read the same bytes)
     code_bias: bool = False  # Q4_K/Q5_K: the mma takes each code + 128 as PRMT leaves it (no HFMA2 per pair) and
@@ -95,8 +93,6 @@ class Key(KernelKey):
         if self.k % unit_of(self.fmt):
             unit = "super-block" if self.fmt in KFORMATS else "group"
             raise ValueError(f"gemv: k = {self.k} not a multiple of the {self.fmt} {unit}")
-        if self.weights_l1 and self.fmt not in KFORMATS:
-            raise ValueError(f"gemv: weights_l1 is a k-quant load option (their blocks straddle sectors), not {self.fmt}")
         if self.stage_w and (self.fmt not in KFORMATS or not 2 <= self.stage_w <= 6
                              or stage_w_bytes(self) > STAGE_W_LIMIT):
             raise ValueError(f"gemv: stage_w = {self.stage_w} needs a k-quant, 2..6 stages and ≤ {STAGE_W_LIMIT} B of "
@@ -140,7 +136,7 @@ class Key(KernelKey):
                 + ([f"b{self.min_blocks}"] if self.min_blocks != 2 else [])
                 + (["hn"] if self.norm_out else []) + (["rs"] if self.scale_in else [])
                 + ([f"cv{self.conv}"] if self.conv else []) + (["xs"] if self.stage_x else [])
-                + (["l1"] if self.weights_l1 else []) + ([f"sw{self.stage_w}"] if self.stage_w else [])
+                + ([f"sw{self.stage_w}"] if self.stage_w else [])
                 + (["cb"] if self.code_bias else []))
 
 
@@ -289,7 +285,7 @@ def _flag(v: str) -> bool:
 
 
 OVERRIDABLE = {"prefetch": int, "interleave": _flag, "min_blocks": int, "stage_x": _flag, "warps": int, "splits": int,
-               "weights_l1": _flag, "stage_w": int, "code_bias": _flag}
+               "stage_w": int, "code_bias": _flag}
 
 
 def parse_overrides(rules: str) -> list[tuple[tuple[int, int] | int | None, dict]]:

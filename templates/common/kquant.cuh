@@ -24,33 +24,6 @@ __device__ __forceinline__ unsigned short ld_stream_u16(const void* p) {
   return v;
 }
 
-// The same weight loads kept in L1 at evict-first priority (gemv key `weights_l1`): a block as stored is only
-// 16- (Q4_K, Q5_K) or 2-byte (Q6_K) aligned, so a 32-byte sector is shared by two load instructions.
-__device__ __forceinline__ unsigned short ld_keep_u16(const void* p) {
-  unsigned short v;
-  asm volatile("ld.global.nc.L1::evict_first.u16 %0, [%1];\n" : "=h"(v) : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ uint32_t ld_keep_u32(const void* p) {
-  uint32_t v;
-  asm volatile("ld.global.nc.L1::evict_first.u32 %0, [%1];\n" : "=r"(v) : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ uint2 ld_keep_u2(const void* p) {
-  uint2 v;
-  asm volatile("ld.global.nc.L1::evict_first.v2.u32 {%0,%1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ uint4 ld_keep_u4(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::evict_first.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-
 // Bytes (S & 0xF, S >> 8 & 0xF) of a word of codes (each < 128) as the bf16x2 (code − OFF, code' − OFF),
 // exactly: PRMT puts each byte under 0x43 (bf16 128 + code), one HFMA2 removes 128 + OFF.
 template <int S, int OFF>
