@@ -18,7 +18,7 @@ class CompileOptions:
     conv_fold: bool = True       # the one-token GDN conv in the qkv projection's epilogue
     pdl: bool = True             # programmatic dependent launch on sm_90+ (templates/common/ptx.cuh)
     concurrency: int = 4         # independent GEMVs that may run at once as graph branches (1 = serial)
-    gemv: str = ""               # experiment rules for decode-GEMV key fields (gemv.parse_overrides)
+    gemv: str = ""               # experiment rules for decode-GEMV key fields (kernels.gemv_rules)
     debug: int = 0               # 1: type-check after every pass (else once per pipeline); 2: also print
     fold_in_verify: bool = False  # fused rounds fold the previous round's records inside the next verify (the GDN
                                   # kernels' commit_record modes, two record sets used in turn) instead of a
@@ -34,7 +34,7 @@ class CompileOptions:
             raise ValueError(f"debug level {self.debug!r}: expected 0, 1 or 2")
         if self.chain not in CHAIN_MODES:
             raise ValueError(f"chain {self.chain!r}: expected one of {', '.join(CHAIN_MODES)}")
-        from .kernels.gemv import parse_overrides
+        from .kernels.gemv_rules import parse_overrides
         parse_overrides(self.gemv)              # a malformed rule fails here, naming itself
 
     def changed(self) -> dict:

@@ -1,7 +1,7 @@
 """gemv_ncu: the shipped M = 1 decode GEMVs of the 27B spec, launched back to back over rotated weight
 copies (bigger than L2), for a profiler to read: run it under Nsight Compute to see where a shape's
 warps stall. Each shape is launched `--launches` times after a warm-up; the kernel names say the shape.
-A shape may end in `:RULE`, an experiment rule of `compiler.kernels.gemv.parse_overrides` (e.g.
+A shape may end in `:RULE`, an experiment rule of `compiler.kernels.gemv_rules` (e.g.
 `q4_k:34816x5120:silu_mul:stage_w=2`), to profile a variant.
 
     ncu --clock-control none --kernel-name regex:gemv --launch-skip 8 --launch-count 1 \\
@@ -13,7 +13,7 @@ import argparse
 
 import torch
 
-from compiler.kernels.gemv import apply_overrides
+from compiler.kernels.gemv_rules import apply_overrides
 from lab.kernel_lab import KERNELS, gemv_runs, time_chain
 from compiler.targets import lookup
 

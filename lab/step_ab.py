@@ -7,7 +7,7 @@ omission profile (ninfer_gen.cli.bench.omission_profile) of some of them.
     python -m lab.step_ab --variants "base|5120x6144:min_blocks=3|env:NINFER_NORM_FOLD=0" --omission 0,1
 
 Variants are separated by '|'. A variant is a decode-GEMV override (CompileOptions.gemv, parsed by
-compiler/kernels/gemv.py `parse_overrides`: ';'-separated rules, each optionally limited to a shape NxK),
+compiler/kernels/gemv_rules.py: ';'-separated rules, each optionally limited to a shape NxK),
 or `env:NAME=value,...`: NINFER_* variables turned into that variant's CompileOptions (ninfer_gen.cli.env;
 e.g. `env:NINFER_NORM_FOLD=0` keeps the norm kernels, `env:NINFER_CONCURRENCY=1` runs the graph serially);
 `base` (or an empty string) is the shipped configuration.

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from compiler.kernels import embed, gated_rmsnorm, gemv
+from compiler.kernels import embed, gated_rmsnorm, gemv, gemv_rules
 from compiler.kernels.weight_layout import pack_kquant_for_device
 from compiler.kquant import KFORMATS, dequantize, random_kquant
 from compiler.lower_rules import matmul_key
@@ -88,7 +88,7 @@ def test_kquant_weight_staging_limits():
     names itself."""
     key = gemv.make_key("q4_k", 34816, 5120, 16, H200, "silu_mul")
     assert key.stage_w == 0 and gemv.stage_w_bytes(key) == 0
-    staged = gemv.apply_overrides(key, "stage_w=4")
+    staged = gemv_rules.apply_overrides(key, "stage_w=4")
     assert staged.name.endswith("_sw4_cb_sm90") and gemv.stage_w_bytes(staged) == 4 * 4 * 16 * 144 <= gemv.STAGE_W_LIMIT
     assert gemv.stage_w_bytes(replace(key, fmt="q6_k", stage_w=2, code_bias=False)) == 2 * 4 * 16 * 224
     for fmt, sw in (("q6_k", 3), ("q4_k", 1), ("q4_k", 7), ("q5_k", 4)):       # 4 · 4 · 16 · 176 B: too many
@@ -96,7 +96,7 @@ def test_kquant_weight_staging_limits():
             replace(gemv.make_key(fmt, 34816, 5120, 1, H200, "silu_mul"), stage_w=sw)
     for fmt in ("bf16", "q4g64"):       # a process-wide rule leaves the other families' keys as they are
         plain = gemv.make_key(fmt, 6144, 5120, 1, H200)
-        assert gemv.apply_overrides(plain, "stage_w=2") == plain
+        assert gemv_rules.apply_overrides(plain, "stage_w=2") == plain
         with pytest.raises(ValueError, match="needs a k-quant"):
             replace(plain, stage_w=2)
 

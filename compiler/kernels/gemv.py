@@ -18,7 +18,7 @@ serves every launch and graph replay.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import ClassVar
 
 from .._torch import torch
@@ -27,6 +27,7 @@ from ..kquant import KFORMATS, QK_K
 from ..reference_fused import inverse_rms, norm_tile_sums
 from ..targets import Target
 from . import KernelKey, Launch, Param, ceil_div
+from .gemv_rules import apply_overrides
 from .weight_layout import FORMATS, dequantize, group_of
 
 EPILOGUES = ("none", "residual", "silu_mul")
@@ -269,65 +270,11 @@ def kquant_stream_config(fmt: str, n: int, m: int, target: Target) -> dict:
 def make_key(fmt: str, n: int, k: int, m: int, target: Target, epilogue: str = "none",
              out_dtype: str = "bf16", overrides: str = "") -> Key:
     """The shipped key of one decode matrix multiply; `overrides` (CompileOptions.gemv) are experiment
-    rules that may replace some fields (`apply_overrides`)."""
+    rules that may replace some fields (gemv_rules)."""
     warps, tiles, splits = config(fmt, n, k, m, target)
     key = Key(fmt, n, k, m, epilogue, out_dtype, warps, tiles, target.arch, splits,
               **stream_config(fmt, n, k, m, warps, target, epilogue, splits))
     return apply_overrides(key, overrides) if overrides else key
-
-
-# Fields an experiment rule may set: how units stream and the registers (never the bits), and `warps`, `splits`
-# and `code_bias`, which change the summation (bits; batch invariance still holds).
-def _flag(v: str) -> bool:
-    if v not in ("0", "1", "false", "true"):
-        raise ValueError(v)
-    return v in ("1", "true")
-
-
-OVERRIDABLE = {"prefetch": int, "interleave": _flag, "min_blocks": int, "stage_x": _flag, "warps": int, "splits": int,
-               "stage_w": int, "code_bias": _flag}
-
-
-def parse_overrides(rules: str) -> list[tuple[tuple[int, int] | int | None, dict]]:
-    """"prefetch=2,interleave=0" → [(None, fields)]. Rules are separated by ';', and a rule may start
-    with a shape `NxK:` that limits it to keys of that shape (e.g. "5120x6144:min_blocks=3;prefetch=1"),
-    or with `mR:`, which limits it to keys of at most R rows (e.g. "m8:min_blocks=4;stage_w=2").
-    A malformed rule raises ValueError naming it."""
-    out = []
-    for rule in (r.strip() for r in rules.split(";") if r.strip()):
-        shape, _, body = rule.rpartition(":")
-        where = None
-        if shape.strip().startswith("m") and shape.strip()[1:].isdigit():
-            where = int(shape.strip()[1:])
-        elif shape:
-            n, _, k = shape.partition("x")
-            if not (n.strip().isdigit() and k.strip().isdigit()):
-                raise ValueError(f"gemv override {rule!r}: {shape!r} is not a shape NxK (e.g. 5120x6144) "
-                                 "or rows mR (e.g. m8)")
-            where = (int(n), int(k))
-        fields = {}
-        for item in body.split(","):
-            name, _, value = (part.strip() for part in item.partition("="))
-            if name not in OVERRIDABLE:
-                raise ValueError(f"gemv override {rule!r}: {name!r} is not one of {', '.join(OVERRIDABLE)}")
-            try:
-                fields[name] = OVERRIDABLE[name](value)
-            except ValueError:
-                raise ValueError(f"gemv override {rule!r}: {item.strip()!r} needs a value, e.g. {name}=1") from None
-        out.append((where, fields))
-    return out
-
-
-def apply_overrides(key: Key, rules: str) -> Key:
-    """The first rule that applies to the key's shape and gives a valid key wins; else the key as it is."""
-    for where, fields in parse_overrides(rules):
-        if isinstance(where, int) and key.m > where or isinstance(where, tuple) and where != (key.n, key.k):
-            continue
-        try:
-            return replace(key, **fields)
-        except ValueError:
-            continue
-    return key
 
 
 def norm_outputs(key: Key, y: torch.Tensor, norm_w: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from compiler.kernels import embed, gated_rmsnorm, gemm, gemv
+from compiler.kernels import embed, gated_rmsnorm, gemm, gemv, gemv_rules
 from compiler.kernels.weight_layout import pack_kquant_for_device
 from compiler.kquant import KFORMATS, random_kquant
 from compiler.spec import load_spec
@@ -123,7 +123,7 @@ BIASED = "code_bias=1,stage_w=2"      # the code_bias experiment, staged as it w
 def test_kquant_gemv_batch_invariance(h, fmt, n, k, epi, rule):
     """A row's bits (y; with norm_out also xn and the tile sums of squares) do not depend on M: M = 1, 4, 16
     and 32 share weights and leading rows; split-K tickets come back zero. `rule`: an experiment rule on every
-    key (gemv.apply_overrides)."""
+    key (gemv_rules.apply_overrides)."""
     g = torch.Generator(device="cuda").manual_seed(7)
     packed = pack_kquant_for_device(random_kquant(fmt, n, k, g), gate_up=epi == "silu_mul")
     x = torch.randn(32, k, generator=g, device="cuda").bfloat16()
@@ -138,7 +138,7 @@ def test_kquant_gemv_batch_invariance(h, fmt, n, k, epi, rule):
             keys[m] = replace(gemv.make_key(fmt, n, k, m, TARGET), scale_in=True, eps=1e-6)
         else:
             keys[m] = replace(gemv.make_key(fmt, n, k, m, TARGET, "residual"), norm_out=epi == "norm_out")
-        keys[m] = gemv.apply_overrides(keys[m], rule) if rule else keys[m]
+        keys[m] = gemv_rules.apply_overrides(keys[m], rule) if rule else keys[m]
     assert not rule or all(key.code_bias for key in keys.values()), f"{rule} made no key"
     h.build(list(keys.values()))
     outs = {}

@@ -1,0 +1,65 @@
+"""gemv_rules: experiment rules for decode-GEMV key fields (CompileOptions.gemv, `NINFER_GEMV`): how units stream
+and the registers, for A/B runs of a whole step without a code change. A rule replaces fields of the shipped key
+where the result is a valid key (the key's own checks decide); `gemv.make_key` applies them.
+
+    "prefetch=2,interleave=0"                   every key
+    "5120x6144:min_blocks=3;prefetch=1"        the first rule that applies and gives a valid key wins
+    "m8:code_bias=1,stage_w=2;m8:stage_w=2"    keys of at most 8 rows; a k-quant field passes other formats on
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+
+# Fields an experiment rule may set: how units stream and the registers (never the bits), and `warps`, `splits`
+# and `code_bias`, which change the summation (bits; batch invariance still holds).
+def _flag(v: str) -> bool:
+    if v not in ("0", "1", "false", "true"):
+        raise ValueError(v)
+    return v in ("1", "true")
+
+
+OVERRIDABLE = {"prefetch": int, "interleave": _flag, "min_blocks": int, "stage_x": _flag, "warps": int, "splits": int,
+               "stage_w": int, "code_bias": _flag}
+
+
+def parse_overrides(rules: str) -> list[tuple[tuple[int, int] | int | None, dict]]:
+    """"prefetch=2,interleave=0" → [(None, fields)]. Rules are separated by ';', and a rule may start
+    with a shape `NxK:` that limits it to keys of that shape (e.g. "5120x6144:min_blocks=3;prefetch=1"),
+    or with `mR:`, which limits it to keys of at most R rows (e.g. "m8:min_blocks=4;stage_w=2").
+    A malformed rule raises ValueError naming it."""
+    out = []
+    for rule in (r.strip() for r in rules.split(";") if r.strip()):
+        shape, _, body = rule.rpartition(":")
+        where = None
+        if shape.strip().startswith("m") and shape.strip()[1:].isdigit():
+            where = int(shape.strip()[1:])
+        elif shape:
+            n, _, k = shape.partition("x")
+            if not (n.strip().isdigit() and k.strip().isdigit()):
+                raise ValueError(f"gemv override {rule!r}: {shape!r} is not a shape NxK (e.g. 5120x6144) "
+                                 "or rows mR (e.g. m8)")
+            where = (int(n), int(k))
+        fields = {}
+        for item in body.split(","):
+            name, _, value = (part.strip() for part in item.partition("="))
+            if name not in OVERRIDABLE:
+                raise ValueError(f"gemv override {rule!r}: {name!r} is not one of {', '.join(OVERRIDABLE)}")
+            try:
+                fields[name] = OVERRIDABLE[name](value)
+            except ValueError:
+                raise ValueError(f"gemv override {rule!r}: {item.strip()!r} needs a value, e.g. {name}=1") from None
+        out.append((where, fields))
+    return out
+
+
+def apply_overrides(key, rules: str):
+    """The first rule that applies to the key's shape and gives a valid key wins; else the key as it is."""
+    for where, fields in parse_overrides(rules):
+        if isinstance(where, int) and key.m > where or isinstance(where, tuple) and where != (key.n, key.k):
+            continue
+        try:
+            return replace(key, **fields)
+        except ValueError:
+            continue
+    return key
