@@ -214,6 +214,31 @@ def test_gemm_q6_k_stage_slots_hold_each_block(units):
             assert slot[mis + 208:mis + 210] == block[208:210]
 
 
+@pytest.mark.parametrize("fmt,units", [("q4_k", 1), ("q4_k", 20), ("q5_k", 3), ("q5_k", 68)])
+def test_staging_copies_every_block_byte_of_a_unit_once(fmt, units):
+    """templates/gemv_kq.cu.j2 `stage_w` on Q4_K/Q5_K, its index math transcribed: lane l's chunk j of any unit goes
+    to 16·(l + 32j) in the stage and comes from its per-kernel offset r·RB + 16c past the unit's first row's block
+    (stage_lane), so the stage is the unit's 16 block rows back to back, every byte once, nothing else read."""
+    qb = {"q4_k": 144, "q5_k": 176}[fmt]
+    cpr, rb = qb // 16, units * qb
+    nj = (16 * cpr + 31) // 32
+    rng = np.random.default_rng(units)
+    mem = rng.integers(0, 256, 32 * rb, dtype=np.uint8).tobytes()
+    for row0 in (0, 16):
+        for u in range(units):
+            unit, st, written = row0 * rb + u * qb, bytearray(16 * qb), []
+            for lane in range(32):
+                for j in range(nj):
+                    i = lane + 32 * j
+                    r = i // cpr
+                    src = r * rb + 16 * (i - r * cpr)
+                    if 32 * j + 31 < 16 * cpr or i < 16 * cpr:
+                        st[16 * i:16 * i + 16] = mem[unit + src:unit + src + 16]
+                        written.append(16 * i)
+            assert sorted(written) == list(range(0, 16 * qb, 16))
+            assert bytes(st) == b"".join(mem[(row0 + r) * rb + u * qb:][:qb] for r in range(16))
+
+
 def test_gemm_reads_scales_and_mins_as_the_reference_decodes_them():
     """gemm_kq.cu.j2's byte-wise scale_of (and the word-wise mins both templates use), transcribed, against
     compiler.kquant's 6-bit unpacking on every byte pattern's neighbourhood (random headers)."""
@@ -240,16 +265,20 @@ def test_q6_k_staging_gives_each_lane_the_words_of_its_block(units):
     nothing past it; word t of segment s read back as two aligned words and a funnel shift is the block's bytes
     16s + 4t … + 3 (what load_unit + kq_realign give), and d is bytes 208-209 — at every row offset mod 16."""
     qb, rs, cpr = 210, 224, 14
+    rb = units * qb
     rng = np.random.default_rng(units)
     mem = rng.integers(0, 256, 32 * units * qb, dtype=np.uint8).tobytes()
     for row0 in (0, 16):
+        tile, tile_lo = row0 * rb, (row0 * rb) % 2**32          # the tile's first row, its offset mod 2^32
         for u in range(units):
             st = bytearray(16 * rs)
             for i in range(16 * cpr):                          # lane l copies chunks l, l + 32, … (224 = 7 · 32)
                 r, c = divmod(i, cpr)
+                rel = r * rb + u * qb                          # stage_unit's 32-bit offset from the tile
+                o = (tile_lo + rel) % 2**32 & 15
+                n, src = min(16, o + qb - 16 * c), tile + rel - o + 16 * c
                 blk = ((row0 + r) * units + u) * qb
-                o = blk & 15
-                n, src = min(16, o + qb - 16 * c), blk - o + 16 * c
+                assert o == blk & 15 and src == blk - o + 16 * c    # what the block's own offset gives
                 assert n >= 2 and src + n <= len(mem)
                 st[r * rs + 16 * c:r * rs + 16 * c + 16] = mem[src:src + n] + bytes(16 - n)
             for r in range(16):
