@@ -2,7 +2,7 @@
 # The device calls of sessions 13–14 (issues 30–34): the GPU tier's cohort, speculative, runtime and arch-path
 # files, the 27B C1 bench through the engine (K = 3, 32K draft head, accept 0.8), the cohort bench C1/C8 (fixed,
 # adaptive, plain), the sm_86 path, serve with no flags, long context, k-quants, and images (vision).
-# PART=attn,pattn,fixes,sdiag,tests,bench,fold,chain,cohort,arch,serve,long,pace,kq,gguf27,vision,agent,kqlab,kqab,vlab,kqncu,buckets (default: all, in that order). Logs to $OUT
+# PART=attn,pattn,fixes,sdiag,tests,bench,fold,chain,cohort,arch,serve,long,pace,kq,gguf27,vision,agent,kqlab,kqab,vlab,kqncu,buckets,verify,cohortab (default: all, in that order). Logs to $OUT
 # as it goes. `chain` (session 15, issue 32 item 2): joined GEMV launches — their bit tests, then the same-run step
 # A/B of off / group / chain on the sm_90 path and on the sm_86 path.
 # The text benches load the 27B with --no-vision (the figures earlier sessions compare with); `vision` measures
@@ -79,6 +79,18 @@ if part cohort; then                 # C1 and C8, fixed K, adaptive and plain, a
       --draft 3 --accept-prob $p --draft-vocab 32768 --output-tokens ${TOKENS:-256} --adaptive --cohort-repeats ${CREP:-1} \
       --json $OUT/bench_cohort_$p.json > $OUT/bench_cohort_$p.log 2>&1
     echo "cohort bench p=$p: rc $?"; shown $OUT/bench_cohort_$p.log 24
+  done
+fi
+if part cohortab; then               # session 20 (issue 32's C8 line): the cohort bench C1/C8 (MTP3 and plain) under each
+                                     # '|'-separated NINFER_GEMV rule set in CAB (base: none), in one process each
+  IFS='|' read -ra VS <<< "${CAB:-base}"; i=0
+  for v in "${VS[@]}"; do
+    [ "$v" = base ] && v=""
+    NINFER_GEMV="$v" timeout ${COHORT_S:-300} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --no-vision \
+      --concurrency ${CONC:-1,8} --draft 3 --accept-prob ${CABP:-0.8} --draft-vocab 32768 --output-tokens ${TOKENS:-256} \
+      --cohort-repeats ${CREP:-1} --json $OUT/bench_cohortab$i.json > $OUT/bench_cohortab$i.log 2>&1
+    echo "cohort bench NINFER_GEMV='$v': rc $?"; shown $OUT/bench_cohortab$i.log 12
+    i=$((i + 1))
   done
 fi
 if part arch; then
@@ -201,6 +213,11 @@ if part kqncu; then                  # session 19 (issue 34): Nsight Compute on 
     echo "ncu $shape: rc $?"
   done
   grep -a "gemv_\|Duration\|Memory Throughput\|DRAM Throughput\|Executed Ipc A\|Registers Per\|Achieved Occupancy\|Issue Slots Busy\|No Eligible\|Executed Instructions  " $OUT/kq_ncu.txt | grep -av "us per launch" | head -80
+fi
+if part verify; then                 # session 20 (issue 32's C8 line): the C8 verify's 32-row GEMVs under row-tile / load-depth
+                                     # variants (lab/kernel_lab.py VERIFY_VARIANTS): Σ ms and % of copy per variant
+  timeout ${VERIFY_S:-240} python3 -m lab.kernel_lab --only verify --out $OUT/verify_lab.json > $OUT/verify_lab.log 2>&1
+  echo "verify GEMVs lab: rc $?"; grep -a "^verify B" $OUT/verify_lab.log
 fi
 if part buckets; then                # session 19 (issue 32's C8 line): the decode GEMVs of the 27B's B = 1 and B = 8 steps and
                                      # of the C8 verify (32 rows), with launches per bucket: Σ ms, % of copy, TFLOP/s per bucket

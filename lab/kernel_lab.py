@@ -287,6 +287,50 @@ def step_buckets_plan(target, l2):
         yield "buckets", planned_runs(plan_bucket(spec, target, "step", batch, tokens), l2, label, ("gemv",))
 
 
+# Session 20 (issue 32's C8 line): the 32-row verify GEMVs ran at 32.4 % of copy (H100, `buckets`) against 61.1 % for
+# the 8-row step. Each warp loads its unit's activations for all 32 rows (8 × 16 B per lane, 8× the unit's Q4 weight
+# bytes) once per row tile; `tiles` row tiles per block reuse them from registers, `depth` units per load batch keeps
+# the registers in bounds. Neither changes the bits. The first run's (tiles, depth) sweep chose two tiles and depth 2
+# for 4-warp blocks but the LM heads (gemv.config, stream_config: 16.76 → 15.03 ms); the variants are now relative to
+# that: session 19's keys (one tile but at ≥ 16 waves' worth of row tiles, depth = the order batch) and neighbours.
+# 8-warp blocks with more than one row tile get min_blocks 1 (at 2, 128 registers: they spill).
+def _s19(key):
+    return {"tiles": 2 if ceil_div(key.n, 16) >= 16 * lookup(key.arch).sms else 1, "depth": 0}
+
+
+VERIFY_VARIANTS = (("shipped", None), ("session 19", _s19), ("tiles 1, depth 2", {"tiles": 1, "depth": 2}),
+                   ("tiles 2, depth 1", {"tiles": 2, "depth": 1}), ("tiles 4, depth 2", {"tiles": 4, "depth": 2}))
+
+
+def verify_plan(target, l2, shapes=((8, 4), (4, 4))):
+    """`verify`: the verify GEMVs of C8 and C4 (27B, B = 8 / 4, T = 4: 32 / 16 rows) under each VERIFY_VARIANTS, one
+    plan label per variant (Σ launches × median per variant; a variant a shape cannot take — reduction over 48 KiB —
+    keeps the shipped key there)."""
+    from collections import Counter
+    spec = load_spec(Path(__file__).resolve().parent.parent / "model_specs/qwen3.8-27b.yaml")
+    for batch, tokens in shapes:
+        plan = plan_bucket(spec, target, "step", batch, tokens)
+        counts = Counter(c.key for c in plan.calls if c.key.family == "gemv")
+        for name, variant in VERIFY_VARIANTS:
+            label = f"verify B = {batch}, T = {tokens}, {name}"
+            items = []
+            for key, n in counts.items():
+                fields = variant(key) if callable(variant) else dict(variant or {})
+                if key.warps == 8 and fields.get("tiles", key.tiles) > 1:
+                    fields["min_blocks"] = 1
+                try:
+                    vkey = replace(key, **fields) if fields and key.fmt not in ("q4_k", "q5_k", "q6_k") else key
+                except ValueError:
+                    vkey = key
+                inner = case_runs(vkey, l2)
+
+                def build(inner=inner, n=n, label=label):
+                    return (*inner(), {"in_plan": n, "plan": label})
+                build.key = vkey
+                items.append(build)
+            yield "verify", items
+
+
 def tune_configs(fmt, n, k, epi, out, target) -> list[dict]:
     """The shipped config and its neighbours: warps 4/8 × row tiles 1/2 × every valid K split up to 8."""
     base = gemv.make_key(fmt, n, k, 1, target, epi, out)
@@ -312,6 +356,7 @@ def plan(target, ms=(1, 4, 8, 16, 32)):
     yield from kquant_plan(target, l2, ms)
     yield from vision_plan(target, l2)
     yield from step_buckets_plan(target, l2)
+    yield from verify_plan(target, l2)
     yield "gemv", gemv_runs("w8g32", 248320, 5120, (1, 4, 32), "none", "f32", target, l2)
     yield "gemv", gemv_runs("q5g64", 5120, 17408, (1, 8, 32), "residual", "bf16", target, l2)
     yield "gemv", gemv_runs("q4g64", 10240, 5120, (1, 8, 32), "none", "bf16", target, l2)
@@ -419,7 +464,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="kernel_lab.json")
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--only", default="", help="comma-separated labels: gemv9,gemv,kquant,kquant_gemm,vision,buckets,gdn_step,gdn_chunk,gdn_conv,attn_decode,prefill,gemm_sweep,gemm_27b,wg_27b,wg_sweep,sweep,warps,tune,misc")
+    ap.add_argument("--only", default="", help="comma-separated labels: gemv9,gemv,kquant,kquant_gemm,vision,buckets,verify,gdn_step,gdn_chunk,gdn_conv,attn_decode,prefill,gemm_sweep,gemm_27b,wg_27b,wg_sweep,sweep,warps,tune,misc")
     ap.add_argument("--ms", default="1,4,8,16,32", help="M values of the gemv and kquant groups")
     args = ap.parse_args(argv)
     major, minor = torch.cuda.get_device_capability()

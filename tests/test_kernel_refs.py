@@ -120,10 +120,8 @@ def test_gemv_experiment_override_and_bad_stream_fields():
     assert gemv.make_key("q4g64", 34816, 5120, 1, h200, "silu_mul", overrides="prefetch=9").prefetch == 0  # invalid: kept
     with pytest.raises(ValueError, match="'prefetch=two' needs a value"):
         CompileOptions(gemv="prefetch=two")
-    with pytest.raises(ValueError, match="'tiles' is not one of"):
-        CompileOptions(gemv="tiles=2")
-    with pytest.raises(ValueError, match="'depth' is not one of"):          # retired: 0 in every shipped key
-        CompileOptions(gemv="depth=8")
+    with pytest.raises(ValueError, match="'ring' is not one of"):
+        CompileOptions(gemv="ring=8")
     base = gemv.make_key("q4g64", 34816, 5120, 1, h200)
     with pytest.raises(ValueError, match="prefetch = 9 outside 0..8"):
         replace(base, prefetch=9)
@@ -156,6 +154,29 @@ def test_gemv_override_rules_by_rows_and_fallthrough():
     assert (q4g64.min_blocks, q4g64.stage_w) == (4, 0)        # k-quant fields: not this format's; the next rule
     with pytest.raises(ValueError, match="or rows mR"):
         CompileOptions(gemv="mx:prefetch=1")
+    with pytest.raises(ValueError, match="or rows mR"):
+        CompileOptions(gemv="m32-9:tiles=2")
+
+
+def test_gemv_rows_range_rules_set_row_tiles_and_load_depth():
+    """`mA-B:` limits a rule to keys of A to B rows; `tiles` (row tiles per block) and `depth` (units per load
+    batch) never change the bits, so a rule may set them per M; shapes whose warp reduction would not fit the
+    static shared memory are refused (and the rule falls through)."""
+    h200 = lookup("h200")
+    rules = "m9-32:tiles=4,depth=1;m9-32:tiles=2,depth=2"
+    keys = {m: gemv.make_key("q5g64", 5120, 6144, m, h200, "residual", overrides=rules) for m in (8, 9, 16, 32)}
+    assert (keys[8].tiles, keys[8].depth) == (1, 0)                       # outside the range: shipped
+    assert (keys[16].tiles, keys[16].depth) == (4, 1) and keys[16].name.endswith("_d1_sm90")
+    # 8 warps × 4 tiles × 4 column tiles × 512 B = 64 KiB of reduction: over 48 KiB, so the second rule
+    assert keys[32].warps == 8 and (keys[32].tiles, keys[32].depth) == (2, 2)
+    with pytest.raises(ValueError, match="65536 B for the warp reduction"):
+        replace(keys[32], tiles=4)
+    with pytest.raises(ValueError, match="49153 B of shared memory"):         # 48 KiB + the split-K flag
+        replace(gemv.make_key("bf16", 96, 5120, 32, h200), tiles=3)
+    with pytest.raises(ValueError, match="depth 9 / tiles 1 outside"):
+        replace(keys[8], depth=9)
+    with pytest.raises(ValueError, match="one unit at a time"):
+        replace(gemv.make_key("q4_k", 34816, 5120, 1, h200, "silu_mul"), depth=2)
 
 
 def test_options_reach_the_plan_not_the_environment(monkeypatch):

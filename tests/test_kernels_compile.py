@@ -391,3 +391,26 @@ def test_an_empty_nvrtc_log_leaves_python_bytes_alone():
     res = nvrtc.compile_source('extern "C" __global__ void k() {}', "k", "sm_86", [], ptx=True)
     assert res.log == "" and res.image.startswith(b"//")
     assert b" " * 3 == bytes([32, 32, 32]) and bytes(" ", "ascii") == b"\x20"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["sm_86", "sm_90"])
+def test_gemv_shared_memory_check_matches_ptxas(build_root, arch):
+    """`gemv.static_smem_bytes` is what ptxas reports for the group-64 template at every row-tile count, M and fold
+    (the warp reduction grows with tiles × M: the key refuses what would not fit 48 KiB instead of failing to
+    compile), up to the 48 KiB edge."""
+    target, keys = lookup(arch), []
+    for m in (1, 8, 16, 32):
+        for base in (gemv.make_key("bf16", 96, 5120, m, target, out_dtype="f32"),
+                     replace(gemv.make_key("q5g64", 5120, 6144, m, target, "residual"), norm_out=True),
+                     replace(gemv.make_key("q5g64", 6144, 5120, m, target), scale_in=True, eps=1e-6),
+                     replace(gemv.make_key("q4g64", 10240, 5120, m, target), conv=4)):
+            for tiles in (1, 2, 3, 4):
+                try:
+                    keys.append(replace(base, tiles=tiles, min_blocks=1))
+                except ValueError as err:
+                    assert "static limit" in str(err) and gemv.reduce_bytes(replace(base, tiles=1)) * tiles > 40 * 1024
+    summary = build_kernels(list(dict.fromkeys(keys)), jobs=2, root=build_root, progress=False)
+    assert max(b.meta["smem_bytes"] for b in summary.built) > 44 * 1024          # the edge is in the sample
+    for b in summary.built:
+        assert b.meta["smem_bytes"] == gemv.static_smem_bytes(b.key), b.key.name

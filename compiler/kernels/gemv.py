@@ -85,6 +85,8 @@ class Key(KernelKey):
                             # many units ahead per warp (same bits: the lanes read the same bytes)
     code_bias: bool = False  # Q4_K/Q5_K: the mma takes each code + 128 as PRMT leaves it (no HFMA2 per pair) and
                              # 128·d·Σ_j sc_j·S_j leaves with the mins (other bits than without, fp32 accuracy)
+    depth: int = 0          # units per warp loaded together (PD in templates/gemv.cu.j2; 0: the order batch, OB): how
+                            # far a warp's loads run ahead of its mma, never the order (same bits)
 
     def __post_init__(self):
         if self.fmt not in FORMATS and self.fmt not in KFORMATS:
@@ -123,6 +125,14 @@ class Key(KernelKey):
         if self.stage_x and stage_x_bytes(self) > STAGE_X_LIMIT:
             raise ValueError(f"gemv: stage_x needs {stage_x_bytes(self)} B of shared memory for the activations "
                              f"(limit {STAGE_X_LIMIT}); m = {self.m}, k = {self.k}, splits = {self.splits}")
+        if self.fmt in KFORMATS and self.depth:
+            raise ValueError(f"gemv: {self.fmt} streams one unit at a time (depth 0), got depth {self.depth}")
+        if not 0 <= self.depth <= 8 or not 1 <= self.tiles <= 4:
+            raise ValueError(f"gemv: depth {self.depth} / tiles {self.tiles} outside 0..8 / 1..4")
+        if static_smem_bytes(self) > STATIC_SMEM:
+            raise ValueError(f"gemv: {self.warps} warps × {self.tiles} row tiles × m = {self.m} need "
+                             f"{static_smem_bytes(self)} B of shared memory ({reduce_bytes(self)} B for the warp "
+                             f"reduction; static limit {STATIC_SMEM})")
         if self.scale_in and (self.k % 64 or self.eps <= 0):
             raise ValueError(f"gemv: scale_in needs k a multiple of 64 and eps > 0, got k = {self.k}, eps = {self.eps}")
 
@@ -138,10 +148,33 @@ class Key(KernelKey):
                 + (["hn"] if self.norm_out else []) + (["rs"] if self.scale_in else [])
                 + ([f"cv{self.conv}"] if self.conv else []) + (["xs"] if self.stage_x else [])
                 + ([f"sw{self.stage_w}"] if self.stage_w else [])
-                + (["cb"] if self.code_bias else []))
+                + (["cb"] if self.code_bias else []) + ([f"d{self.depth}"] if self.depth else []))
 
 
 STAGE_X_LIMIT = 24 * 1024    # bytes of activations a `stage_x` block may stage (static shared memory is 48 KiB)
+
+
+STATIC_SMEM = 48 * 1024      # a kernel's static shared memory
+
+
+def reduce_bytes(key: Key) -> int:
+    """Shared memory of the warp reduction (red in templates/gemv.cu.j2): fp32 [warps, tiles, NT, 4, 32]."""
+    return key.warps * key.tiles * ((key.m + 7) // 8) * 512
+
+
+def static_smem_bytes(key: Key) -> int:
+    """The group-64 template's static shared memory (templates/gemv.cu.j2 with common/gemv_folds.j2): the warp
+    reduction, staged activations, the folds' arrays and the split-K flag; 0 for the k-quants (gemv_kq.cu.j2
+    checks its own: stage_w_bytes)."""
+    if key.fmt in KFORMATS:
+        return 0
+    m, total = key.m, reduce_bytes(key) + (stage_x_bytes(key) if key.stage_x else 0) + (key.splits > 1)
+    if key.scale_in:
+        tile_sums = m * (key.k // 16) * 4
+        total += (tile_sums if tile_sums <= 12 * 1024 else 0) + 4 * m     # ssq_s (unused unless SS_ASYNC), rstd_s
+    if key.conv:
+        total += key.tiles * 16 * key.conv * 2 + m * (key.conv - 1) * key.tiles * 32 + 4 * m   # taps_s, win_s, slot_s
+    return total
 
 
 STAGE_W_LIMIT = 36 * 1024    # bytes of weight stages a `stage_w` block may hold (beside its reduction buffer)
@@ -202,13 +235,17 @@ def config(fmt: str, n: int, k: int, m: int, target: Target) -> tuple[int, int, 
     row_tiles = ceil_div(n, 16)
     units = k // unit_of(fmt)
     warps = 8 if row_tiles < 2 * target.sms and units >= 32 else 4
-    tiles = 2 if m > 8 and row_tiles >= 16 * target.sms and fmt not in KFORMATS else 1
     splits = split_count(fmt, n, k, warps, target)
     # Under 3 waves of 4-warp blocks and unsplit (H200 kernel-lab sweep): 8 warps gave Q5 6144×5120
     # 35.8 → 39.2 % and Q5 5120×6144 32.3 → 35.3 %; split shapes lost.
     if warps == 4 and splits == 1 and row_tiles < 3 * target.sms and units >= 64:
         warps = 8
         splits = split_count(fmt, n, k, warps, target)
+    # M > 8: each unit's activations (8 × 16 B per lane at M = 32, 8× the Q4 weight bytes) serve two row tiles in
+    # 4-warp blocks, but not in the LM heads' grids of many waves (kernel lab `verify`, H100, chained, with `depth` 2
+    # from stream_config: the C8 verify's GEMVs 14.73 → 13.31 ms; Q4 10240×5120 40.2 → 25.7 µs, Q5 down 49.8 → 42.5;
+    # the W8 LM head 574 → 544 µs at one tile, 686 at two; 8-warp blocks within ±3 % either way).
+    tiles = 2 if m > 8 and warps == 4 and row_tiles < 32 * target.sms and fmt not in KFORMATS else 1
     return warps, tiles, splits
 
 
@@ -233,8 +270,8 @@ def stream_config(fmt: str, n: int, k: int, m: int, warps: int, target: Target, 
     waves = ceil_div(n, 16) / (target.sms * 9)
     if fmt in KFORMATS:           # gemv_kq.cu.j2 has its own fields (min_blocks, code_bias, stage_w)
         return kquant_stream_config(fmt, n, m, target)
-    if m > 8:
-        return {"prefetch": 1 if target.arch == "sm_90" else 0}
+    if m > 8:   # one batch ahead in L2; 4-warp blocks load two units at a time (their own registers' bound)
+        return {"prefetch": 1 if target.arch == "sm_90" else 0} | ({"depth": 2} if warps == 4 else {})
     if waves >= 4:
         return {}
     fields = {"interleave": warps == 4}

@@ -5,14 +5,15 @@ where the result is a valid key (the key's own checks decide); `gemv.make_key` a
     "prefetch=2,interleave=0"                   every key
     "5120x6144:min_blocks=3;prefetch=1"        the first rule that applies and gives a valid key wins
     "m8:code_bias=1,stage_w=2;m8:stage_w=2"    keys of at most 8 rows; a k-quant field passes other formats on
+    "m9-32:tiles=2,depth=2"                     keys of 9 to 32 rows
 """
 from __future__ import annotations
 
 from dataclasses import replace
 
 
-# Fields an experiment rule may set: how units stream and the registers (never the bits), and `warps`, `splits`
-# and `code_bias`, which change the summation (bits; batch invariance still holds).
+# Fields an experiment rule may set: how units stream, row tiles per block and the registers (never the bits), and
+# `warps`, `splits` and `code_bias`, which change the summation (bits; batch invariance still holds).
 def _flag(v: str) -> bool:
     if v not in ("0", "1", "false", "true"):
         raise ValueError(v)
@@ -20,25 +21,35 @@ def _flag(v: str) -> bool:
 
 
 OVERRIDABLE = {"prefetch": int, "interleave": _flag, "min_blocks": int, "stage_x": _flag, "warps": int, "splits": int,
-               "stage_w": int, "code_bias": _flag}
+               "stage_w": int, "code_bias": _flag, "tiles": int, "depth": int}
 
 
-def parse_overrides(rules: str) -> list[tuple[tuple[int, int] | int | None, dict]]:
+def _rows(text: str) -> tuple[int, int] | None:
+    """`mR` → (1, R); `mA-B` → (A, B); else None."""
+    if not text.startswith("m"):
+        return None
+    lo, dash, hi = text[1:].partition("-")
+    if dash and lo.isdigit() and hi.isdigit() and int(lo) <= int(hi):
+        return int(lo), int(hi)
+    return (1, int(lo)) if not dash and lo.isdigit() else None
+
+
+def parse_overrides(rules: str) -> list[tuple[tuple[int, int] | range | None, dict]]:
     """"prefetch=2,interleave=0" → [(None, fields)]. Rules are separated by ';', and a rule may start
     with a shape `NxK:` that limits it to keys of that shape (e.g. "5120x6144:min_blocks=3;prefetch=1"),
-    or with `mR:`, which limits it to keys of at most R rows (e.g. "m8:min_blocks=4;stage_w=2").
-    A malformed rule raises ValueError naming it."""
+    or with `mR:` / `mA-B:`, which limit it to keys of at most R rows / of A to B rows (e.g.
+    "m8:min_blocks=4;stage_w=2", "m9-32:tiles=2"). A malformed rule raises ValueError naming it."""
     out = []
     for rule in (r.strip() for r in rules.split(";") if r.strip()):
         shape, _, body = rule.rpartition(":")
         where = None
-        if shape.strip().startswith("m") and shape.strip()[1:].isdigit():
-            where = int(shape.strip()[1:])
+        if rows := _rows(shape.strip()):
+            where = range(rows[0], rows[1] + 1)
         elif shape:
             n, _, k = shape.partition("x")
             if not (n.strip().isdigit() and k.strip().isdigit()):
                 raise ValueError(f"gemv override {rule!r}: {shape!r} is not a shape NxK (e.g. 5120x6144) "
-                                 "or rows mR (e.g. m8)")
+                                 "or rows mR / mA-B (e.g. m8, m9-32)")
             where = (int(n), int(k))
         fields = {}
         for item in body.split(","):
@@ -56,7 +67,7 @@ def parse_overrides(rules: str) -> list[tuple[tuple[int, int] | int | None, dict
 def apply_overrides(key, rules: str):
     """The first rule that applies to the key's shape and gives a valid key wins; else the key as it is."""
     for where, fields in parse_overrides(rules):
-        if isinstance(where, int) and key.m > where or isinstance(where, tuple) and where != (key.n, key.k):
+        if isinstance(where, range) and key.m not in where or isinstance(where, tuple) and where != (key.n, key.k):
             continue
         try:
             return replace(key, **fields)

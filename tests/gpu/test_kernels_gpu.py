@@ -111,7 +111,8 @@ def test_folded_norm_gemvs_are_batch_invariant(h, fmt, n, k, epi, out):
     """The split RMSNorm's GEMVs (a residual projection with `norm_out`, the readers with `scale_in`): a
     row's every output — y, and xn and the tile sums of squares — has the same bits at M = 1, 4 and 32
     (M = 32 reads its rows' sums straight from global memory, M ≤ 8 through shared memory), and the
-    key with activation staging toggled (`stage_x`, where valid) gives the bits of the shipped one."""
+    key with activation staging toggled (`stage_x`, where valid) gives the bits of the shipped one, as do the M = 32
+    key's row-tile and load-depth variants (`tiles`, `depth`: the verify's experiment rules)."""
     g = torch.Generator(device="cuda").manual_seed(11)
     packed = pack_for_device(random_qmatrix(fmt, n, k, g), gate_up=epi == "silu_mul")
     x = torch.randn(32, k, generator=g, device="cuda").bfloat16()
@@ -121,10 +122,12 @@ def test_folded_norm_gemvs_are_batch_invariant(h, fmt, n, k, epi, out):
     fields = {"norm_out": True} if epi == "residual" else {"scale_in": True, "eps": 1e-6}
     keys = [replace(gemv.make_key(fmt, n, k, m, TARGET, epi, out), **fields) for m in (1, 4, 32)]
     staged = {key.m: t for key in keys if (t := _stage_x_toggled(key))}     # m → the key with stage_x toggled
+    tiled = [t for fields in ({"tiles": 1, "depth": 0}, {"tiles": 2, "depth": 1}, {"tiles": 4, "depth": 1},
+                              {"tiles": 3, "depth": 2}) if (t := _variant(keys[-1], **fields)) and t != keys[-1]]
     cache = _variant_cache()
-    cache.build(keys + list(staged.values()))
-    outs, outs_staged = {}, {}
-    for key in keys + list(staged.values()):
+    cache.build(keys + list(staged.values()) + tiled)
+    outs, outs_staged, outs_tiled = {}, {}, []
+    for key in keys + list(staged.values()) + tiled:
         m, toggled = key.m, key is staged.get(key.m)
         y = torch.full((m, n // 2 if epi == "silu_mul" else n), float("nan"), device="cuda",
                        dtype=torch.float32 if out == "f32" else torch.bfloat16)
@@ -140,9 +143,16 @@ def test_folded_norm_gemvs_are_batch_invariant(h, fmt, n, k, epi, out):
         else:
             args.append(ssq[:m].contiguous())
         cache.bind(key, args).launch()
-        (outs_staged if toggled else outs)[m] = got
+        if key in tiled:
+            outs_tiled.append((key, got))
+        else:
+            (outs_staged if toggled else outs)[m] = got
     torch.cuda.synchronize()
     assert staged, f"{fmt} {n}x{k}: no staged variant"
+    assert tiled, f"{fmt} {n}x{k}: no row-tile variant"
+    for key, got in outs_tiled:
+        for name in got:
+            assert h.same_bits(got[name], outs[32][name]), f"{key.name}: {name} differs from the shipped key"
     for m, got in outs_staged.items():
         for name in got:
             assert h.same_bits(got[name], outs[m][name]), f"{staged[m].name}: {name} differs from the shipped key"
@@ -188,6 +198,14 @@ def test_conv_in_the_gemv_equals_gemv_then_conv_kernel(h, fmt, n, k, m):
     assert not torch.equal(hist_one, hist0)
 
 
+def _variant(key, **fields):
+    """`key` with `fields` replaced, or None where that is not a valid key."""
+    try:
+        return replace(key, **fields)
+    except ValueError:
+        return None
+
+
 def _stage_x_toggled(key):
     """`key` with activation staging toggled, or None where that is not a valid key (too many rows to stage)."""
     try:
@@ -207,7 +225,9 @@ GEMV_STREAMS = ({"interleave": True}, {"interleave": False}, {"prefetch": 0}, {"
                 {"prefetch": 2, "interleave": True}, {"prefetch": 4},
                 {"min_blocks": 3}, {"min_blocks": 4, "interleave": False}, {"stage_x": True},
                 {"stage_x": False}, {"stage_x": True, "interleave": True},
-                {"stage_x": True, "interleave": False, "min_blocks": 4})
+                {"stage_x": True, "interleave": False, "min_blocks": 4},
+                {"tiles": 2}, {"tiles": 2, "depth": 1}, {"tiles": 4, "depth": 1}, {"depth": 1}, {"depth": 2},
+                {"tiles": 2, "depth": 2, "min_blocks": 1}, {"tiles": 3, "depth": 3})
 
 
 @pytest.mark.parametrize("fmt,n,k,epi", [("q4g64", 34816, 5120, "silu_mul"), ("q5g64", 5120, 17408, "residual"),
@@ -217,7 +237,8 @@ GEMV_STREAMS = ({"interleave": True}, {"interleave": False}, {"prefetch": 0}, {"
 @pytest.mark.parametrize("m", [1, 4, 32])
 def test_gemv_stream_fields_give_the_same_bits(h, fmt, n, k, epi, m):
     """How units stream (L2 prefetch, interleaving, a register cap, activations staged in
-    shared memory) never changes a bit: every valid variant of the shipped key gives its output exactly,
+    shared memory, row tiles per block, units per load batch) never changes a bit: every valid variant of
+    the shipped key gives its output exactly,
     and writes every element."""
     g = torch.Generator(device="cuda").manual_seed(m)
     packed = pack_for_device(random_qmatrix(fmt, n, k, g), gate_up=epi == "silu_mul")
