@@ -242,10 +242,10 @@ def config(fmt: str, n: int, k: int, m: int, target: Target) -> tuple[int, int, 
         warps = 8
         splits = split_count(fmt, n, k, warps, target)
     # M > 8: each unit's activations (8 × 16 B per lane at M = 32, 8× the Q4 weight bytes) serve two row tiles in
-    # 4-warp blocks, but not in the LM heads' grids of many waves (kernel lab `verify`, H100, chained, with `depth` 2
-    # from stream_config: the C8 verify's GEMVs 14.73 → 13.31 ms; Q4 10240×5120 40.2 → 25.7 µs, Q5 down 49.8 → 42.5;
-    # the W8 LM head 574 → 544 µs at one tile, 686 at two; 8-warp blocks within ±3 % either way).
-    tiles = 2 if m > 8 and warps == 4 and row_tiles < 32 * target.sms and fmt not in KFORMATS else 1
+    # 4-warp blocks (kernel lab `verify`, chained, with `depth` 2 from stream_config: the C8 verify's GEMVs 14.73 →
+    # 13.31 ms on an H100; Q4 10240×5120 40.2 → 25.7 µs, Q5 down 49.8 → 42.5; 8-warp blocks within ±3 % either way).
+    # The LM heads had two tiles before (row tiles ≥ 16 waves' worth); they keep them.
+    tiles = 2 if m > 8 and warps == 4 and fmt not in KFORMATS else 1
     return warps, tiles, splits
 
 
@@ -270,8 +270,9 @@ def stream_config(fmt: str, n: int, k: int, m: int, warps: int, target: Target, 
     waves = ceil_div(n, 16) / (target.sms * 9)
     if fmt in KFORMATS:           # gemv_kq.cu.j2 has its own fields (min_blocks, code_bias, stage_w)
         return kquant_stream_config(fmt, n, m, target)
-    if m > 8:   # one batch ahead in L2; 4-warp blocks load two units at a time (their own registers' bound)
-        return {"prefetch": 1 if target.arch == "sm_90" else 0} | ({"depth": 2} if warps == 4 else {})
+    if m > 8:   # one batch ahead in L2; 4-warp blocks but the LM heads' load two units at a time (H200, the W8 LM head
+                # at 32 rows: 475 µs with the order batch's four, 534 with depth 2 at one tile, 688 at two)
+        return {"prefetch": 1 if target.arch == "sm_90" else 0} | ({"depth": 2} if warps == 4 and waves < 4 else {})
     if waves >= 4:
         return {}
     fields = {"interleave": warps == 4}
