@@ -82,14 +82,16 @@ if part cohort; then                 # C1 and C8, fixed K, adaptive and plain, a
   done
 fi
 if part cohortab; then               # session 20 (issue 32's C8 line): the cohort bench C1/C8 (MTP3 and plain) under each
-                                     # '|'-separated NINFER_GEMV rule set in CAB (base: none), in one process each
+                                     # '|'-separated variant in CAB, one process each: base (none), a NINFER_GEMV rule
+                                     # set, or env:NAME=VALUE (e.g. env:NINFER_FOLD_IN_VERIFY=1)
   IFS='|' read -ra VS <<< "${CAB:-base}"; i=0
   for v in "${VS[@]}"; do
     [ "$v" = base ] && v=""
-    NINFER_GEMV="$v" timeout ${COHORT_S:-300} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --no-vision \
+    ev=CAB_VARIANT=$i; [[ "$v" == env:* ]] && { ev="${v#env:}"; v=""; }
+    env "$ev" NINFER_GEMV="$v" timeout ${COHORT_S:-300} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --no-vision \
       --concurrency ${CONC:-1,8} --draft 3 --accept-prob ${CABP:-0.8} --draft-vocab 32768 --output-tokens ${TOKENS:-256} \
       --cohort-repeats ${CREP:-1} --json $OUT/bench_cohortab$i.json > $OUT/bench_cohortab$i.log 2>&1
-    echo "cohort bench NINFER_GEMV='$v': rc $?"; shown $OUT/bench_cohortab$i.log 12
+    echo "cohort bench ${VS[$i]}: rc $?"; shown $OUT/bench_cohortab$i.log 12
     i=$((i + 1))
   done
 fi
