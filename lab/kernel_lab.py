@@ -5,6 +5,7 @@ kernels run in a decode step, overlapping under programmatic launch on sm_90+). 
 and prints a short table last.
 
   python -m lab.kernel_lab --out lab.json [--only gemv,gdn_step] [--iters 50]   (from the repo root)
+  python -m lab.kernel_lab --only buckets,verify --arch-path sm_86     (the 3090's kernels, as PTX the driver JITs)
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from compiler.kernels import (argmax, attn_decode, attn_prefill, gdn_chunk, gdn_
 from compiler.buckets import plan_bucket
 from compiler.spec import load_spec
 from compiler.kernels.weight_layout import device_bytes
-from compiler.targets import lookup
+from compiler.targets import arch_path_target, lookup
 from lab.cases import gemv_workspace, make_case, random_matrix
 from ninfer_gen.cli.bench import copy_bandwidth
 from ninfer_gen.executor.cuda_module import KernelCache
@@ -326,7 +327,7 @@ def verify_plan(target, l2, shapes=((8, 4), (4, 4))):
 
                 def build(inner=inner, n=n, label=label):
                     return (*inner(), {"in_plan": n, "plan": label})
-                build.key = vkey
+                build.key, build.in_plan, build.plan = vkey, n, label
                 items.append(build)
             yield "verify", items
 
@@ -466,9 +467,14 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--only", default="", help="comma-separated labels: gemv9,gemv,kquant,kquant_gemm,vision,buckets,verify,gdn_step,gdn_chunk,gdn_conv,attn_decode,prefill,gemm_sweep,gemm_27b,wg_27b,wg_sweep,sweep,warps,tune,misc")
     ap.add_argument("--ms", default="1,4,8,16,32", help="M values of the gemv and kquant groups")
+    ap.add_argument("--arch-path", default=None, help="time another card's kernels (e.g. sm_86: the 3090's keys and "
+                    "tiles, built as PTX the driver JIT-compiles, no PDL), as `run --arch-path` runs them")
     args = ap.parse_args(argv)
     major, minor = torch.cuda.get_device_capability()
-    target = lookup(f"sm_{major}{minor}")
+    target = arch_path_target(f"sm_{major}{minor}", args.arch_path)
+    if args.arch_path:
+        global KERNELS
+        KERNELS = KernelCache(build_root(), jobs=os.cpu_count(), jit_ptx=True)
     copy_gbs = copy_bandwidth(args.iters)
     rows, t0 = [], time.time()
     ms = tuple(int(m) for m in args.ms.split(","))
@@ -479,10 +485,11 @@ def main(argv=None):
         print(f"prebuild failed: {type(err).__name__}: {err}", flush=True)
     for label, items in groups:
         rows += measure(label, items, args.iters, copy_gbs)
-        out = {"device": torch.cuda.get_device_name(), "target": target.name, "copy_gbps": copy_gbs,
+        out = {"device": torch.cuda.get_device_name(), "target": target.name, "arch": target.arch, "copy_gbps": copy_gbs,
                "iters": args.iters, "seconds": time.time() - t0, "results": rows}
         Path(args.out).write_text(json.dumps(out, indent=1))           # after every group: partial runs count
-    print(f"\ndevice {out['device']}  copy {copy_gbs:.0f} GB/s  (median of {args.iters}; JSON: {args.out})")
+    print(f"\ndevice {out['device']}, {target.arch} kernels{' as PTX' if args.arch_path else ''}  copy {copy_gbs:.0f} GB/s  "
+          f"(median of {args.iters}; JSON: {args.out})")
     print(f"{'kernel':<62} {'us':>9} {'GB/s':>8} {'copy%':>6} {'TFLOP/s':>8} {'chain us':>9} {'copy%':>6}")
     for r in rows:
         if "error" in r:
