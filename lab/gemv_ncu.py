@@ -1,5 +1,5 @@
-"""gemv_ncu: the shipped M = 1 decode GEMVs of the 27B spec, launched back to back over rotated weight
-copies (bigger than L2), for a profiler to read: run it under Nsight Compute to see where a shape's
+"""gemv_ncu: the shipped decode GEMVs of the 27B spec (M = 1, or `--m` rows: 32 is the C8 verify), launched back
+to back over rotated weight copies (bigger than L2), for a profiler to read: run it under Nsight Compute to see where a shape's
 warps stall. Each shape is launched `--launches` times after a warm-up; the kernel names say the shape.
 A shape may end in `:RULE`, an experiment rule of `compiler.kernels.gemv_rules` (e.g.
 `q4_k:34816x5120:silu_mul:stage_w=2`), to profile a variant.
@@ -24,6 +24,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=DEFAULT, help="comma-separated FMT:NxK:EPILOGUE[:RULE]")
     ap.add_argument("--launches", type=int, default=12)
+    ap.add_argument("--m", type=int, default=1, help="activation rows (1 … 32)")
     args = ap.parse_args(argv)
     major, minor = torch.cuda.get_device_capability()
     target = lookup(f"sm_{major}{minor}")
@@ -33,7 +34,7 @@ def main(argv=None) -> None:
         fmt, nk, epi, *rule = shape.split(":")
         n, k = (int(v) for v in nk.split("x"))
         cfg = [lambda key, r=rule[0]: apply_overrides(key, r)] if rule else None
-        thunks += gemv_runs(fmt, n, k, [1], epi, "bf16", target, l2, cfg)
+        thunks += gemv_runs(fmt, n, k, [args.m], epi, "bf16", target, l2, cfg)
     KERNELS.build([t.key for t in thunks])
     for thunk in thunks:
         key, runs, *_ = thunk()

@@ -206,12 +206,12 @@ if part vlab; then                   # session 18 (issue 33's compiled encoder, 
   timeout ${VLAB_S:-150} python3 -m lab.kernel_lab --only vision --out $OUT/vision_lab.json > $OUT/vision_lab.log 2>&1
   echo "vision kernel lab: rc $?"; grep -a "^attn_vision\|^gemm_bf16\|^layernorm\|^pos_embed\|^27B encoder" $OUT/vision_lab.log
 fi
-if part kqncu; then                  # session 19 (issue 34): Nsight Compute on the k-quant GEMVs and their group-64 twin,
+if part kqncu; then                  # session 19 (issue 34): Nsight Compute on the k-quant GEMVs and their group-64 twin (NCUM: rows),
                                      # shipped and staged (lab/gemv_ncu.py FMT:NxK:EPI[:RULE]), one report per shape
   for shape in ${KQNCU_SHAPES:-q4_k:34816x5120:silu_mul q4_k:34816x5120:silu_mul:stage_w=2 q4g64:34816x5120:silu_mul \
                q6_k:5120x17408:residual q6_k:5120x17408:residual:stage_w=2}; do
     timeout ${NCU_S:-90} ncu --clock-control none --kernel-name regex:gemv --launch-skip 4 --launch-count 1 \
-      --set full --import-source no python3 -m lab.gemv_ncu --shapes $shape >> $OUT/kq_ncu.txt 2>&1
+      --set full --import-source no python3 -m lab.gemv_ncu --shapes $shape ${NCUM:+--m $NCUM} >> $OUT/kq_ncu.txt 2>&1
     echo "ncu $shape: rc $?"
   done
   grep -a "gemv_\|Duration\|Memory Throughput\|DRAM Throughput\|Executed Ipc A\|Registers Per\|Achieved Occupancy\|Issue Slots Busy\|No Eligible\|Executed Instructions  " $OUT/kq_ncu.txt | grep -av "us per launch" | head -80
