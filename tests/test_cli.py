@@ -62,6 +62,23 @@ def test_bad_input_is_one_clear_line(capsys, argv, message):
     assert err.startswith("error:") and message in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("argv,option", [
+    (["run", "--prompt", "x", "--max-tokens", "-1"], "--max-tokens"),          # once: a run of no tokens, exit 0
+    (["run", "--prompt", "x", "--max-context", "0"], "--max-context"),         # once: silently the spec's context
+    (["serve", "--max-context", "-5"], "--max-context"),
+    (["plan", TINY, "--max-context", "0"], "--max-context"),
+    (["bench", "--output-tokens", "0"], "--output-tokens"),
+    (["bench", "--workload", "agent", "--turns", "0"], "--turns"),
+    (["run", "--prompt", "x", "--max-tokens", "many"], "--max-tokens"),
+])
+def test_counts_that_must_be_positive_are_refused_before_loading(capsys, argv, option):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"error: argument {option}: expected a positive integer" in err
+    assert "Traceback" not in err
+
+
 def test_a_file_named_gguf_gets_the_gguf_readers_error(capsys, tmp_path):
     """A *.gguf path that is not a GGUF (no magic) is refused by the GGUF reader, by name, not as "expected a
     checkpoint" (run and convert)."""

@@ -8,6 +8,7 @@ import sys
 from collections import Counter
 
 from compiler.schema import SpecError
+from ninfer_gen.cli.arg_types import positive_int
 from ninfer_gen.cli.run import add_run_parser
 from ninfer_gen.cli.weights_cmds import CONVERT_DESCRIPTION, cmd_convert, cmd_draft_vocab, fmt_bytes
 
@@ -177,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="split a VRAM budget into weights, state, arena and KV pool")
     pl.add_argument("spec", help="path to a model spec YAML")
     pl.add_argument("--cohorts", type=int, default=8, help="concurrent lanes (state slots)")
-    pl.add_argument("--max-context", type=int, default=None, help="tokens per lane (default: the spec's)")
+    pl.add_argument("--max-context", type=positive_int, default=None, help="tokens per lane (default: the spec's)")
     pl.add_argument("--vram-budget", default="24GiB", help="device memory to plan for (default 24GiB = RTX 3090)")
     pl.add_argument("--draft", type=int, default=None, help="MTP draft tokens (default: the spec's)")
     pl.add_argument("--kv", choices=("int8", "bf16"), default=None, help="KV cache dtype (default: the spec's)")
@@ -197,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--arch", default=None, help="sm_80 | sm_86 | sm_87 | sm_89 | sm_90 (wins over --target)")
     b.add_argument("--cohorts", default=None, help="cohort sizes, e.g. 1,2,4,8 (default: the spec's)")
     b.add_argument("--draft", type=int, default=None, help="MTP draft tokens (default: the spec's)")
-    b.add_argument("--max-context", type=int, default=None, help="tokens per sequence (default: the spec's)")
+    b.add_argument("--max-context", type=positive_int, default=None, help="tokens per sequence (default: the spec's)")
     b.add_argument("--kv", choices=("int8", "bf16"), default=None, help="KV cache dtype (default: the spec's)")
     b.add_argument("--tp", type=int, default=1, help="tensor parallel: compile one rank's kernels of N (all ranks' "
                    "are the same; the NCCL runtime that would run them is not built yet)")
@@ -216,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--tokens", type=int, default=1, help="tokens per row (1 = decode, K+1 = verify)")
     i.add_argument("--act", choices=("f32", "bf16"), default="bf16", help="activation dtype")
     i.add_argument("--kv", choices=("int8", "bf16", "f32"), default=None, help="KV cache dtype (default: the spec's)")
-    i.add_argument("--max-context", type=int, default=None, help="tokens per sequence (default: the spec's)")
+    i.add_argument("--max-context", type=positive_int, default=None, help="tokens per sequence (default: the spec's)")
     i.add_argument("--stats", action="store_true", help="print equation counts instead of the graph")
     i.add_argument("--plan", action="store_true", help="print the lowered plan: every kernel call with its launch "
                    "and a binding per parameter (after the pass pipeline)")
@@ -258,9 +259,9 @@ def _bench_arguments(p) -> None:
                    help="model spec YAML; its weights are drawn on the GPU in the spec's formats (default: 27B); the "
                    "cohort bench also takes a checkpoint or converted folder here")
     p.add_argument("--weights", default=None, help="an HF checkpoint directory instead of random weights")
-    p.add_argument("--prompt-tokens", type=int, default=30, help="short prompt length (default 30)")
-    p.add_argument("--output-tokens", type=int, default=1024, help="greedy tokens per request (default 1024)")
-    p.add_argument("--repeats", type=int, default=2, help="requests of the short workload (median reported)")
+    p.add_argument("--prompt-tokens", type=positive_int, default=30, help="short prompt length (default 30)")
+    p.add_argument("--output-tokens", type=positive_int, default=1024, help="greedy tokens per request (default 1024)")
+    p.add_argument("--repeats", type=positive_int, default=2, help="requests of the short workload (median reported)")
     p.add_argument("--prefill", default="8192,32768", help="long prompt lengths, comma separated ('' = none)")
     p.add_argument("--vram-budget", default="24GiB", help="memory budget, enforced on the allocator (default 24GiB)")
     p.add_argument("--hf-json", default=None, help="lab/hf_baseline.py output for same-day ratios")

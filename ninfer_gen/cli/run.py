@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from ninfer_gen.cli.arg_types import positive_int
 from ninfer_gen.cli.run_cohort import COHORT_LANES, cohort_size, prompts_of, run_cohort
 
 
@@ -178,7 +179,7 @@ def add_run_parser(sub) -> None:
     r.add_argument("--json", action="store_true", help="print one JSON object per request and line instead of the "
                    "text: index, text, tokens, ttft_ms, decode_tok_s, acceptance (null without drafts), "
                    "tokens_per_round, prompt_tokens, finish, error")
-    r.add_argument("--max-tokens", type=int, default=96)
+    r.add_argument("--max-tokens", type=positive_int, default=96, help="new tokens per prompt at most (default 96)")
     r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     r.add_argument("--top-k", type=int, default=0)
     r.add_argument("--top-p", type=float, default=1.0)
@@ -194,7 +195,7 @@ def add_run_parser(sub) -> None:
     r.add_argument("--device", default=None, help="reference: cpu or cuda (default: cuda when available)")
     r.add_argument("--random-weights", action="store_true",
                    help="gpu: with a spec YAML, draw the weights on the GPU in their quantised formats (seed 0)")
-    r.add_argument("--max-context", type=int, default=None, help="tokens per sequence (default: the spec's)")
+    r.add_argument("--max-context", type=positive_int, default=None, help="tokens per sequence (default: the spec's)")
     r.add_argument("--vram-budget", default="24GiB", help="gpu: memory budget (default 24GiB = RTX 3090)")
     r.add_argument("--no-graphs", action="store_true", help="gpu: launch kernels one by one (no CUDA graphs)")
     r.add_argument("--draft", type=int, default=None, help="MTP speculative decoding with K drafts per round "

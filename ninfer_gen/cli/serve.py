@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import sys
 
+from ninfer_gen.cli.arg_types import positive_int
+
 DEFAULT_TIMEOUT_S = 600.0        # serve.core's default (not imported: the parser must not load torch)
 MAX_IMAGES = 8                   # vision.preprocess.ImageLimits' defaults (not imported, for the same reason)
 MAX_IMAGE_PIXELS = 64 * 2**20
@@ -50,7 +52,7 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--served-model-name", default=None, help="the model name clients use (default: the spec's name)")
     s.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="reference activations")
     s.add_argument("--device", default=None, help="reference: cpu or cuda (default: cuda when available)")
-    s.add_argument("--max-context", type=int, default=None, help="tokens per sequence (default: the spec's)")
+    s.add_argument("--max-context", type=positive_int, default=None, help="tokens per sequence (default: the spec's)")
     s.add_argument("--no-verify", action="store_true", help="a converted container: skip checking its hashes")
     s.add_argument("--no-vision", action="store_true", help="do not load the model's vision tower: serve it as a "
                    "text model (less memory and load time; requests with images are refused)")
