@@ -68,7 +68,7 @@ def test_bad_input_is_one_clear_line(capsys, argv, message):
     (["serve", "--max-context", "-5"], "--max-context"),
     (["plan", TINY, "--max-context", "0"], "--max-context"),
     (["bench", "--output-tokens", "0"], "--output-tokens"),
-    (["bench", "--workload", "agent", "--turns", "0"], "--turns"),
+    (["bench", "--repeats", "0"], "--repeats"),
     (["run", "--prompt", "x", "--max-tokens", "many"], "--max-tokens"),
 ])
 def test_counts_that_must_be_positive_are_refused_before_loading(capsys, argv, option):

@@ -28,7 +28,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ninfer_gen.cli.arg_types import positive_int
 from ninfer_gen.cli.bench_common import (MEMORY_HEAD_GPU, Driver, Memory, device_name, gdn_state_per_lane, int_list,
                                          lane_tokens, line_plot, load_model, memory_text, pct, pick_backend, random_ids,
                                          write_report)
@@ -50,10 +49,10 @@ def add_arguments(p) -> None:
                    "per turn beside it. Runs on the CPU too (--backend reference). Of the bench's other options it "
                    "takes --weights, --draft (default 3), --accept-prob, --draft-vocab, --vram-budget, --json, "
                    "--backend, --prefill-budget, --batch-steps")
-    p.add_argument("--context-tokens", type=positive_int, default=None, metavar="N", help="agent: tokens of the repository "
+    p.add_argument("--context-tokens", type=int, default=None, metavar="N", help="agent: tokens of the repository "
                    f"context every session starts with (default {CONTEXT_DEFAULT['gpu']:,} on the GPU, "
                    f"{CONTEXT_DEFAULT['reference']:,} on the reference backend)")
-    p.add_argument("--turns", type=positive_int, default=6, help="agent: turns per session (default 6); a turn's prompt is "
+    p.add_argument("--turns", type=int, default=6, help="agent: turns per session (default 6); a turn's prompt is "
                    "the previous turn's prompt + its answer + a tool result")
     p.add_argument("--sessions", default=None, metavar="S,S,...", help="agent: sessions at once, one run per "
                    f"count (default {SESSIONS_DEFAULT['gpu']} on the GPU, {SESSIONS_DEFAULT['reference']} on the "
