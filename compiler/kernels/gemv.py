@@ -270,8 +270,9 @@ def stream_config(fmt: str, n: int, k: int, m: int, warps: int, target: Target, 
     waves = ceil_div(n, 16) / (target.sms * 9)
     if fmt in KFORMATS:           # gemv_kq.cu.j2 has its own fields (min_blocks, code_bias, stage_w)
         return kquant_stream_config(fmt, n, m, target)
-    if m > 8:   # one batch ahead in L2; 4-warp blocks but the LM heads' load two units at a time (H200, the W8 LM head
-                # at 32 rows: 475 µs with the order batch's four, 534 with depth 2 at one tile, 688 at two)
+    if m > 8:   # one batch ahead in L2; 4-warp blocks but the LM heads' load two units at a time (the W8 LM head at
+                # 32 rows, H200: 475 µs at two tiles with the order batch's four, 534 at one tile with two; H100:
+                # 686 µs at two tiles with two)
         return {"prefetch": 1 if target.arch == "sm_90" else 0} | ({"depth": 2} if warps == 4 and waves < 4 else {})
     if waves >= 4:
         return {}
