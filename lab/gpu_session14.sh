@@ -90,8 +90,9 @@ if part cohortab; then               # session 20 (issue 32's C8 line): the coho
     ev=CAB_VARIANT=$i; [[ "$v" == env:* ]] && { ev="${v#env:}"; v=""; }
     env "$ev" NINFER_GEMV="$v" timeout ${COHORT_S:-300} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --no-vision \
       --concurrency ${CONC:-1,8} --draft 3 --accept-prob ${CABP:-0.8} --draft-vocab 32768 --output-tokens ${TOKENS:-256} \
-      --cohort-repeats ${CREP:-1} --json $OUT/bench_cohortab$i.json > $OUT/bench_cohortab$i.log 2>&1
-    echo "cohort bench ${VS[$i]}: rc $?"; shown $OUT/bench_cohortab$i.log 12
+      --cohort-repeats ${CREP:-1} --json $OUT/bench_cohortab$i.json > /tmp/cohortab$i.log 2>&1
+    echo "cohort bench ${VS[$i]}: rc $?" | tee -a $OUT/cohortab.log; shown /tmp/cohortab$i.log 12 | tee -a $OUT/cohortab.log
+    rm -f $OUT/bench_cohortab$i.png          # (≤ 8 files come back: one log for all variants, a JSON each)
     i=$((i + 1))
   done
 fi
