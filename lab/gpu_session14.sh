@@ -16,12 +16,13 @@ python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&
 part() { [ -z "${PART:-}" ] || [[ ",$PART," == *",$1,"* ]]; }
 if part attn; then                   # session 16 (issue 31 item 2): the tensor-core decode attention — its kernel tests
                                      # (every case key, past 32K), then the long-context lab at 4K / 32K / 128K
+                                     # (AVAR: lab template variants, e.g. vahead; ACG: combine split groups, e.g. 1,4)
   timeout ${ATTNT_S:-240} python3 -m pytest -m gpu tests/gpu/test_kernels_gpu.py tests/gpu/test_long_context_gpu.py \
     -k "attn_decode or attn_combine" -v -rf -p no:cacheprovider > $OUT/attn_tests.log 2>&1
   echo "attn tests: rc $?"; grep -a "PASSED\|FAILED\|ERROR" $OUT/attn_tests.log | sed 's/ *\[ *[0-9]*%\]//' | tail -30
   grep -a "rel\|max\|Error" $OUT/attn_tests.log | head -20
   timeout ${ATTNL_S:-200} python3 -m lab.attn_long --out $OUT/attn_long.json --splits ${ASPLITS:-132,264} \
-    --contexts ${ACTX:-4096,32768,131072} --variant ${AVAR:-vahead} > $OUT/attn_long.log 2>&1
+    --contexts ${ACTX:-4096,32768,131072} ${AVAR:+--variant $AVAR} ${ACG:+--combine-groups $ACG} > $OUT/attn_long.log 2>&1
   echo "attn lab: rc $?"; shown $OUT/attn_long.log 30
 fi
 if part pattn; then                  # session 17 (issue 31, 128K TTFT): the prefill attention over a long history,
