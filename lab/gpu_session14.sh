@@ -2,7 +2,7 @@
 # The device calls of sessions 13–14 (issues 30–34): the GPU tier's cohort, speculative, runtime and arch-path
 # files, the 27B C1 bench through the engine (K = 3, 32K draft head, accept 0.8), the cohort bench C1/C8 (fixed,
 # adaptive, plain), the sm_86 path, serve with no flags, long context, k-quants, and images (vision).
-# PART=attn,pattn,fixes,sdiag,tests,bench,fold,chain,cohort,arch,serve,long,pace,kq,gguf27,vision,agent,kqlab,kqab,vlab,kqncu,buckets,verify,cohortab (default: all, in that order). Logs to $OUT
+# PART=attn,pattn,fixes,sdiag,tests,bench,fold,chain,cohort,arch,serve,long,pace,kq,gguf27,vision,agent,kqlab,kqab,vlab,kqncu,buckets,verify,cohortab,stepab (default: all, in that order). Logs to $OUT
 # as it goes. `chain` (session 15, issue 32 item 2): joined GEMV launches — their bit tests, then the same-run step
 # A/B of off / group / chain on the sm_90 path and on the sm_86 path.
 # The text benches load the 27B with --no-vision (the figures earlier sessions compare with); `vision` measures
@@ -73,6 +73,12 @@ if part chain; then                  # issue 32 item 2: decode GEMVs in fewer la
       ${arch:+--arch-path $arch} --rounds 5 --json $OUT/chain_ab${arch:+_$arch}.json > $OUT/chain_ab${arch:+_$arch}.log 2>&1
     echo "step A/B ${arch:-sm_90}: rc $?"; shown $OUT/chain_ab${arch:+_$arch}.log 6
   done
+fi
+if part stepab; then                 # session 20: the 27B decode step under '|'-separated variants in SAB (lab.step_ab:
+                                     # base, NINFER_GEMV rule sets, env:NAME=VALUE), each its own graph, one process
+  timeout ${STEPAB_S:-200} python3 -m lab.step_ab --variants "${SAB:-base}" ${SARCH:+--arch-path $SARCH} --rounds 5 \
+    --json $OUT/step_ab.json > $OUT/step_ab.log 2>&1
+  echo "step A/B: rc $?"; shown $OUT/step_ab.log 8
 fi
 if part cohort; then                 # C1 and C8, fixed K, adaptive and plain, at each accept probability in PS
   for p in ${PS:-0.8}; do
