@@ -249,9 +249,10 @@ def kquant_plan(target, l2, ms):
     yield "kquant_gemm", [case_runs(k, l2) for k in dict.fromkeys(keys)]
 
 
-def planned_runs(plan, l2, label: str, families=None) -> list:
+def planned_runs(plan, l2, label: str, families=None, variant=None) -> list:
     """Thunks for the kernels of one plan (those of `families`, or all), each row carrying its launches in the plan
-    (`in_plan`) and the plan's `label`: main prints Σ in_plan × µs per label beside the bytes those launches move."""
+    (`in_plan`) and the plan's `label`: main prints Σ in_plan × µs per label beside the bytes those launches move.
+    `variant(key)`: the key to time in a plan key's place (its launches counted as the plan's key's)."""
     from collections import Counter
 
     counts = Counter(c.key for c in plan.calls)
@@ -259,11 +260,12 @@ def planned_runs(plan, l2, label: str, families=None) -> list:
     for key in plan.keys():
         if families and key.family not in families:
             continue
-        inner = case_runs(key, l2)
+        timed = variant(key) if variant else key
+        inner = case_runs(timed, l2)
 
         def build(inner=inner, n=counts[key]):
             return (*inner(), {"in_plan": n, "plan": label})
-        build.key = key
+        build.key, build.in_plan, build.plan = timed, counts[key], label
         items.append(build)
     return items
 
@@ -307,29 +309,24 @@ def verify_plan(target, l2, shapes=((8, 4), (4, 4))):
     """`verify`: the verify GEMVs of C8 and C4 (27B, B = 8 / 4, T = 4: 32 / 16 rows) under each VERIFY_VARIANTS, one
     plan label per variant (Σ launches × median per variant; a variant a shape cannot take — reduction over 48 KiB —
     keeps the shipped key there)."""
-    from collections import Counter
     spec = load_spec(Path(__file__).resolve().parent.parent / "model_specs/qwen3.8-27b.yaml")
+
+    def varied(variant):
+        def key_of(key):
+            fields = variant(key) if callable(variant) else dict(variant or {})
+            if key.warps == 8 and fields.get("tiles", key.tiles) > 1:
+                fields["min_blocks"] = 1
+            try:
+                return replace(key, **fields) if fields and key.fmt not in ("q4_k", "q5_k", "q6_k") else key
+            except ValueError:
+                return key
+        return key_of
+
     for batch, tokens in shapes:
         plan = plan_bucket(spec, target, "step", batch, tokens)
-        counts = Counter(c.key for c in plan.calls if c.key.family == "gemv")
         for name, variant in VERIFY_VARIANTS:
-            label = f"verify B = {batch}, T = {tokens}, {name}"
-            items = []
-            for key, n in counts.items():
-                fields = variant(key) if callable(variant) else dict(variant or {})
-                if key.warps == 8 and fields.get("tiles", key.tiles) > 1:
-                    fields["min_blocks"] = 1
-                try:
-                    vkey = replace(key, **fields) if fields and key.fmt not in ("q4_k", "q5_k", "q6_k") else key
-                except ValueError:
-                    vkey = key
-                inner = case_runs(vkey, l2)
-
-                def build(inner=inner, n=n, label=label):
-                    return (*inner(), {"in_plan": n, "plan": label})
-                build.key, build.in_plan, build.plan = vkey, n, label
-                items.append(build)
-            yield "verify", items
+            yield "verify", planned_runs(plan, l2, f"verify B = {batch}, T = {tokens}, {name}", ("gemv",),
+                                         varied(variant))
 
 
 def tune_configs(fmt, n, k, epi, out, target) -> list[dict]:
