@@ -2,7 +2,7 @@
 # The device calls of sessions 13–14 (issues 30–34): the GPU tier's cohort, speculative, runtime and arch-path
 # files, the 27B C1 bench through the engine (K = 3, 32K draft head, accept 0.8), the cohort bench C1/C8 (fixed,
 # adaptive, plain), the sm_86 path, serve with no flags, long context, k-quants, and images (vision).
-# PART=attn,pattn,fixes,sdiag,tests,bench,fold,chain,cohort,arch,serve,long,pace,kq,gguf27,vision,agent,kqlab,kqab,vlab,kqncu,buckets,verify,cohortab,stepab (default: all, in that order). Logs to $OUT
+# PART=attn,pattn,fixes,sdiag,tests,bench,fold,chain,cohort,arch,serve,long,pace,kq,gguf27,vision,agent,kqlab,kqab,vlab,kqncu,buckets,verify,cohortab,stepab,attnncu (default: all, in that order). Logs to $OUT
 # as it goes. `chain` (session 15, issue 32 item 2): joined GEMV launches — their bit tests, then the same-run step
 # A/B of off / group / chain on the sm_90 path and on the sm_86 path.
 # The text benches load the 27B with --no-vision (the figures earlier sessions compare with); `vision` measures
@@ -223,6 +223,17 @@ if part kqncu; then                  # session 19 (issue 34): Nsight Compute on 
     echo "ncu $shape: rc $?"
   done
   grep -a "gemv_\|Duration\|Memory Throughput\|DRAM Throughput\|Executed Ipc A\|Registers Per\|Achieved Occupancy\|Issue Slots Busy\|No Eligible\|Executed Instructions  " $OUT/kq_ncu.txt | grep -av "us per launch" | head -80
+fi
+if part attnncu; then                 # session 21 (issue 31): Nsight Compute on the decode attention at 32K keys (T = 1; ANCU_RE
+                                     # picks the kernel, AVAR a lab variant) and the prefill attention at a 32K history
+  timeout ${NCU_S:-120} ncu --clock-control none --kernel-name regex:${ANCU_RE:-attn_decode} --launch-skip 5 --launch-count 1 \
+    --set full --import-source no python3 -m lab.attn_long --contexts 32768 --t 1 --iters 3 --out /tmp/attn_ncu.json \
+    ${AVAR:+--variant $AVAR} > $OUT/attn_ncu.txt 2>&1; echo "ncu decode attention: rc $?"
+  timeout ${NCU_S:-120} ncu --clock-control none --kernel-name regex:'attn_prefill.*_w' --launch-skip 1 --launch-count 1 \
+    --set full --import-source no python3 -m lab.attn_prefill_long --history 32768 --iters 2 --warmup 1 --check-tokens 16 \
+    --out /tmp/attn_prefill_ncu.json >> $OUT/attn_ncu.txt 2>&1; echo "ncu prefill attention: rc $?"
+  grep -a "attn_\|Duration\|Memory Throughput\|DRAM Throughput\|L1/TEX Hit\|Executed Ipc A\|Registers Per\|Achieved Occupancy\|Issue Slots Busy\|No Eligible\|Stall\|Pipe\|Shared Memory\|Bank" \
+    $OUT/attn_ncu.txt | grep -av "us per\|^attn_.*grid" | head -90
 fi
 if part verify; then                 # session 20 (issue 32's C8 line): the C8 verify's 32-row GEMVs under row-tile / load-depth
                                      # variants (lab/kernel_lab.py VERIFY_VARIANTS): Σ ms and % of copy per variant
