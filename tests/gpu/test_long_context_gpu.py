@@ -76,7 +76,7 @@ def test_attn_decode_row_has_the_same_bits_in_a_decode_and_in_a_verify(h, ctx):
 
 
 @pytest.mark.parametrize("groups", [1, 2, 3, 4])
-def test_combine_split_groups_match_the_reference(h, groups):
+def test_attn_combine_split_groups_match_the_reference(h, groups):
     """attn_combine with its splits reduced in 1 … 4 groups side by side (attn_combine.split_groups picks 4 at the
     27B's 66 splits) matches the fp32 reference for a verify's rows at 40,010 keys (3 groups: a last group
     shorter than the others)."""
