@@ -108,17 +108,23 @@ def measure(args) -> dict:
     target = lookup(args.arch or f"sm_{major}{minor}")
     read_gbs, copy_gbs = read_bandwidth(args.iters), copy_bandwidth(args.iters)
     cases = keys(args, target)
-    KERNELS.build([k for key, _ in cases for k in ([key, attn_combine.for_decode(key)] if key.splits > 1 else [key])])
+    groups = args.combine_groups or [0]                # 0: the combine key the case builds (attn_combine.for_decode)
+
+    def combine(k, g):
+        return replace(k, groups=g) if g and k.family == "attn_combine" else k
+    KERNELS.build([combine(k, g) for key, _ in cases for g in groups
+                   for k in ([key, attn_combine.for_decode(key)] if key.splits > 1 else [key])])
     rows = []
-    for key, ctx in cases:
+    for (key, ctx), g in ((case, g) for case in cases for g in groups):
         moved = attn_bytes(key, ctx)
-        row = {"name": key.name, "context": ctx, "t": key.t, "splits": key.splits, "variant": variant_of(key), **moved}
+        row = {"name": key.name, "context": ctx, "t": key.t, "splits": key.splits, "variant": variant_of(key),
+               "combine_groups": g or (attn_combine.for_decode(key).groups if key.splits > 1 else 0), **moved}
         try:
             first = make_case(key, DEVICE, 0, ctx=ctx)
             assert first.bytes == moved["useful"], (first.bytes, moved["useful"])
             copies = max(1, min(32, -(-2 * target.l2_bytes // first.bytes)))
             built = [first] + [make_case(key, DEVICE, i, ctx=ctx) for i in range(1, copies)]
-            runs = [[KERNELS.bind(k, a) for k, a in c.launches] for c in built]
+            runs = [[KERNELS.bind(combine(k, g), a) for k, a in c.launches] for c in built]
             us = statistics.median(time_launches(runs, args.iters))
             chain = time_chain(runs, args.iters)
             alone = statistics.median(time_launches([r[:1] for r in runs], args.iters))
@@ -131,7 +137,8 @@ def measure(args) -> dict:
                 "copy_fraction": gbs / copy_gbs, "read_fraction_chain": moved["useful"] / chain / 1e3 / read_gbs,
                 "combine_share": max(0.0, 1 - alone / us)}
         rows.append(row)
-        print(f"  {key.name} @ {ctx}: {us:.1f} us, chained {chain:.1f} us", flush=True)
+        print(f"  {key.name} @ {ctx}, combine groups {row['combine_groups']}: {us:.1f} us, chained {chain:.1f} us",
+              flush=True)
         del runs, built, first
         torch.cuda.empty_cache()
     return {"device": torch.cuda.get_device_name(), "target": target.name, "read_GBps": read_gbs,
@@ -141,10 +148,11 @@ def measure(args) -> dict:
 def table(r: dict) -> str:
     lines = [f"device {r['device']}; read stream {r['read_GBps']:,.0f} GB/s, copy {r['copy_GBps']:,.0f} GB/s "
              f"(median of {r['iters']})",
-             f"{'context':>8} {'T':>2} {'splits':>6} {'variant':>8} {'us':>8} {'MB':>7} {'GB/s':>7} {'read%':>6} {'chain us':>9} "
-             f"{'read%':>6} {'combine':>8}"]
+             f"{'context':>8} {'T':>2} {'splits':>6} {'variant':>8} {'groups':>6} {'us':>8} {'MB':>7} {'GB/s':>7} {'read%':>6} "
+             f"{'chain us':>9} {'read%':>6} {'combine':>8}"]
     for x in r["results"]:
-        head = f"{x['context']:>8,} {x['t']:>2} {x['splits']:>6} {x.get('variant', 'shipped'):>8}"
+        head = (f"{x['context']:>8,} {x['t']:>2} {x['splits']:>6} {x.get('variant', 'shipped'):>8} "
+                f"{x.get('combine_groups', 1):>6}")
         if "error" in x:
             lines.append(f"{head} FAILED: {x['error'][:90]}")
             continue
@@ -171,12 +179,15 @@ def parse(argv=None):
     ap.add_argument("--max-pages", type=int, default=2048, help="block-table width of the keys (default 2048: "
                     "the runtime's 128K profile)")
     ap.add_argument("--arch", default=None, help="sm_XX of the keys (default: the GPU's; sm_90 for --dry-run)")
+    ap.add_argument("--combine-groups", default="", help="attn_combine split groups to time each case with, e.g. 1,4 "
+                    "(default: the shipped choice, attn_combine.split_groups)")
     ap.add_argument("--iters", type=int, default=50, help="timings per case (median)")
     ap.add_argument("--out", default="attn_long.json", help="JSON results")
     ap.add_argument("--dry-run", action="store_true", help="keys, launches and byte counts only: no GPU")
     args = ap.parse_args(argv)
     args.contexts, args.t = int_list(args.contexts, "--contexts"), int_list(args.t, "--t")
     args.splits = int_list(args.splits, "--splits") if args.splits else []
+    args.combine_groups = int_list(args.combine_groups, "--combine-groups") if args.combine_groups else []
     args.variant = [v for v in args.variant.split(",") if v]
     if any(v not in VARIANTS for v in args.variant):
         raise SystemExit(f"error: --variant: expected some of {', '.join(VARIANTS)}, got {','.join(args.variant)!r}")

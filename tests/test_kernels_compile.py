@@ -414,3 +414,25 @@ def test_gemv_shared_memory_check_matches_ptxas(build_root, arch):
     assert max(b.meta["smem_bytes"] for b in summary.built) > 44 * 1024          # the edge is in the sample
     for b in summary.built:
         assert b.meta["smem_bytes"] == gemv.static_smem_bytes(b.key), b.key.name
+
+
+@pytest.mark.parametrize("arch", ["sm_86", "sm_90"])
+def test_attn_combine_split_groups(build_root, arch):
+    """The combine reduces the 27B's 66 splits in 4 groups of 256 threads (attn_combine.split_groups: ≥ 8 splits a
+    group, ≤ 1,024 threads), few splits in one; every group count compiles within 64 registers (a 1,024-thread
+    block's share) without spills; impossible counts are refused at the key."""
+    from compiler.kernels import attn_combine
+
+    target = lookup(arch)
+    dk = attn_decode.make_key(24, 4, 256, 8, 4, "int8", 2048, target)
+    key = attn_combine.for_decode(dk)
+    assert dk.splits >= 32 and key.groups == 4 and attn_combine.launch(key).block == (1024, 1, 1)
+    assert attn_combine.split_groups(256, 7) == 1 and attn_combine.split_groups(64, 200) == 4
+    keys = [replace(key, groups=g) for g in (1, 2, 3, 4)]
+    summary = build_kernels(keys, jobs=2, root=build_root, progress=False)
+    for b in summary.built:
+        assert b.meta["registers"] <= 64 and not b.meta["spill_stores"], (b.key.name, b.meta["registers"])
+    with pytest.raises(ValueError, match="d · groups ≤ 1024"):
+        replace(key, groups=5)
+    with pytest.raises(ValueError, match="1 ≤ groups ≤ splits"):
+        attn_combine.Key(24, 256, 1, 1, 64, 2, True, arch, 3)

@@ -75,6 +75,24 @@ def test_attn_decode_row_has_the_same_bits_in_a_decode_and_in_a_verify(h, ctx):
     torch.cuda.empty_cache()
 
 
+@pytest.mark.parametrize("groups", [1, 2, 3, 4])
+def test_attn_combine_split_groups_match_the_reference(h, groups):
+    """attn_combine with its splits reduced in 1 … 4 groups side by side (attn_combine.split_groups picks 4 at the
+    27B's 66 splits) matches the fp32 reference for a verify's rows at 40,010 keys (3 groups: a last group
+    shorter than the others)."""
+    from dataclasses import replace
+
+    key = attn_decode.make_key(HQ, HKV, D, 1, 4, "int8", MAX_PAGES, TARGET)
+    case = make_case(key, "cuda", 5, ctx=40_010)
+    case.launches = [(replace(k, groups=groups) if k.family == "attn_combine" else k, a) for k, a in case.launches]
+    assert [k.groups for k, _ in case.launches if k.family == "attn_combine"] == [groups]
+    h.build([k for k, _ in case.launches])
+    h.run(case)
+    h.compare(case, f"{key.name}, combine in {groups} groups")
+    del case
+    torch.cuda.empty_cache()
+
+
 @pytest.mark.parametrize("ctx", [32800, CONTEXT])
 def test_attn_prefill_chunk_at_the_end_of_128k(h, ctx):
     _check(h, attn_prefill.make_key(HQ, HKV, D, 64, "int8", MAX_PAGES, TARGET), ctx)
