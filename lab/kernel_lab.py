@@ -299,8 +299,11 @@ def _s19(key):
     return {"tiles": 2 if ceil_div(key.n, 16) >= 16 * lookup(key.arch).sms else 1, "depth": 0}
 
 
-VERIFY_VARIANTS = (("shipped", None), ("session 19", _s19), ("tiles 1, depth 2", {"tiles": 1, "depth": 2}),
-                   ("tiles 2, depth 1", {"tiles": 2, "depth": 1}), ("tiles 4, depth 2", {"tiles": 4, "depth": 2}))
+# Branch gemv-x-early: `x_early` loads a batch's activations right after its weights (at 32 rows each unit's 4 KiB of
+# activations misses L1 and waited for L2 inside the batch's mma, one more exposed latency per unit).
+VERIFY_VARIANTS = (("shipped", None), ("session 19", _s19), ("x_early", {"x_early": True}),
+                   ("x_early, depth 1", {"x_early": True, "depth": 1}), ("tiles 1, depth 2", {"tiles": 1, "depth": 2}),
+                   ("tiles 4, depth 2", {"tiles": 4, "depth": 2}))
 
 
 def verify_plan(target, l2, shapes=((8, 4), (4, 4))):
@@ -317,7 +320,7 @@ def verify_plan(target, l2, shapes=((8, 4), (4, 4))):
             items = []
             for key, n in counts.items():
                 fields = variant(key) if callable(variant) else dict(variant or {})
-                if key.warps == 8 and fields.get("tiles", key.tiles) > 1:
+                if key.warps == 8 and (fields.get("tiles", key.tiles) > 1 or fields.get("x_early")):
                     fields["min_blocks"] = 1
                 try:
                     vkey = replace(key, **fields) if fields and key.fmt not in ("q4_k", "q5_k", "q6_k") else key
