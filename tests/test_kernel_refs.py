@@ -177,6 +177,10 @@ def test_gemv_rows_range_rules_set_row_tiles_and_load_depth():
         replace(keys[8], depth=9)
     with pytest.raises(ValueError, match="one unit at a time"):
         replace(gemv.make_key("q4_k", 34816, 5120, 1, h200, "silu_mul"), depth=2)
+    early = {m: gemv.make_key("q4g64", 10240, 5120, m, h200, overrides="m9-32:x_early=1,depth=1") for m in (8, 32)}
+    assert not early[8].x_early and early[32].x_early and early[32].name.endswith("_d1_xe_sm90")
+    with pytest.raises(ValueError, match="no x_early"):
+        replace(gemv.make_key("q6_k", 5120, 17408, 32, h200, "residual"), x_early=True)
 
 
 def test_options_reach_the_plan_not_the_environment(monkeypatch):

@@ -87,6 +87,7 @@ class Key(KernelKey):
                              # 128·d·Σ_j sc_j·S_j leaves with the mins (other bits than without, fp32 accuracy)
     depth: int = 0          # units per warp loaded together (PD in templates/gemv.cu.j2; 0: the order batch, OB): how
                             # far a warp's loads run ahead of its mma, never the order (same bits)
+    x_early: bool = False   # a load batch's activations loaded right after its weights, before its mma (same bits)
 
     def __post_init__(self):
         if self.fmt not in FORMATS and self.fmt not in KFORMATS:
@@ -125,8 +126,9 @@ class Key(KernelKey):
         if self.stage_x and stage_x_bytes(self) > STAGE_X_LIMIT:
             raise ValueError(f"gemv: stage_x needs {stage_x_bytes(self)} B of shared memory for the activations "
                              f"(limit {STAGE_X_LIMIT}); m = {self.m}, k = {self.k}, splits = {self.splits}")
-        if self.fmt in KFORMATS and self.depth:
-            raise ValueError(f"gemv: {self.fmt} streams one unit at a time (depth 0), got depth {self.depth}")
+        if self.fmt in KFORMATS and (self.depth or self.x_early):
+            raise ValueError(f"gemv: {self.fmt} streams one unit at a time (depth 0, no x_early), got depth "
+                             f"{self.depth}, x_early {self.x_early}")
         if not 0 <= self.depth <= 8 or not 1 <= self.tiles <= 4:
             raise ValueError(f"gemv: depth {self.depth} / tiles {self.tiles} outside 0..8 / 1..4")
         if static_smem_bytes(self) > STATIC_SMEM:
@@ -148,7 +150,8 @@ class Key(KernelKey):
                 + (["hn"] if self.norm_out else []) + (["rs"] if self.scale_in else [])
                 + ([f"cv{self.conv}"] if self.conv else []) + (["xs"] if self.stage_x else [])
                 + ([f"sw{self.stage_w}"] if self.stage_w else [])
-                + (["cb"] if self.code_bias else []) + ([f"d{self.depth}"] if self.depth else []))
+                + (["cb"] if self.code_bias else []) + ([f"d{self.depth}"] if self.depth else [])
+                + (["xe"] if self.x_early else []))
 
 
 STAGE_X_LIMIT = 24 * 1024    # bytes of activations a `stage_x` block may stage (static shared memory is 48 KiB)

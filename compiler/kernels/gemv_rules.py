@@ -21,7 +21,7 @@ def _flag(v: str) -> bool:
 
 
 OVERRIDABLE = {"prefetch": int, "interleave": _flag, "min_blocks": int, "stage_x": _flag, "warps": int, "splits": int,
-               "stage_w": int, "code_bias": _flag, "tiles": int, "depth": int}
+               "stage_w": int, "code_bias": _flag, "tiles": int, "depth": int, "x_early": _flag}
 
 
 def _rows(text: str) -> tuple[int, int] | None:

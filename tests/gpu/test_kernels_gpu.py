@@ -123,7 +123,8 @@ def test_folded_norm_gemvs_are_batch_invariant(h, fmt, n, k, epi, out):
     keys = [replace(gemv.make_key(fmt, n, k, m, TARGET, epi, out), **fields) for m in (1, 4, 32)]
     staged = {key.m: t for key in keys if (t := _stage_x_toggled(key))}     # m → the key with stage_x toggled
     tiled = [t for fields in ({"tiles": 1, "depth": 0}, {"tiles": 2, "depth": 1}, {"tiles": 4, "depth": 1},
-                              {"tiles": 3, "depth": 2}) if (t := _variant(keys[-1], **fields)) and t != keys[-1]]
+                              {"tiles": 3, "depth": 2}, {"x_early": True, "depth": 1}, {"x_early": True, "min_blocks": 1})
+             if (t := _variant(keys[-1], **fields)) and t != keys[-1]]
     cache = _variant_cache()
     cache.build(keys + list(staged.values()) + tiled)
     outs, outs_staged, outs_tiled = {}, {}, []
@@ -227,7 +228,8 @@ GEMV_STREAMS = ({"interleave": True}, {"interleave": False}, {"prefetch": 0}, {"
                 {"stage_x": False}, {"stage_x": True, "interleave": True},
                 {"stage_x": True, "interleave": False, "min_blocks": 4},
                 {"tiles": 2}, {"tiles": 2, "depth": 1}, {"tiles": 4, "depth": 1}, {"depth": 1}, {"depth": 2},
-                {"tiles": 2, "depth": 2, "min_blocks": 1}, {"tiles": 3, "depth": 3})
+                {"tiles": 2, "depth": 2, "min_blocks": 1}, {"tiles": 3, "depth": 3}, {"x_early": True},
+                {"x_early": True, "depth": 1}, {"x_early": True, "tiles": 3, "depth": 3, "min_blocks": 1})
 
 
 @pytest.mark.parametrize("fmt,n,k,epi", [("q4g64", 34816, 5120, "silu_mul"), ("q5g64", 5120, 17408, "residual"),
@@ -237,7 +239,8 @@ GEMV_STREAMS = ({"interleave": True}, {"interleave": False}, {"prefetch": 0}, {"
 @pytest.mark.parametrize("m", [1, 4, 32])
 def test_gemv_stream_fields_give_the_same_bits(h, fmt, n, k, epi, m):
     """How units stream (L2 prefetch, interleaving, a register cap, activations staged in
-    shared memory, row tiles per block, units per load batch) never changes a bit: every valid variant of
+    shared memory, row tiles per block, units per load batch, activations loaded with the weights) never changes
+    a bit: every valid variant of
     the shipped key gives its output exactly,
     and writes every element."""
     g = torch.Generator(device="cuda").manual_seed(m)
