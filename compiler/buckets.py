@@ -87,6 +87,12 @@ class Profile:
     def speculative(self) -> bool:
         return self.mtp and self.draft > 0
 
+    @property
+    def record_sets(self) -> int:
+        """ReplaySSM record sets a lane keeps: 2 when fused rounds fold inside the next verify (the sets written in
+        turn, compiler.round.record_buckets), else 1."""
+        return 2 if self.options.fold_in_verify and not self.snapshots else 1
+
     def draft_rows(self, spec: ModelSpec) -> int:
         """Rows of the MTP head's vocabulary projection: the reduced draft vocabulary's, else the vocabulary's."""
         return self.draft_vocab or spec.model.vocab_size
@@ -107,7 +113,7 @@ class Profile:
         if self.speculative:
             rounds = [b for b in cohorts if b * self.tail_tokens <= MAX_ROWS]
             out += [(e, b, self.tail_tokens) for b in rounds for e in ("verify", "commit", "mtp")]
-            if self.options.fold_in_verify and not self.snapshots:     # compiler.round.record_buckets
+            if self.record_sets == 2:
                 kinds = [f"verify.{x}" for x in RECORD_SETS] + [f"commit.{RECORD_SETS[1]}"]
                 out += [(e, b, self.tail_tokens) for b in rounds for e in kinds]
             out += [("mtp", b, 1) for b in rounds] + [("mtp", 1, t) for t in self.prefill_sizes()]

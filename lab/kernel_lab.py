@@ -293,22 +293,24 @@ def step_buckets_plan(target, l2):
 # Session 20 (issue 32's C8 line): the 32-row verify GEMVs ran at 32.4 % of copy (H100, `buckets`) against 61.1 % for
 # the 8-row step. Each warp loads its unit's activations for all 32 rows (8 × 16 B per lane, 8× the unit's Q4 weight
 # bytes) once per row tile; `tiles` row tiles per block reuse them from registers, `depth` units per load batch keeps
-# the registers in bounds. Neither changes the bits. The first run's (tiles, depth) sweep chose two tiles and depth 2
-# for 4-warp blocks but the LM heads (gemv.config, stream_config: 16.76 → 15.03 ms); the variants are now relative to
-# that: session 19's keys (one tile but at ≥ 16 waves' worth of row tiles, depth = the order batch) and neighbours.
-# 8-warp blocks with more than one row tile get min_blocks 1 (at 2, 128 registers: they spill).
+# the registers in bounds. Neither changes the bits. Session 20's sweep chose two tiles and depth 2 for 4-warp blocks
+# but the LM heads (16.76 → 15.03 ms). Session 21 (H100, 14.99 → 14.41 ms): `x_early` loads a batch's activations
+# right after its weights (at 32 rows each unit's 4 KiB of activations misses L1 and was waited for inside the batch's
+# mma), and depth 1 under a 4-block cap on sm_90 (registers go per thread in steps of 8: 128 or fewer fit 4 blocks,
+# 16 warps per SM instead of 12). The variants are relative to the shipped keys: sessions 20's and 19's keys and
+# neighbours. 8-warp blocks with more than one row tile or x_early get min_blocks 1 (at 2, 128 registers: they spill).
 def _s19(key):
-    return {"tiles": 2 if ceil_div(key.n, 16) >= 16 * lookup(key.arch).sms else 1, "depth": 0}
+    return {"tiles": 2 if ceil_div(key.n, 16) >= 16 * lookup(key.arch).sms else 1, "depth": 0, "x_early": False,
+            "min_blocks": 2}
 
 
-# Branch gemv-x-early: `x_early` loads a batch's activations right after its weights (at 32 rows each unit's 4 KiB of
-# activations misses L1 and waited for L2 inside the batch's mma, one more exposed latency per unit).
-# Registers go per thread in steps of 8: two tiles at depth 2 (140 → 144) fit 3 blocks per SM, at depth 1 under a
-# 4-block cap (128, no spills; with x_early 126) 4: 16 warps per SM instead of 12. (8-warp keys keep their cap.)
-VERIFY_VARIANTS = (("shipped", None), ("session 19", _s19), ("x_early", {"x_early": True}),
-                   ("x_early, depth 1", {"x_early": True, "depth": 1}),
-                   ("x_early, depth 1, 4 blocks", {"x_early": True, "depth": 1, "min_blocks": 4}),
-                   ("depth 1, 4 blocks", {"depth": 1, "min_blocks": 4}), ("tiles 4, depth 2", {"tiles": 4, "depth": 2}))
+def _s20(key):
+    return {"x_early": False} | ({"depth": 2, "min_blocks": 2} if key.depth == 1 else {})
+
+
+VERIFY_VARIANTS = (("shipped", None), ("session 20", _s20), ("session 19", _s19), ("no x_early", {"x_early": False}),
+                   ("no cap", {"min_blocks": 2}), ("x_early, depth 2", {"x_early": True, "depth": 2, "min_blocks": 2}),
+                   ("tiles 4, depth 2", {"tiles": 4, "depth": 2, "min_blocks": 2}))
 
 
 def verify_plan(target, l2, shapes=((8, 4), (4, 4))):

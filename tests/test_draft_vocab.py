@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from compiler.options import CompileOptions
 from compiler.buckets import plan_bucket, plan_rounds, profile_of
 from compiler.kernels import spec_round
 from compiler.kernels.weight_layout import pack_for_device
@@ -86,10 +87,11 @@ def test_mtp_plan_and_round_over_the_draft_rows():
 
 @pytest.mark.parametrize("acceptance", ["greedy", "sampled", "coin"])
 def test_round_plan_order_and_bindings(acceptance):
-    """Fused: the fold first, then begin → verify → the choice → accept → MTP over the committed slots →
-    per draft the choice and the draft step, a chained MTP step between drafts; eager: no fold. Every
-    parameter bound; what a call writes for the next entry is that entry's input."""
-    profile = profile_of(TINY, cohorts=(1,), draft=3, accept_coin=True)
+    """Fused with a commit step (fold_in_verify off; its rounds: tests/test_fold_in_verify.py): the fold first,
+    then begin → verify → the choice → accept → MTP over the committed slots → per draft the choice and the draft
+    step, a chained MTP step between drafts; eager: no fold. Every parameter bound; what a call writes for the
+    next entry is that entry's input."""
+    profile = profile_of(TINY, cohorts=(1,), draft=3, accept_coin=True, options=CompileOptions(fold_in_verify=False))
     fused = plan_round(TINY, lookup("h200"), profile, 1, acceptance)
     steps = [s if isinstance(s, tuple) else (s.key.family, getattr(s.key, "stage", "")) for s in fused.steps]
     choice = ("spec_round", "probs") if acceptance == "sampled" else ("argmax", "")

@@ -70,7 +70,8 @@ def _exe(weights, target="rtx3090", profile=PROFILE, slots=2):
     the 27B with `AnyWeights` and a 4-page KV pool."""
     spec = TINY if weights is not None else BIG
     rounds = (max(profile.cohorts), profile.tail_tokens) if profile.speculative else (0, 0)
-    state = DeviceState(spec, 64 if weights is not None else 4, slots, profile.kv_dtype, "cpu", *rounds)
+    state = DeviceState(spec, 64 if weights is not None else 4, slots, profile.kv_dtype, "cpu", *rounds,
+                        snapshots=profile.snapshots, record_sets=profile.record_sets)
     rec = RecordingKernels()
     return Executable(spec, lookup(target), weights or AnyWeights(), state, rec, profile, "cpu"), rec
 

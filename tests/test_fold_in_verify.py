@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BIG = load_spec(ROOT / "model_specs" / "qwen3.8-27b.yaml")
 TINY = load_spec(ROOT / "model_specs" / "qwen3.8-tiny.yaml")
 H200 = TARGETS["h200"]
-ON = CompileOptions(fold_in_verify=True)
+ON, OFF = CompileOptions(fold_in_verify=True), CompileOptions(fold_in_verify=False)   # ON is the default
 
 
 def _bucket_launches(spec, profile, shape) -> int:
@@ -27,7 +27,7 @@ def _bucket_launches(spec, profile, shape) -> int:
 
 
 def test_the_rounds_lose_the_commit_step_and_alternate_record_sets():
-    profile, base = profile_of(BIG, cohorts=(1, 8), options=ON), profile_of(BIG, cohorts=(1, 8))
+    profile, base = profile_of(BIG, cohorts=(1, 8), options=ON), profile_of(BIG, cohorts=(1, 8), options=OFF)
     t = profile.tail_tokens
     assert {("verify.rec", 8, t), ("verify.rec1", 8, t), ("commit.rec1", 8, t)} <= set(profile.shapes())
     before = plan_round(BIG, H200, base, 8, "greedy")
@@ -63,7 +63,7 @@ def test_a_folding_verify_binds_its_own_set_and_folds_the_other(parity):
     commit = plan_bucket(TINY, H200, "commit.rec1", 2, 4, profile_of(TINY, cohorts=(1, 2), options=ON))
     assert all(dict(c.args)["rec" if c.key.family == "gdn_conv" else "rec_k"].name.startswith("rec1.")
                for c in commit.calls)
-    plain = plan_bucket(TINY, H200, "verify", 2, 4, profile_of(TINY, cohorts=(1, 2)))
+    plain = plan_bucket(TINY, H200, "verify", 2, 4, profile_of(TINY, cohorts=(1, 2), options=OFF))
     for c in plain.calls:
         if c.key.family == "gdn_step":
             assert c.key.mode == "record" and dict(c.args)["prev_k"] == NULL and dict(c.args)["rec_k"] == State("rec.0.k")

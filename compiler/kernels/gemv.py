@@ -273,10 +273,19 @@ def stream_config(fmt: str, n: int, k: int, m: int, warps: int, target: Target, 
     waves = ceil_div(n, 16) / (target.sms * 9)
     if fmt in KFORMATS:           # gemv_kq.cu.j2 has its own fields (min_blocks, code_bias, stage_w)
         return kquant_stream_config(fmt, n, m, target)
-    if m > 8:   # one batch ahead in L2; 4-warp blocks but the LM heads' load two units at a time (the W8 LM head at
-                # 32 rows, H200: 475 µs at two tiles with the order batch's four, 534 at one tile with two; H100:
-                # 686 µs at two tiles with two)
-        return {"prefetch": 1 if target.arch == "sm_90" else 0} | ({"depth": 2} if warps == 4 and waves < 4 else {})
+    if m > 8:   # one batch ahead in L2; 4-warp blocks load a batch's activations right after its weights
+                # (`x_early`), and but for the LM heads one unit per batch under a 4-block register cap (16 warps
+                # per SM: the C8 verify's GEMVs 14.99 → 14.41 ms, C8 MTP / plain end to end 1.56 → 1.60×, H100,
+                # session 21); the LM heads keep the order batch's depth (the W8 LM head at 32 rows, H200: 475 µs
+                # at two tiles with four units per batch, 534 at one tile with two; H100: 686 µs at two tiles with
+                # two). 8-warp blocks (sm_90's Q5 projections) stay as they are: under a cap they spill. The cap is
+                # sm_90's alone: on sm_86 the Q5 down projection with the next norm folded spills under it.
+        fields = {"prefetch": 1 if target.arch == "sm_90" else 0}
+        if warps == 4:
+            fields["x_early"] = True
+            if waves < 4:
+                fields |= {"depth": 1} | ({"min_blocks": 4} if target.arch == "sm_90" else {})
+        return fields
     if waves >= 4:
         return {}
     fields = {"interleave": warps == 4}

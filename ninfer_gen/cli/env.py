@@ -16,8 +16,8 @@ VARIABLES = {
     "NINFER_CONV_FOLD": "0 keeps the GDN conv kernel of one-token steps (A/B measurements)",
     "NINFER_PDL": "0 turns off programmatic dependent launch on sm_90+",
     "NINFER_GEMV": "experiment rules for decode-GEMV key fields, e.g. 5120x6144:min_blocks=3;prefetch=1",
-    "NINFER_FOLD_IN_VERIFY": "1 folds each speculative round's records inside the next round's verify (two record "
-                             "sets in turn) instead of a commit step at the round's start",
+    "NINFER_FOLD_IN_VERIFY": "0 folds each speculative round's records in a commit step at the round's start "
+                             "instead of inside the next round's verify (default 1: two record sets in turn)",
     "NINFER_CHAIN": "decode GEMVs in fewer launches: off (default), group (each group of concurrent GEMVs one "
                     "launch) or chain (runs of consecutive GEMV groups one launch)",
 }

@@ -94,19 +94,7 @@ class GpuBackend(SequencePool):
         kv_dtype = kv_dtype or rt.kv_dtype
         ctx = max_context or rt.max_context
         snapshots = round_mode == "snapshot"
-        self.memory = memory or plan_memory(spec, cohorts, ctx, vram_budget, draft=draft, kv_dtype=kv_dtype,
-                                            snapshots=snapshots, kv_pool_tokens=kv_pool_tokens,
-                                            record_sets=2 if options.fold_in_verify and not snapshots else 1,
-                                            prefix_states=prefix_states,
-                                            vision_patches=vision_patches if vision is not None else 0,
-                                            vision_target=self.target if vision_kernels else None)
-        self.prefix_states = prefix_states
-        per_seq = math.ceil(ctx / rt.page_size)
-        pages = min(self.memory.kv_pages, kv_pool_pages(cohorts, ctx, rt.page_size, kv_pool_tokens))
-        primary_context(self.device.index)
-        if draft_vocab is not None and len(draft_vocab) < spec.model.vocab_size:
-            add_draft_head(weights, draft_vocab)
-        else:
+        if draft_vocab is not None and len(draft_vocab) >= spec.model.vocab_size:
             draft_vocab = None
         self.draft_ids = draft_vocab
         self.profile = profile_of(spec, cohorts=cohort_sizes(rt.cohorts, cohorts),
@@ -114,6 +102,17 @@ class GpuBackend(SequencePool):
                                   prefill_chunk=prefill_chunk, draft=draft, accept_coin=accept_coin,
                                   draft_vocab=len(draft_vocab) if draft_vocab else 0, snapshots=snapshots,
                                   images=vision is not None)
+        self.memory = memory or plan_memory(spec, cohorts, ctx, vram_budget, draft=draft, kv_dtype=kv_dtype,
+                                            snapshots=snapshots, kv_pool_tokens=kv_pool_tokens,
+                                            record_sets=self.profile.record_sets, prefix_states=prefix_states,
+                                            vision_patches=vision_patches if vision is not None else 0,
+                                            vision_target=self.target if vision_kernels else None)
+        self.prefix_states = prefix_states
+        per_seq = math.ceil(ctx / rt.page_size)
+        pages = min(self.memory.kv_pages, kv_pool_pages(cohorts, ctx, rt.page_size, kv_pool_tokens))
+        primary_context(self.device.index)
+        if draft_vocab is not None:
+            add_draft_head(weights, draft_vocab)
         self.kernels = KernelCache(build_root, jobs=jobs, progress=progress,
                                    jit_ptx=self.target.arch != device_arch(self.device))
         self.encoder = None
@@ -123,9 +122,8 @@ class GpuBackend(SequencePool):
         elif vision is not None:
             self.encoder = VisionEncoder(spec, vision, self.device)
         rounds = (max(self.profile.cohorts), self.profile.tail_tokens) if self.profile.speculative else (0, 0)
-        sets = 2 if options.fold_in_verify and not snapshots else 1        # compiler.round.record_buckets
         self.state = DeviceState(spec, pages, cohorts, kv_dtype, self.device, *rounds, snapshots=snapshots,
-                                 record_sets=sets)
+                                 record_sets=self.profile.record_sets)
         self.weights = weights
         self.exe = Executable(spec, self.target, weights, self.state, self.kernels, self.profile, self.device)
         self.exe.prepare()                  # every kernel and all memory of the profile, once, up front
