@@ -4,13 +4,16 @@ tokens in a shuffled pool, keyed as the runtime's 128K profile builds them (a 2,
 case: µs (median of CUDA-event timings; inputs rotated over copies bigger than 2 × L2), the bytes it must move
 (K and V codes with their scales, q, the gate, the output; the split partials apart, as overhead), GB/s and the
 fraction of a read-only stream and of a copy measured in the same run — alone and chained back to back (how it
-runs inside a step) — and the decode kernel without its combine. `--splits` tries other split counts than the
-target's choice; `--variant vahead` also times lab/templates/attn_decode_vahead.cu.j2 (V prefetched a chunk ahead at
-one row tile) on the same inputs. Writes JSON (--out), prints a table last. `--dry-run` (any machine, no GPU): the keys, launch
-grids and byte counts only.
+runs inside a step) — and the decode kernel without its combine (timed alone, and chained: `dec. chain`).
+`--splits` tries other split counts than the target's choice; `--variant` also times lab templates on the same
+inputs: `vahead` (lab/templates/attn_decode_vahead.cu.j2, V a chunk ahead at one row tile), `ring` / `ring3`
+(lab/templates/attn_decode_ring.cu.j2: each warp cp.asyncs its K, V and scales S − 1 chunks ahead into its own
+shared-memory ring; S by `ring_stages`, or 3), each checked bit for bit against the shipped kernel on the same
+inputs (the `bits` column). Writes JSON (--out), prints a table last. `--dry-run` (any machine, no GPU): the keys,
+launch grids, shared memory and byte counts only.
 
   python -m lab.attn_long --out attn_long.json [--contexts 4096,32768,131072] [--t 1,4] [--splits 66,132,264]
-  python -m lab.attn_long --dry-run [--arch sm_90]
+  python -m lab.attn_long --dry-run [--arch sm_90] [--variant ring]
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import argparse
 import json
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from compiler.kernels import attn_combine, attn_decode
@@ -38,11 +41,78 @@ class VaheadKey(attn_decode.Key):
         return super()._name_parts() + ["vahead"]
 
 
-VARIANTS = {"vahead": lambda key: VaheadKey(**key.fields())}
+RESERVED_SMEM = 1024        # shared memory the CUDA runtime keeps per block on sm_80+ (counts against the SM's)
+
+
+def ring_smem(key: attn_decode.Key, stages: int) -> int:
+    """The ring template's dynamic shared memory (it asserts the same): the score exchange (static in the shipped
+    kernel, attn_decode.smem_bytes) and per warp `stages` stages of a chunk's K and V codes (64 bytes a key) and its
+    K and V scales of every group (fp16)."""
+    t = attn_decode.tiling(key)
+    exchange = attn_decode.smem_bytes(key) if t.warps > 1 else 0
+    return exchange + stages * t.warps * (2 * t.chunk * 64 + 2 * t.chunk * (key.d // 64) * 2)
+
+
+def ring_stages(key: attn_decode.Key) -> int:
+    """The most stages (2–4) with which two blocks still fit an SM of the key's arch — the shipped kernel's
+    occupancy, one wave of the 27B's 264 blocks on 132 SMs: 4 on sm_90, 3 (one row tile) or 2 (two) on sm_80. Where
+    not even 2 do (sm_86/89, 100 KB an SM: the exchange and two stages are 52–68 KB a block), the most for one
+    block an SM (4 / 3): the 3090 needs ~6 KB in flight an SM, and one block's ring holds several times that."""
+    target = lookup(key.arch)
+    for blocks in (2, 1):
+        for stages in (4, 3, 2):
+            need = ring_smem(key, stages)
+            if need <= target.smem_per_block and blocks * (need + RESERVED_SMEM) <= target.smem_per_sm:
+                return stages
+    raise ValueError(f"attn_decode ring: no ring of 2 stages fits {target.name}'s shared memory ({key.name})")
+
+
+@dataclass(frozen=True)
+class RingKey(attn_decode.Key):
+    """The lab variant of attn_decode whose warps cp.async their K, V and scales `stages` − 1 chunks ahead into
+    their own shared-memory rings (the same launch grid, partials and bits as the shipped kernel's: only where the
+    bytes come from changes); its shared memory is all dynamic (`ring_smem`)."""
+    stages: int
+    template, template_dir = "attn_decode_ring.cu.j2", LAB_TEMPLATES
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.kv_dtype != "int8":
+            raise ValueError(f"attn_decode ring: INT8 KV only ({self.kv_dtype} asked): bf16 keys are 128 bytes a "
+                             "warp, whose ring layout and swizzle the template does not have")
+        if self.stages < 2:
+            raise ValueError(f"attn_decode ring: {self.stages} stages: a ring needs 2 or more")
+        need, limit = ring_smem(self, self.stages), lookup(self.arch).smem_per_block
+        if need > limit:
+            raise ValueError(f"attn_decode ring: {self.stages} stages take {need} B of shared memory, more than the "
+                             f"{limit} B a block may have on {self.arch}")
+
+    def dynamic_smem(self) -> int:
+        return ring_smem(self, self.stages)
+
+    def _name_parts(self):
+        return super()._name_parts() + [f"ring{self.stages}"]
+
+
+VARIANTS = {"vahead": lambda key: VaheadKey(**key.fields()),
+            "ring": lambda key: RingKey(**key.fields(), stages=ring_stages(key)),
+            "ring3": lambda key: RingKey(**key.fields(), stages=3)}
 
 
 def variant_of(key) -> str:
+    if isinstance(key, RingKey):
+        return "ring" if key.stages == ring_stages(key) else f"ring{key.stages}"
     return "vahead" if isinstance(key, VaheadKey) else "shipped"
+
+
+def shipped_of(key: attn_decode.Key) -> attn_decode.Key:
+    """The shipped key a variant is checked against: the same fields but the variant's own."""
+    return attn_decode.Key(**{f.name: getattr(key, f.name) for f in fields(attn_decode.Key)})
+
+
+def block_smem(key: attn_decode.Key) -> int:
+    """Shared memory a block takes: the shipped (and vahead) exchange is static, the ring's is all dynamic."""
+    return key.dynamic_smem() or attn_decode.smem_bytes(key)
 
 
 def int_list(text: str, option: str) -> list[int]:
@@ -66,7 +136,7 @@ def keys(args, target) -> list[tuple[attn_decode.Key, int]]:
             base = attn_decode.make_key(HQ, HKV, D, 1, t, "int8", args.max_pages, target)
             variants = [base] + [replace(base, splits=s) for s in args.splits if s != base.splits]
             variants += [VARIANTS[v](k) for v in args.variant for k in list(variants)]
-            out += [(k, ctx) for k in variants]
+            out += [(k, ctx) for k in dict.fromkeys(variants)]   # ring and ring3 are one key where 3 stages fit
     return out
 
 
@@ -92,8 +162,28 @@ def dry_run(args) -> list[dict]:
         moved = attn_bytes(key, ctx)
         launch = attn_decode.launch(key)
         rows.append({"name": key.name, "context": ctx, "t": key.t, "splits": key.splits, "grid": launch.grid,
+                     "smem": block_smem(key), "variant": variant_of(key),
                      "combine": attn_combine.for_decode(key).name if key.splits > 1 else None, **moved})
     return rows
+
+
+def same_bits(key: attn_decode.Key, case, bind) -> bool:
+    """Whether `key` (a variant) writes the shipped kernel's partials and, through the combine, output bit for bit
+    on `case`'s inputs: each run starts from the same NaN-filled buffers (the entries of inactive splits stay so in
+    both), compared as bytes."""
+    import torch
+
+    (_, args), *rest = case.launches
+    written = [t for t in args[:3] if t is not None]           # out, part_o, part_ml
+    results = []
+    for k in (shipped_of(key), key):
+        for t in written:
+            t.fill_(float("nan"))
+        for launcher in [bind(k, args)] + [bind(kc, a) for kc, a in rest]:
+            launcher.launch()
+        torch.cuda.synchronize()
+        results.append([t.clone().view(torch.uint8) for t in written])
+    return all(torch.equal(a, b) for a, b in zip(*results))
 
 
 def measure(args) -> dict:
@@ -113,7 +203,8 @@ def measure(args) -> dict:
     def combine(k, g):
         return replace(k, groups=g) if g and k.family == "attn_combine" else k
     KERNELS.build([combine(k, g) for key, _ in cases for g in groups
-                   for k in ([key, attn_combine.for_decode(key)] if key.splits > 1 else [key])])
+                   for k in ([key, attn_combine.for_decode(key)] if key.splits > 1 else [key])] +
+                  [shipped_of(key) for key, _ in cases])
     rows = []
     for (key, ctx), g in ((case, g) for case in cases for g in groups):
         moved = attn_bytes(key, ctx)
@@ -122,12 +213,18 @@ def measure(args) -> dict:
         try:
             first = make_case(key, DEVICE, 0, ctx=ctx)
             assert first.bytes == moved["useful"], (first.bytes, moved["useful"])
+            if row["variant"] != "shipped":          # at ctx keys and with a ragged last chunk (ctx − 37)
+                ragged = make_case(key, DEVICE, 1, ctx=max(key.t, ctx - 37))
+                same = all(same_bits(key, c, lambda k, a: KERNELS.bind(combine(k, g), a)) for c in (first, ragged))
+                row["bits"] = "same" if same else "DIFF"
+                del ragged
             copies = max(1, min(32, -(-2 * target.l2_bytes // first.bytes)))
             built = [first] + [make_case(key, DEVICE, i, ctx=ctx) for i in range(1, copies)]
             runs = [[KERNELS.bind(combine(k, g), a) for k, a in c.launches] for c in built]
             us = statistics.median(time_launches(runs, args.iters))
             chain = time_chain(runs, args.iters)
             alone = statistics.median(time_launches([r[:1] for r in runs], args.iters))
+            alone_chain = time_chain([r[:1] for r in runs], args.iters)
         except Exception as err:                       # one failing case must not hide the others
             rows.append(row | {"error": f"{type(err).__name__}: {err}"})
             print(f"  {key.name} @ {ctx}: FAILED {type(err).__name__}: {err}", flush=True)
@@ -135,7 +232,8 @@ def measure(args) -> dict:
         gbs = moved["useful"] / us / 1e3
         row |= {"us": us, "us_chain": chain, "us_decode_only": alone, "GBps": gbs, "read_fraction": gbs / read_gbs,
                 "copy_fraction": gbs / copy_gbs, "read_fraction_chain": moved["useful"] / chain / 1e3 / read_gbs,
-                "combine_share": max(0.0, 1 - alone / us)}
+                "combine_share": max(0.0, 1 - alone / us), "us_decode_chain": alone_chain,
+                "decode_read_fraction_chain": moved["useful"] / alone_chain / 1e3 / read_gbs}
         rows.append(row)
         print(f"  {key.name} @ {ctx}, combine groups {row['combine_groups']}: {us:.1f} us, chained {chain:.1f} us",
               flush=True)
@@ -148,25 +246,28 @@ def measure(args) -> dict:
 def table(r: dict) -> str:
     lines = [f"device {r['device']}; read stream {r['read_GBps']:,.0f} GB/s, copy {r['copy_GBps']:,.0f} GB/s "
              f"(median of {r['iters']})",
-             f"{'context':>8} {'T':>2} {'splits':>6} {'variant':>8} {'groups':>6} {'us':>8} {'MB':>7} {'GB/s':>7} {'read%':>6} "
-             f"{'chain us':>9} {'read%':>6} {'combine':>8}"]
+             f"{'context':>8} {'T':>2} {'splits':>6} {'variant':>8} {'groups':>6} {'bits':>4} {'us':>8} {'MB':>7} "
+             f"{'GB/s':>7} {'read%':>6} {'chain us':>9} {'read%':>6} {'combine':>8} {'dec. chain':>10} {'read%':>6}"]
     for x in r["results"]:
         head = (f"{x['context']:>8,} {x['t']:>2} {x['splits']:>6} {x.get('variant', 'shipped'):>8} "
-                f"{x.get('combine_groups', 1):>6}")
+                f"{x.get('combine_groups', 1):>6} {x.get('bits', '-'):>4}")
         if "error" in x:
             lines.append(f"{head} FAILED: {x['error'][:90]}")
             continue
         lines.append(f"{head} {x['us']:>8.1f} {x['useful'] / 1e6:>7.1f} {x['GBps']:>7,.0f} "
                      f"{100 * x['read_fraction']:>6.1f} {x['us_chain']:>9.1f} {100 * x['read_fraction_chain']:>6.1f} "
-                     f"{100 * x['combine_share']:>7.1f}%")
+                     f"{100 * x['combine_share']:>7.1f}% {x.get('us_decode_chain', 0):>10.1f} "
+                     f"{100 * x.get('decode_read_fraction_chain', 0):>6.1f}")
     return "\n".join(lines)
 
 
 def dry_table(rows: list[dict]) -> str:
-    lines = [f"{'kernel':<58} {'context':>8} {'grid':>14} {'KV MB':>8} {'MB':>7} {'partials MB':>11} {'active':>6}"]
+    lines = [f"{'kernel':<64} {'context':>8} {'grid':>14} {'smem KB':>7} {'KV MB':>8} {'MB':>7} {'partials MB':>11} "
+             f"{'active':>6}"]
     for x in rows:
-        lines.append(f"{x['name']:<58} {x['context']:>8,} {str(x['grid']):>14} {x['kv'] / 1e6:>8.2f} "
-                     f"{x['useful'] / 1e6:>7.2f} {x['partials'] / 1e6:>11.3f} {x['active_splits']:>6}")
+        lines.append(f"{x['name']:<64} {x['context']:>8,} {str(x['grid']):>14} {x['smem'] / 1024:>7.1f} "
+                     f"{x['kv'] / 1e6:>8.2f} {x['useful'] / 1e6:>7.2f} {x['partials'] / 1e6:>11.3f} "
+                     f"{x['active_splits']:>6}")
     return "\n".join(lines)
 
 

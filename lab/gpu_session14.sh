@@ -16,7 +16,7 @@ python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&
 part() { [ -z "${PART:-}" ] || [[ ",$PART," == *",$1,"* ]]; }
 if part attn; then                   # session 16 (issue 31 item 2): the tensor-core decode attention — its kernel tests
                                      # (every case key, past 32K), then the long-context lab at 4K / 32K / 128K
-                                     # (AVAR: lab template variants, e.g. vahead; ACG: combine split groups, e.g. 1,4)
+                                     # (AVAR: lab template variants, e.g. vahead, ring; ACG: combine split groups, e.g. 1,4)
   timeout ${ATTNT_S:-240} python3 -m pytest -m gpu tests/gpu/test_kernels_gpu.py tests/gpu/test_long_context_gpu.py \
     -k "attn_decode or attn_combine" -v -rf -p no:cacheprovider > $OUT/attn_tests.log 2>&1
   echo "attn tests: rc $?"; grep -a "PASSED\|FAILED\|ERROR" $OUT/attn_tests.log | sed 's/ *\[ *[0-9]*%\]//' | tail -30

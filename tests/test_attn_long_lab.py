@@ -1,6 +1,11 @@
 """lab/attn_long.py's dry run on the CPU: its options, the keys it would time (the runtime's 128K profile's
 attn_decode at the 27B shape, and the split variants asked for), and its byte counts — the same as the kernel
-lab's case builder counts, with the split partials by the rule templates/common/paged.cuh applies."""
+lab's case builder counts, with the split partials by the rule templates/common/paged.cuh applies; the `ring`
+variant's stages and shared memory per arch, and its template compiled beside the shipped one (no spills, no
+stack frame, the same floating-point instructions in its PTX)."""
+import collections
+import re
+
 import pytest
 
 from compiler.kernels import attn_decode
@@ -45,7 +50,67 @@ def test_the_table_of_a_gpu_run():
     """The table a GPU run prints last (checked here, not after the device time): a measured row and a failed one."""
     ok = {"context": 131072, "t": 1, "splits": 66, "us": 80.0, "useful": 276_860_000, "GBps": 3460.0,
           "read_fraction": 0.78, "us_chain": 75.0, "read_fraction_chain": 0.83, "combine_share": 0.02}
-    bad = {"context": 4096, "t": 4, "splits": 264, "error": "CudaError: simulated"}
+    ring = ok | {"variant": "ring", "bits": "same", "us_decode_chain": 70.0, "decode_read_fraction_chain": 0.889}
+    bad = {"context": 4096, "t": 4, "splits": 264, "variant": "ring", "bits": "DIFF", "error": "CudaError: simulated"}
     text = attn_long.table({"device": "NVIDIA H200", "read_GBps": 4449.0, "copy_GBps": 4283.0, "iters": 50,
-                            "results": [ok, bad]})
+                            "results": [ok, ring, bad]})
     assert "read stream 4,449 GB/s" in text and "78.0" in text and "83.0" in text and "FAILED: CudaError" in text
+    lines = text.splitlines()
+    assert " - " in lines[2] and "ring" in lines[3] and " same " in lines[3] and lines[3].endswith("70.0   88.9")
+    assert " DIFF FAILED" in lines[4]
+
+
+def test_ring_variant_keys_fit_two_blocks_where_the_card_allows():
+    """ring_stages: 4 stages at both row tiles on sm_90 (88 / 104 KB a block, two blocks in 228 KB); sm_80 3 / 2;
+    sm_86 4 / 3 for one block an SM (no ring of 2 stages fits two blocks in 100 KB beside the exchange). The launch
+    is the shipped grid with the ring's shared memory, all dynamic; bf16 KV and a ring past the card are refused."""
+    from lab.attn_long import RESERVED_SMEM, RingKey, VARIANTS, ring_smem
+
+    for arch, want in (("sm_90", (4, 4)), ("sm_80", (3, 2)), ("sm_86", (4, 3))):
+        target = lookup(arch)
+        for t, stages in zip((1, 4), want):
+            key = attn_decode.make_key(24, 4, 256, 1, t, "int8", 2048, target)
+            ring = VARIANTS["ring"](key)
+            assert ring.stages == stages and ring.name == key.name.replace(f"_{arch.replace('_', '')}",
+                                                                           f"_ring{stages}_{arch.replace('_', '')}")
+            launch, shipped = attn_decode.launch(ring), attn_decode.launch(key)
+            assert launch.grid == shipped.grid and launch.block == shipped.block and shipped.smem == 0
+            assert launch.smem == ring_smem(ring, stages) == attn_decode.smem_bytes(key) + stages * 4 * 4608
+            blocks = target.smem_per_sm // (launch.smem + RESERVED_SMEM)
+            assert blocks == (1 if arch == "sm_86" else 2)
+    bf16 = attn_decode.make_key(24, 4, 256, 1, 1, "bf16", 2048, lookup("sm_90"))
+    with pytest.raises(ValueError, match="INT8 KV only"):
+        RingKey(**bf16.fields(), stages=4)
+    with pytest.raises(ValueError, match="more than the"):
+        RingKey(**attn_decode.make_key(24, 4, 256, 1, 4, "int8", 2048, lookup("sm_86")).fields(), stages=4)
+    rows = attn_long.dry_run(attn_long.parse(["--dry-run", "--contexts", "32768", "--variant", "ring"]))
+    assert [(r["variant"], r["t"], r["smem"]) for r in rows] == [("shipped", 1, 16384), ("ring", 1, 90112),
+                                                                  ("shipped", 4, 32768), ("ring", 4, 106496)]
+
+
+# A floating-point PTX instruction (cuda_fp16.h's wrappers put theirs in braces: `{sub.f16x2 …`).
+_FP = re.compile(r"^\s*\{?\s*(?:@%p\d+\s+)?((?:fma|mul|add|sub|ex2|max|min|neg|cvt|mma)\.[\w.]*f(?:16|32)[\w.]*)", re.M)
+
+
+@pytest.mark.parametrize("arch", ["sm_86", "sm_90"])
+def test_ring_variant_compiles_without_spills_with_the_shipped_arithmetic(tmp_path, arch):
+    """The ring template at one row tile (T = 1) and two (T = 4): no spills and no stack frame, and its PTX has the
+    shipped kernel's floating-point instructions kind by kind (a necessary condition for its bits, which the GPU
+    checks: lab.attn_long's `bits` column, tests/gpu/test_long_context_gpu.py). Registers are printed."""
+    try:
+        from compiler import nvrtc
+        nvrtc.version()
+        nvrtc.cuda_include_dir()
+    except Exception as err:                     # no cuda-bindings / NVRTC / headers on this machine
+        pytest.skip(f"NVRTC unavailable: {err}")
+    from compiler.build_cache import build_kernels
+
+    shipped = [attn_decode.make_key(24, 4, 256, 1, t, "int8", 2048, lookup(arch)) for t in (1, 4)]
+    rings = [attn_long.VARIANTS["ring"](k) for k in shipped]
+    built = {b.key: b for b in build_kernels(shipped + rings, root=tmp_path, jobs=2, ptx=True, progress=False).built}
+    for key, ring in zip(shipped, rings):
+        meta = built[ring].meta
+        print(f"\n{ring.name}: {meta['registers']} registers, {attn_decode.launch(ring).smem} B shared")
+        assert meta["spill_stores"] == meta["spill_loads"] == meta["stack_bytes"] == 0
+        ops = [collections.Counter(_FP.findall(built[k].ptx.read_text())) for k in (key, ring)]
+        assert ops[0] == ops[1] and ops[0]["mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"] > 0, ops

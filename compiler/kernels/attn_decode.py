@@ -63,6 +63,12 @@ class Key(KernelKey):
         return [f"q{self.hq}", f"kv{self.hkv}", f"d{self.d}", f"b{self.b}", f"t{self.t}", self.kv_dtype,
                 f"p{self.page}x{self.max_pages}", f"s{self.splits}"] + (["gate"] if self.gate else [])
 
+    def dynamic_smem(self) -> int:
+        """Dynamic shared memory the key's template declares: none here (the score exchange is static,
+        `smem_bytes`); a lab variant with a shared-memory ring (lab/attn_long.py's RingKey) declares its own, and
+        `launch` passes it on, so the loader sets the opt-in attribute above 48 KiB."""
+        return 0
+
 
 def smem_bytes(key: Key) -> int:
     """The warps' partial scores, double-buffered (none with one warp)."""
@@ -82,7 +88,7 @@ def make_key(hq, hkv, d, b, t, kv_dtype, max_pages, target: Target, gate=True, p
 
 def launch(key: Key, target: Target | None = None) -> Launch:
     t = tiling(key)
-    return Launch((key.splits, key.hkv * t.row_blocks, key.b), (32 * t.warps, 1, 1), 0)
+    return Launch((key.splits, key.hkv * t.row_blocks, key.b), (32 * t.warps, 1, 1), key.dynamic_smem())
 
 
 def params(key: Key) -> list[Param]:
