@@ -3,13 +3,14 @@
 a cp.async-fed double buffer, `warps` × 16 flattened query rows) and the archived v1 it replaced
 (lab/templates/attn_prefill_v1.cu.j2, `V1Key`: one warp per query head, K/V dequantised to bf16 through registers)
 on the same inputs at the 27B's shape (24 query / 4 KV heads × 256, INT8-G64 pages in a shuffled pool, the
-runtime's 128K block table). Per history L (the keys in the cache, the chunk's own T the last of them): both checked
+runtime's 128K block table); `--variant wg` adds the lab's Hopper warpgroup-MMA variant (lab/templates/
+attn_prefill_wg.cu.j2, `WgKey`, sm_90 only). Per history L (the keys in the cache, the chunk's own T the last of them): both checked
 against the fp32 reference on sampled query tokens (the whole reference at 128K is 24 × T × L scores), then timed
 (CUDA events, median), with the causal FLOPs counted exactly (4·hq·d per visible query-key pair). Writes JSON,
 prints a table last. `--dry-run` (any machine, no GPU): keys, launches, shared memory and FLOPs only.
 
   python3 -m lab.attn_prefill_long --out X.json --history 8192,32768,131072 --chunk 4096
-  python3 -m lab.attn_prefill_long --dry-run [--arch sm_86]
+  python3 -m lab.attn_prefill_long --dry-run [--arch sm_86] [--variant wg]
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from compiler.kernels import Launch, attn_prefill
+from compiler.kernels import Launch, attn_prefill, gemm_wg
 from compiler.targets import lookup
 from lab.attn_long import D, HKV, HQ, LAB_TEMPLATES, PAGE, int_list
 
@@ -46,6 +47,54 @@ def v1_launch(key: V1Key) -> Launch:
     return Launch((key.t // 16, key.hkv, 1), (32 * group, 1, 1), (group * 16 + 2 * 32) * (key.d + 8) * 2)
 
 
+WG_WARPS, WG_TK = 8, 64     # two warpgroups × 64 query rows, 64-key tiles (S: 32 fp32 a thread beside O's 128)
+
+
+def wg_smem_bytes(d: int, warps: int, tk: int) -> int:
+    """The wg template's dynamic shared memory (it asserts the same): Q (16·warps rows) and one K and one V tile as
+    fp16, two ring stages of codes and fp16 scales as the shipped kernel's, and 1 KB to align the swizzle atoms."""
+    return 16 * warps * d * 2 + 2 * tk * d * 2 + 2 * (2 * tk * d + 2 * tk * (d // 64) * 2) + 1024
+
+
+@dataclass(frozen=True)
+class WgKey(attn_prefill.Key):
+    """The lab variant of the INT8 prefill attention on wgmma (lab/templates/attn_prefill_wg.cu.j2): the shipped
+    key's fields and arguments, `warps` / 4 warpgroups of 64 flattened query rows, `tk` keys a tile; compiled for
+    sm_90a, refused on every other arch."""
+    template, template_dir = "attn_prefill_wg.cu.j2", LAB_TEMPLATES
+
+    def __post_init__(self):
+        if self.kv_dtype != "int8" or self.t % 16 or self.d % 64 or self.d > 256 or self.page % self.tk:
+            raise ValueError(f"attn_prefill wg: unsupported shape {self} (INT8 pages, d a multiple of 64 up to 256)")
+        if (self.warps, self.tk) != (WG_WARPS, WG_TK):
+            raise ValueError(f"attn_prefill wg: tiling {self.warps} warps × {self.tk} keys; the template has "
+                             f"{WG_WARPS} × {WG_TK}")
+        self.check_arch()
+
+    def check_arch(self) -> None:
+        super().check_arch()
+        if not gemm_wg.arch_supported(self.arch):
+            raise ValueError(f"attn_prefill wg needs sm_90 (wgmma, compiled for sm_90a), not {self.arch}")
+
+    @property
+    def compile_arch(self) -> str:
+        return self.arch + "a"
+
+    def _name_parts(self):
+        return super()._name_parts() + ["wg"]
+
+
+def wg_of(key: attn_prefill.Key) -> WgKey:
+    return WgKey(**key.fields() | {"warps": WG_WARPS, "tk": WG_TK})
+
+
+def wg_launch(key: WgKey) -> Launch:
+    """Blocks of 16·warps flattened rows of one kv head (the shipped grid at 8 warps), one warpgroup per 64 rows."""
+    rows = key.hq // key.hkv * key.t
+    return Launch((-(-rows // (16 * key.warps)), key.hkv, 1), (32 * key.warps, 1, 1),
+                  wg_smem_bytes(key.d, key.warps, key.tk))
+
+
 def causal_flops(key, length: int) -> int:
     """QK and PV, 2·d FLOPs each per head per visible (query, key) pair; queries at L − T … L − 1."""
     pairs = key.t * (length - key.t) + key.t * (key.t + 1) // 2
@@ -59,9 +108,13 @@ def keys(args, target) -> tuple[V1Key, attn_prefill.Key]:
 
 
 def launches(args, target) -> dict:
-    """{"v1": (key, launch), "shipped": (key, launch)}."""
+    """{"v1": (key, launch), "shipped": (key, launch)}, and "wg" with `--variant wg`."""
     v1, key = keys(args, target)
-    return {"v1": (v1, v1_launch(v1)), "shipped": (key, attn_prefill.launch(key))}
+    runs = {"v1": (v1, v1_launch(v1)), "shipped": (key, attn_prefill.launch(key))}
+    if args.variant == "wg":
+        wg = wg_of(key)
+        runs["wg"] = (wg, wg_launch(wg))
+    return runs
 
 
 def sampled_reference(key, q, gate_src, pages: dict, table_row, length: int, tokens):
@@ -134,6 +187,8 @@ def measure(args) -> dict:
 
     major, minor = torch.cuda.get_device_capability()
     target = lookup(args.arch or f"sm_{major}{minor}")
+    if args.variant == "wg" and not gemm_wg.arch_supported(target.arch):
+        raise SystemExit(f"error: --variant wg: wgmma needs sm_90, this device is {target.arch}")
     runs = launches(args, target)
     key = runs["shipped"][0]
     built = build_kernels([k for k, _ in runs.values()], root=build_root() or DEFAULT_ROOT, progress=False).by_name()
@@ -162,11 +217,14 @@ def measure(args) -> dict:
                 row[name] = {"us": us, "TFLOPs": row["flops"] / us / 1e6, **error(outs[name], ref)}
             row["shipped_vs_v1_max_abs"] = (outs["shipped"].float() - outs["v1"].float()).abs().max().item()
             row["speedup"] = row["v1"]["us"] / row["shipped"]["us"]
+            if "wg" in outs:
+                row["wg_vs_shipped_max_abs"] = (outs["wg"].float() - outs["shipped"].float()).abs().max().item()
+                row["wg_speedup"] = row["shipped"]["us"] / row["wg"]["us"]
         except Exception as err:                       # one failing history must not hide the others
             row["error"] = f"{type(err).__name__}: {err}"
         rows.append(row)
-        print(f"  history {hist}: " + (row.get("error") or f"v1 {row['v1']['us']:.0f} us, "
-                                       f"shipped {row['shipped']['us']:.0f} us"), flush=True)
+        print(f"  history {hist}: " + (row.get("error") or ", ".join(f"{n} {row[n]['us']:.0f} us" for n in kernels)),
+              flush=True)
         case = ref = outs = None
         torch.cuda.empty_cache()
     return {"device": torch.cuda.get_device_name(), "target": target.name, "iters": args.iters, "kernels": info,
@@ -178,16 +236,23 @@ def table(r: dict) -> str:
     lines = [f"device {r['device']} (median of {r['iters']}); v1 {k['v1']['name']} "
              f"({k['v1']['registers']} regs), shipped {k['shipped']['name']} ({k['shipped']['registers']} regs)",
              f"{'history':>8} {'chunk':>6} {'TFLOP':>7} {'v1 us':>11} {'TFLOP/s':>8} {'ok':>3} "
-             f"{'shipped us':>11} {'TFLOP/s':>8} {'ok':>3} {'speedup':>8} {'max|s-v1|':>9}"]
+             f"{'shipped us':>11} {'TFLOP/s':>8} {'ok':>3} {'speedup':>8} {'max|s-v1|':>9}"
+             + (f" {'wg us':>11} {'TFLOP/s':>8} {'ok':>3} {'wg/ship':>8} {'max|w-s|':>9}" if "wg" in k else "")]
+    if "wg" in k:
+        lines[0] += f", wg {k['wg']['name']} ({k['wg']['registers']} regs)"
     for x in r["results"]:
         head = f"{x['history']:>8,} {x['chunk']:>6} {x['flops'] / 1e12:>7.2f}"
         if "error" in x:
             lines.append(f"{head} FAILED: {x['error'][:100]}")
             continue
         v, s = x["v1"], x["shipped"]
-        lines.append(f"{head} {v['us']:>11,.0f} {v['TFLOPs']:>8.1f} {'y' if v['ok'] else 'N':>3} {s['us']:>11,.0f} "
-                     f"{s['TFLOPs']:>8.1f} {'y' if s['ok'] else 'N':>3} {x['speedup']:>7.2f}x "
-                     f"{x['shipped_vs_v1_max_abs']:>9.2e}")
+        line = (f"{head} {v['us']:>11,.0f} {v['TFLOPs']:>8.1f} {'y' if v['ok'] else 'N':>3} {s['us']:>11,.0f} "
+                f"{s['TFLOPs']:>8.1f} {'y' if s['ok'] else 'N':>3} {x['speedup']:>7.2f}x {x['shipped_vs_v1_max_abs']:>9.2e}")
+        if "wg" in x:
+            w = x["wg"]
+            line += (f" {w['us']:>11,.0f} {w['TFLOPs']:>8.1f} {'y' if w['ok'] else 'N':>3} {x['wg_speedup']:>7.2f}x "
+                     f"{x['wg_vs_shipped_max_abs']:>9.2e}")
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -202,6 +267,8 @@ def parse(argv=None):
     ap.add_argument("--iters", type=int, default=5, help="timed launches per kernel (median)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed launches first")
     ap.add_argument("--check-tokens", type=int, default=128, help="query tokens checked against the reference")
+    ap.add_argument("--variant", default="", choices=("", "wg"), help="also time a lab variant: wg (warpgroup MMA, "
+                    "lab/templates/attn_prefill_wg.cu.j2; sm_90 only)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="attn_prefill_long.json", help="JSON results")
     ap.add_argument("--dry-run", action="store_true", help="keys, launches, shared memory and FLOPs only: no GPU")
@@ -214,6 +281,8 @@ def parse(argv=None):
     if max(args.history) > args.max_pages * PAGE:
         raise SystemExit(f"error: history {max(args.history)} exceeds the block table of {args.max_pages} pages "
                          f"({args.max_pages * PAGE} tokens): raise --max-pages")
+    if args.variant == "wg" and args.arch and not gemm_wg.arch_supported(args.arch):
+        raise SystemExit(f"error: --variant wg: wgmma needs sm_90 (compiled for sm_90a), not --arch {args.arch}")
     if min(args.iters, args.warmup + 1, args.check_tokens) < 1:
         raise SystemExit("error: --iters and --check-tokens must be ≥ 1, --warmup ≥ 0")
     return args

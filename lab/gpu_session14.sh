@@ -27,9 +27,16 @@ if part attn; then                   # session 16 (issue 31 item 2): the tensor-
 fi
 if part pattn; then                  # session 17 (issue 31, 128K TTFT): the prefill attention over a long history,
                                      # the shipped INT8 kernel vs the archived v1 (lab/templates/attn_prefill_v1.cu.j2);
-                                     # PARCH=sm_86: the 3090's 4-warp tiling, run as PTX (never timed yet)
+                                     # PARCH=sm_86: the 3090's 4-warp tiling, run as PTX (never timed yet);
+                                     # PVAR=wg: also the lab's wgmma variant (sm_90 only; its GPU test first)
+  if [ "${PVAR:-}" = wg ]; then
+    timeout ${PWGT_S:-120} python3 -m pytest -m gpu tests/gpu/test_attn_prefill_wg_gpu.py -v -rf -p no:cacheprovider \
+      > $OUT/attn_prefill_wg_tests.log 2>&1
+    echo "prefill wg tests: rc $?"; grep -a "PASSED\|FAILED\|ERROR\|exceeded\|NaN" $OUT/attn_prefill_wg_tests.log | head -12
+  fi
   timeout ${PATTN_S:-150} python3 -m lab.attn_prefill_long --out $OUT/attn_prefill_long.json \
-    --history ${PHIST:-8192,32768,131072} --chunk ${PCHUNK:-4096} ${PARCH:+--arch $PARCH} > $OUT/attn_prefill_long.log 2>&1
+    --history ${PHIST:-8192,32768,131072} --chunk ${PCHUNK:-4096} ${PARCH:+--arch $PARCH} ${PVAR:+--variant $PVAR} \
+    > $OUT/attn_prefill_long.log 2>&1
   echo "prefill attn lab: rc $?"; shown $OUT/attn_prefill_long.log 24
 fi
 if part fixes; then                  # session 15's fixes made after its device time: the 5/8-prompt cohort mismatch
