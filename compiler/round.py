@@ -75,7 +75,7 @@ def plan_round(spec: ModelSpec, target: Target, profile, batch: int, acceptance:
     t, v, vd, h, p = k + 1, a.vocab_size, profile.draft_rows(spec), a.hidden_size, profile.pages_per_seq
     pdl = profile.options.pdl and supports_pdl(target.arch)
     verify, mtp_all, mtp_one, commit = ("verify", batch, t), ("mtp", batch, t), ("mtp", batch, 1), ("commit", batch, t)
-    in_verify = fold and profile.options.fold_in_verify
+    in_verify = fold and profile.record_sets == 2        # fold_in_verify, not in snapshot mode
     following = commit                                   # whose `commit` input takes this round's counts
     if in_verify:
         verify, following, commit = record_buckets(batch, t, parity)

@@ -45,6 +45,10 @@ def test_the_rounds_lose_the_commit_step_and_alternate_record_sets():
         assert base_launches - launches == 96          # the 48 GDN layers' conv and state folds
     eager = plan_round(BIG, H200, profile, 8, "greedy", fold=False)
     assert eager.buckets()[0] == ("verify", 8, t)      # eager rounds keep the commit bucket after the read-back
+    snap = profile_of(BIG, cohorts=(1, 8), options=ON, snapshots=True)   # snapshot mode keeps no records to fold
+    assert snap.record_sets == 1 and not {s for s in snap.shapes() if "." in s[0]}
+    fused = plan_round(BIG, H200, snap, 8, "greedy")
+    assert fused.buckets()[0] == ("commit", 8, t) and set(fused.buckets()) <= set(snap.shapes())
 
 
 @pytest.mark.parametrize("parity", [0, 1])

@@ -38,7 +38,7 @@ class _Backend:
     def __init__(self, fold_in_verify: bool = False):
         from compiler.options import CompileOptions
 
-        self.profile = type("P", (), {"tail_tokens": K + 1, "snapshots": False,
+        self.profile = type("P", (), {"tail_tokens": K + 1, "snapshots": False, "record_sets": 1 + fold_in_verify,
                                       "options": CompileOptions(fold_in_verify=fold_in_verify)})()
         self.state = type("S", (), {"trash_page": 0})()
         self.exe = type("E", (), {"round_buffers": {

@@ -279,12 +279,16 @@ def stream_config(fmt: str, n: int, k: int, m: int, warps: int, target: Target, 
                 # session 21); the LM heads keep the order batch's depth (the W8 LM head at 32 rows, H200: 475 µs
                 # at two tiles with four units per batch, 534 at one tile with two; H100: 686 µs at two tiles with
                 # two). 8-warp blocks (sm_90's Q5 projections) stay as they are: under a cap they spill. The cap is
-                # sm_90's alone: on sm_86 the Q5 down projection with the next norm folded spills under it.
+                # sm_90's alone (on sm_86 the Q5 down projection with the next norm folded spills under it), and
+                # not for an unsplit residual projection, whose epilogue may take the norm fold (`norm_out`, set
+                # after this choice: the tiny spec's 128-row projections spill under the cap).
         fields = {"prefetch": 1 if target.arch == "sm_90" else 0}
         if warps == 4:
             fields["x_early"] = True
             if waves < 4:
-                fields |= {"depth": 1} | ({"min_blocks": 4} if target.arch == "sm_90" else {})
+                fields["depth"] = 1
+                if target.arch == "sm_90" and not (epilogue == "residual" and splits == 1):
+                    fields["min_blocks"] = 4
         return fields
     if waves >= 4:
         return {}

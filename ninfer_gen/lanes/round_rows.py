@@ -66,7 +66,7 @@ def idle_rows(backend, rows: torch.Tensor, batch: int):
     saved = rows.clone()
     T, profile = backend.profile.tail_tokens, backend.profile
     folds = [backend.bucket("commit", batch, T).inputs]
-    if profile.options.fold_in_verify and not profile.snapshots:
+    if profile.record_sets == 2:
         folds += [backend.bucket(*record_buckets(batch, T, p)[0]).inputs for p in (0, 1)]
     kept = [f.device.clone() for f in folds]
     rows[:, FIELD["state"]] = sr.IDLE
@@ -110,7 +110,7 @@ class RoundRows:
         self.layout: list[LaneState | None] = []         # the lanes in the rows of the bucket now
         self.fold_pending = False                        # the last launched round's records are not folded yet
         self.inflight: deque[Flight] = deque()
-        self.in_verify = fused and backend.profile.options.fold_in_verify and not backend.profile.snapshots
+        self.in_verify = fused and backend.profile.record_sets == 2
         self.parity = 0                                  # in_verify: the record set the next round writes
 
     # ------------------------------------------------------------ layout
