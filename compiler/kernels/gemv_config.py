@@ -1,0 +1,140 @@
+"""gemv_config: the shipped choice of a decode GEMV key's fields for a shape and a card — `config` (warps, row
+tiles, split-K), which fixes the reduction order from (fmt, N, K, target) alone, never M, and `stream_config`
+(how units stream: prefetch, interleave, load depth, register caps, staging), which never changes the bits and may
+follow M — with the measurements behind each rule, and the K-grain arithmetic they read (units, order batches).
+`gemv.make_key` builds a key from them; experiment rules (gemv_rules) may replace fields after.
+"""
+from __future__ import annotations
+
+from ..kquant import KFORMATS, QK_K
+from ..targets import Target
+from . import ceil_div
+from .weight_layout import group_of
+
+def unit_of(fmt: str) -> int:
+    """Columns per unit (the K grain of the reduction order): the format's group, a k-quant's super-block."""
+    return QK_K if fmt in KFORMATS else group_of(fmt)
+
+
+STAGE_X_LIMIT = 24 * 1024    # bytes of activations a `stage_x` block may stage (static shared memory is 48 KiB)
+
+
+def order_depth(fmt: str) -> int:
+    """Units per warp in one order batch (OB in templates/gemv.cu.j2; 1 in gemv_kq.cu.j2): split-K slices are
+    whole order batches."""
+    return 1 if fmt in KFORMATS else 2 if fmt == "bf16" else 4
+
+
+def load_batches(fmt: str, k: int, warps: int) -> int:
+    """Order batches along K per block (warps · OB units each): the grain of split-K slices."""
+    return ceil_div(k // unit_of(fmt), warps * order_depth(fmt))
+
+
+def split_count(fmt: str, n: int, k: int, warps: int, target: Target) -> int:
+    """Blocks per row-tile group along K (reads the shape and the card, never M).
+
+    Measured on the H200 (kernel lab): a split costs every block a partial write,
+    a fence, an atomic and a barrier, which the one-block-per-tile kernel, occupancy/latency-bound at
+    ~36 warps per SM, pays in throughput (the LM head lost 9 points at S = 2, gate/up 7). It pays only
+    where one block per tile gives less than a wave of blocks and each block walks a long K (Q5 down
+    39 → 48 % at S = 6, W8 down 42 → 61 % at S = 7). So: split when there is less than one wave of
+    tiles (≈ 36 resident warps per SM) and K has ≥ 8 load batches, or when there are fewer tiles than
+    SMs; then take the largest even cut of the batches (⌈nb / b⌉ for b batches per block) that keeps
+    the grid within two waves."""
+    nb, row_tiles = load_batches(fmt, k, warps), ceil_div(n, 16)
+    wave = target.sms * (36 // warps)
+    if row_tiles >= wave or (nb < 8 and row_tiles >= target.sms):
+        return 1
+    cuts = {ceil_div(nb, b) for b in range(1, nb + 1)}
+    return max(s for s in cuts if s == 1 or row_tiles * s <= 2 * wave)
+
+
+def config(fmt: str, n: int, k: int, m: int, target: Target) -> tuple[int, int, int]:
+    """(warps, tiles, splits). `warps` and `splits` fix the reduction order, so they read the shape and
+    the card only, never M (batch invariance); `tiles` (row tiles per block, reusing activations) may
+    follow M."""
+    row_tiles = ceil_div(n, 16)
+    units = k // unit_of(fmt)
+    warps = 8 if row_tiles < 2 * target.sms and units >= 32 else 4
+    splits = split_count(fmt, n, k, warps, target)
+    # Under 3 waves of 4-warp blocks and unsplit (H200 kernel-lab sweep): 8 warps gave Q5 6144×5120
+    # 35.8 → 39.2 % and Q5 5120×6144 32.3 → 35.3 %; split shapes lost.
+    if warps == 4 and splits == 1 and row_tiles < 3 * target.sms and units >= 64:
+        warps = 8
+        splits = split_count(fmt, n, k, warps, target)
+    # M > 8: each unit's activations (8 × 16 B per lane at M = 32, 8× the Q4 weight bytes) serve two row tiles in
+    # 4-warp blocks (kernel lab `verify`, chained, with `depth` 2 from stream_config: the C8 verify's GEMVs 14.73 →
+    # 13.31 ms on an H100; Q4 10240×5120 40.2 → 25.7 µs, Q5 down 49.8 → 42.5; 8-warp blocks within ±3 % either way).
+    # The LM heads had two tiles before (row tiles ≥ 16 waves' worth); they keep them.
+    tiles = 2 if m > 8 and warps == 4 and fmt not in KFORMATS else 1
+    return warps, tiles, splits
+
+
+def stream_config(fmt: str, n: int, k: int, m: int, warps: int, target: Target, epilogue: str = "none",
+                  splits: int = 1) -> dict:
+    """How units stream (fields that never change the bits, so they may follow M), measured in the 27B
+    decode step on the H200 (lab/step_ab.py). M ≤ 8: no L2 prefetch — with the lean decode loop
+    (whole-code Q5, batch pointers) the prefetch costs more than it hides (step 6.45 → 5.99 ms without
+    it); ptxas interleaves a batch's units in
+    4-warp blocks (gate/up, split-K down: interleaved −0.6 %) but not in 8-warp ones (Q5 5120×6144 and
+    6144×5120: −1.1 %, −0.6 %); grids of many waves (the LM heads) stream best as they are (W8 106.6 %
+    of copy against 96–97 with interleave or prefetch). M > 8 keeps units apart (interleaved they spill
+    or lose 5–10 points) with one batch ahead (kernel lab). L2 prefetch is measured on sm_90 only, so it
+    is off for the other archs; the interleave rule is the H200's, applied to every arch (no other card is
+    at hand to measure it).
+    One row (step A/B at the bench's context): an unsplit 8-warp residual projection
+    (the 5120×6144 output projections) stages its activations in shared memory (`stage_x`, −0.6 % per
+    step; everywhere else staging lost: gate/up +12 %, the z projection +1.6 %, their activations being
+    L1 hits); an unsplit interleaved grid of more than two waves (gate/up, 2,176 blocks) asks for six
+    blocks per SM (`min_blocks` 6: 89 → 80 registers, 20 → 24 warps per SM; −1.7 % per step; 7 blocks
+    −0.3 %, and the same cap on the ≈ one-wave qkv and q projections ±0)."""
+    waves = ceil_div(n, 16) / (target.sms * 9)
+    if fmt in KFORMATS:           # gemv_kq.cu.j2 has its own fields (min_blocks, code_bias, stage_w)
+        return kquant_stream_config(fmt, n, m, target)
+    if m > 8:   # one batch ahead in L2; 4-warp blocks load a batch's activations right after its weights
+                # (`x_early`), and but for the LM heads one unit per batch under a 4-block register cap (16 warps
+                # per SM: the C8 verify's GEMVs 14.99 → 14.41 ms, C8 MTP / plain end to end 1.56 → 1.60×, H100,
+                # session 21); the LM heads keep the order batch's depth (the W8 LM head at 32 rows, H200: 475 µs
+                # at two tiles with four units per batch, 534 at one tile with two; H100: 686 µs at two tiles with
+                # two). 8-warp blocks (sm_90's Q5 projections) stay as they are: under a cap they spill. The cap is
+                # sm_90's alone (on sm_86 the Q5 down projection with the next norm folded spills under it), and
+                # not for an unsplit residual projection, whose epilogue may take the norm fold (`norm_out`, set
+                # after this choice: the tiny spec's 128-row projections spill under the cap).
+        fields = {"prefetch": 1 if target.arch == "sm_90" else 0}
+        if warps == 4:
+            fields["x_early"] = True
+            if waves < 4:
+                fields["depth"] = 1
+                if target.arch == "sm_90" and not (epilogue == "residual" and splits == 1):
+                    fields["min_blocks"] = 4
+        return fields
+    if waves >= 4:
+        return {}
+    fields = {"interleave": warps == 4}
+    if m == 1 and splits == 1 and warps == 8 and epilogue == "residual" and (k + 8) * 2 <= STAGE_X_LIMIT:
+        fields["stage_x"] = True    # (k + 8) · 2 B: stage_x_bytes of one unsplit row; wider rows stream from L1
+    if m == 1 and splits == 1 and warps == 4 and ceil_div(n, 16) > 2 * 5 * target.sms:
+        fields["min_blocks"] = 6
+    return fields
+
+
+def kquant_stream_config(fmt: str, n: int, m: int, target: Target) -> dict:
+    """How the k-quant GEMVs stream (kernel lab and the 27B Q4_K_M GGUF's step, H100, sm_90; lab/NOTES.md sessions
+    18–19, lab/results/kquant_lab_h100_*_s18, gguf_ab*_h100_*_s19):
+    - `code_bias` for Q4_K and Q5_K at every M (so a row's bits never depend on M): the mma takes the codes + 128
+      and the 128s leave with the mins, 64 fewer instructions per unit (Nsight: 515 per unit against the q4g64
+      twin's 270);
+    - `stage_w` 2 at M ≤ 8: a unit's block rows copied to shared memory by whole 16-byte chunks instead of each
+      lane loading 8 (4) bytes that straddle sectors (Q6_K 50 → 76–88 % of copy at gate/up and the LM head,
+      Q4_K 57 → 64 %, same bits); M > 8 unmeasured, left as loaded;
+    - three blocks per SM for Q5_K and Q6_K at M ≤ 8 (≤ 168 registers: 9–24 % less time at every 27B shape but
+      Q6_K's grids of many waves; Q4_K gained nothing from three or four).
+    Together, the GGUF's plain step 11.26 → 8.72 ms (48.2 → 63.6 % of copy; the A/B's three other rules 62.2–62.4).
+    Measured on sm_90, applied to every arch (the same register file per SM; no spills on sm_86 either)."""
+    fields = {"code_bias": True} if fmt in ("q4_k", "q5_k") else {}
+    if m > 8:
+        return fields
+    fields["stage_w"] = 2
+    if fmt != "q4_k" and not (fmt == "q6_k" and ceil_div(n, 16) >= 16 * target.sms):
+        fields["min_blocks"] = 3
+    return fields
