@@ -24,14 +24,14 @@ OVERRIDABLE = {"prefetch": int, "interleave": _flag, "min_blocks": int, "stage_x
                "stage_w": int, "code_bias": _flag, "tiles": int, "depth": int, "x_early": _flag}
 
 
-def _rows(text: str) -> tuple[int, int] | None:
-    """`mR` → (1, R); `mA-B` → (A, B); else None."""
+def _rows(text: str) -> range | None:
+    """`mR` → rows 1..R; `mA-B` → rows A..B; else None."""
     if not text.startswith("m"):
         return None
     lo, dash, hi = text[1:].partition("-")
     if dash and lo.isdigit() and hi.isdigit() and int(lo) <= int(hi):
-        return int(lo), int(hi)
-    return (1, int(lo)) if not dash and lo.isdigit() else None
+        return range(int(lo), int(hi) + 1)
+    return range(1, int(lo) + 1) if not dash and lo.isdigit() else None
 
 
 def parse_overrides(rules: str) -> list[tuple[tuple[int, int] | range | None, dict]]:
@@ -44,7 +44,7 @@ def parse_overrides(rules: str) -> list[tuple[tuple[int, int] | range | None, di
         shape, _, body = rule.rpartition(":")
         where = None
         if rows := _rows(shape.strip()):
-            where = range(rows[0], rows[1] + 1)
+            where = rows
         elif shape:
             n, _, k = shape.partition("x")
             if not (n.strip().isdigit() and k.strip().isdigit()):
