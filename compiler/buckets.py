@@ -89,9 +89,7 @@ class Profile:
 
     @property
     def record_sets(self) -> int:
-        """ReplaySSM record sets a lane keeps: 2 when fused rounds fold inside the next verify (the sets written in
-        turn, compiler.round.record_buckets), else 1."""
-        return 2 if self.options.fold_in_verify and not self.snapshots else 1
+        return self.options.record_sets(self.snapshots)
 
     def draft_rows(self, spec: ModelSpec) -> int:
         """Rows of the MTP head's vocabulary projection: the reduced draft vocabulary's, else the vocabulary's."""

@@ -38,6 +38,11 @@ class CompileOptions:
         from .kernels.gemv_rules import parse_overrides
         parse_overrides(self.gemv)              # a malformed rule fails here, naming itself
 
+    def record_sets(self, snapshots: bool) -> int:
+        """ReplaySSM record sets a lane keeps: 2 when fused rounds fold inside the next verify (the sets written in
+        turn, compiler.round.record_buckets), else 1; snapshot mode keeps snapshots instead of records."""
+        return 2 if self.fold_in_verify and not snapshots else 1
+
     def changed(self) -> dict:
         """The fields that differ from the defaults."""
         default = CompileOptions()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from compiler.options import CompileOptions
 from compiler.sizes import record_bytes_per_token, snapshot_bytes_per_token, summary
 from compiler.spec import ModelSpec
 
@@ -130,7 +131,7 @@ def round_bytes(spec: ModelSpec, cohort: int, draft: int) -> int:
 
 def plan_memory(spec: ModelSpec, cohort: int, max_context: int, budget: int, draft: int | None = None,
                 kv_dtype: str | None = None, snapshots: bool = False, kv_pool_tokens: int | None = None,
-                prefix_states: int = 0, vision_patches: int = 0, record_sets: int = 1,
+                prefix_states: int = 0, vision_patches: int = 0, record_sets: int | None = None,
                 vision_target=None) -> MemoryPlan:
     """`snapshots`: verify keeps K+1 state copies per lane (snapshot mode) instead of ReplaySSM records;
     `kv_pool_tokens`: the KV pool every lane shares must hold that many tokens (default: each lane its
@@ -138,12 +139,13 @@ def plan_memory(spec: ModelSpec, cohort: int, max_context: int, budget: int, dra
     GDN states of the prefix cache's checkpoints (their KV pages come out of the KV pool); `vision_patches`
     (images on): the tower and one image of that many patches (`vision_bytes`; with `vision_target`, the Target
     of a load with `vision_kernels`: the compiled encoder's packed weights and arena, executor.vision_plan.
-    encoder_bytes); `record_sets` 2: the rounds fold inside the next verify and keep two record sets
-    (CompileOptions.fold_in_verify)."""
+    encoder_bytes); `record_sets`: ReplaySSM record sets per lane (CompileOptions.record_sets; None: the default
+    options', two since the rounds fold inside the next verify)."""
     if cohort <= 0 or max_context <= 0 or budget <= 0:
         raise MemoryPlanError("cohort, max context and budget must be positive")
     draft = spec.runtime.draft_tokens if draft is None else draft
     kv_dtype = kv_dtype or spec.runtime.kv_dtype
+    record_sets = CompileOptions().record_sets(snapshots) if record_sets is None else record_sets
     s = summary(spec)
     per_token = s["kv_bytes_per_token_int8" if kv_dtype == "int8" else "kv_bytes_per_token_bf16"]
     fixed = dict(weights=s["weight_bytes"], activations=activation_bytes(spec, cohort, draft),
