@@ -6,14 +6,15 @@ case: µs (median of CUDA-event timings; inputs rotated over copies bigger than 
 fraction of a read-only stream and of a copy measured in the same run — alone and chained back to back (how it
 runs inside a step) — and the decode kernel without its combine (timed alone, and chained: `dec. chain`).
 `--splits` tries other split counts than the target's choice; `--variant` also times lab templates on the same
-inputs: `vahead` (lab/templates/attn_decode_vahead.cu.j2, V a chunk ahead at one row tile), `ring` / `ring3`
-(lab/templates/attn_decode_ring.cu.j2: each warp cp.asyncs its K, V and scales S − 1 chunks ahead into its own
-shared-memory ring; S by `ring_stages`, or 3), each checked bit for bit against the shipped kernel on the same
-inputs (the `bits` column). Writes JSON (--out), prints a table last. `--dry-run` (any machine, no GPU): the keys,
-launch grids, shared memory and byte counts only.
+inputs: `vahead` (lab/templates/attn_decode_vahead.cu.j2, V a chunk ahead at one row tile), `direct` (the
+direct-load kernel, templates/attn_decode.cu.j2), `ring` / `ring3` (templates/attn_decode_ring.cu.j2: each warp
+cp.asyncs its K, V and scales S − 1 chunks ahead into its own shared-memory ring; S by attn_decode.ring_stages, or
+3) — the shipped key is the one attn_decode.make_key chooses (`choose_stages`) — each checked bit for bit against
+the shipped key on the same inputs (the `bits` column). Writes JSON (--out), prints a table last. `--dry-run` (any
+machine, no GPU): the keys, launch grids, shared memory and byte counts only.
 
   python -m lab.attn_long --out attn_long.json [--contexts 4096,32768,131072] [--t 1,4] [--splits 66,132,264]
-  python -m lab.attn_long --dry-run [--arch sm_90] [--variant ring]
+  python -m lab.attn_long --dry-run [--arch sm_90] [--variant direct,ring]
 """
 from __future__ import annotations
 
@@ -41,77 +42,30 @@ class VaheadKey(attn_decode.Key):
         return super()._name_parts() + ["vahead"]
 
 
-RESERVED_SMEM = 1024        # shared memory the CUDA runtime keeps per block on sm_80+ (counts against the SM's)
-
-
-def ring_smem(key: attn_decode.Key, stages: int) -> int:
-    """The ring template's dynamic shared memory (it asserts the same): the score exchange (static in the shipped
-    kernel, attn_decode.smem_bytes) and per warp `stages` stages of a chunk's K and V codes (64 bytes a key) and its
-    K and V scales of every group (fp16)."""
-    t = attn_decode.tiling(key)
-    exchange = attn_decode.smem_bytes(key) if t.warps > 1 else 0
-    return exchange + stages * t.warps * (2 * t.chunk * 64 + 2 * t.chunk * (key.d // 64) * 2)
-
-
-def ring_stages(key: attn_decode.Key) -> int:
-    """The most stages (2–4) with which two blocks still fit an SM of the key's arch — the shipped kernel's
-    occupancy, one wave of the 27B's 264 blocks on 132 SMs: 4 on sm_90, 3 (one row tile) or 2 (two) on sm_80. Where
-    not even 2 do (sm_86/89, 100 KB an SM: the exchange and two stages are 52–68 KB a block), the most for one
-    block an SM (4 / 3): the 3090 needs ~6 KB in flight an SM, and one block's ring holds several times that."""
-    target = lookup(key.arch)
-    for blocks in (2, 1):
-        for stages in (4, 3, 2):
-            need = ring_smem(key, stages)
-            if need <= target.smem_per_block and blocks * (need + RESERVED_SMEM) <= target.smem_per_sm:
-                return stages
-    raise ValueError(f"attn_decode ring: no ring of 2 stages fits {target.name}'s shared memory ({key.name})")
-
-
-@dataclass(frozen=True)
-class RingKey(attn_decode.Key):
-    """The lab variant of attn_decode whose warps cp.async their K, V and scales `stages` − 1 chunks ahead into
-    their own shared-memory rings (the same launch grid, partials and bits as the shipped kernel's: only where the
-    bytes come from changes); its shared memory is all dynamic (`ring_smem`)."""
-    stages: int
-    template, template_dir = "attn_decode_ring.cu.j2", LAB_TEMPLATES
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.kv_dtype != "int8":
-            raise ValueError(f"attn_decode ring: INT8 KV only ({self.kv_dtype} asked): bf16 keys are 128 bytes a "
-                             "warp, whose ring layout and swizzle the template does not have")
-        if self.stages < 2:
-            raise ValueError(f"attn_decode ring: {self.stages} stages: a ring needs 2 or more")
-        need, limit = ring_smem(self, self.stages), lookup(self.arch).smem_per_block
-        if need > limit:
-            raise ValueError(f"attn_decode ring: {self.stages} stages take {need} B of shared memory, more than the "
-                             f"{limit} B a block may have on {self.arch}")
-
-    def dynamic_smem(self) -> int:
-        return ring_smem(self, self.stages)
-
-    def _name_parts(self):
-        return super()._name_parts() + [f"ring{self.stages}"]
-
-
-VARIANTS = {"vahead": lambda key: VaheadKey(**key.fields()),
-            "ring": lambda key: RingKey(**key.fields(), stages=ring_stages(key)),
-            "ring3": lambda key: RingKey(**key.fields(), stages=3)}
-
-
-def variant_of(key) -> str:
-    if isinstance(key, RingKey):
-        return "ring" if key.stages == ring_stages(key) else f"ring{key.stages}"
-    return "vahead" if isinstance(key, VaheadKey) else "shipped"
+VARIANTS = {"vahead": lambda key: VaheadKey(**replace(key, stages=0).fields()),
+            "direct": lambda key: replace(key, stages=0),
+            "ring": lambda key: replace(key, stages=attn_decode.ring_stages(key)),
+            "ring3": lambda key: replace(key, stages=3)}
 
 
 def shipped_of(key: attn_decode.Key) -> attn_decode.Key:
-    """The shipped key a variant is checked against: the same fields but the variant's own."""
-    return attn_decode.Key(**{f.name: getattr(key, f.name) for f in fields(attn_decode.Key)})
+    """The shipped key a variant is checked against: the same fields, the shipped loads (attn_decode.choose_stages)."""
+    base = attn_decode.Key(**{f.name: getattr(key, f.name) for f in fields(attn_decode.Key)})
+    return replace(base, stages=attn_decode.choose_stages(base))
+
+
+def variant_of(key) -> str:
+    if isinstance(key, VaheadKey):
+        return "vahead"
+    if key == shipped_of(key):
+        return "shipped"
+    if not key.stages:
+        return "direct"
+    return "ring" if key.stages == attn_decode.ring_stages(key) else f"ring{key.stages}"
 
 
 def block_smem(key: attn_decode.Key) -> int:
-    """Shared memory a block takes: the shipped (and vahead) exchange is static, the ring's is all dynamic."""
+    """Shared memory a block takes: the direct-load (and vahead) exchange is static, the ring's is all dynamic."""
     return key.dynamic_smem() or attn_decode.smem_bytes(key)
 
 
@@ -167,16 +121,16 @@ def dry_run(args) -> list[dict]:
     return rows
 
 
-def same_bits(key: attn_decode.Key, case, bind) -> bool:
-    """Whether `key` (a variant) writes the shipped kernel's partials and, through the combine, output bit for bit
-    on `case`'s inputs: each run starts from the same NaN-filled buffers (the entries of inactive splits stay so in
-    both), compared as bytes."""
+def same_bits(key: attn_decode.Key, ref: attn_decode.Key, case, bind) -> bool:
+    """Whether `key` (a variant) writes `ref`'s partials and, through the combine, output bit for bit on `case`'s
+    inputs: each run starts from the same NaN-filled buffers (the entries of inactive splits stay so in both),
+    compared as bytes."""
     import torch
 
     (_, args), *rest = case.launches
     written = [t for t in args[:3] if t is not None]           # out, part_o, part_ml
     results = []
-    for k in (shipped_of(key), key):
+    for k in (ref, key):
         for t in written:
             t.fill_(float("nan"))
         for launcher in [bind(k, args)] + [bind(kc, a) for kc, a in rest]:
@@ -215,7 +169,8 @@ def measure(args) -> dict:
             assert first.bytes == moved["useful"], (first.bytes, moved["useful"])
             if row["variant"] != "shipped":          # at ctx keys and with a ragged last chunk (ctx − 37)
                 ragged = make_case(key, DEVICE, 1, ctx=max(key.t, ctx - 37))
-                same = all(same_bits(key, c, lambda k, a: KERNELS.bind(combine(k, g), a)) for c in (first, ragged))
+                same = all(same_bits(key, shipped_of(key), c, lambda k, a: KERNELS.bind(combine(k, g), a))
+                           for c in (first, ragged))
                 row["bits"] = "same" if same else "DIFF"
                 del ragged
             copies = max(1, min(32, -(-2 * target.l2_bytes // first.bytes)))

@@ -1,8 +1,8 @@
 """lab/attn_long.py's dry run on the CPU: its options, the keys it would time (the runtime's 128K profile's
 attn_decode at the 27B shape, and the split variants asked for), and its byte counts — the same as the kernel
-lab's case builder counts, with the split partials by the rule templates/common/paged.cuh applies; the `ring`
-variant's stages and shared memory per arch, and its template compiled beside the shipped one (no spills, no
-stack frame, the same floating-point instructions in its PTX)."""
+lab's case builder counts, with the split partials by the rule templates/common/paged.cuh applies; the ring's
+stages and shared memory per arch (attn_decode.choose_stages), and its template compiled beside the direct-load
+one (no spills, no stack frame, the same floating-point instructions in its PTX)."""
 import collections
 import re
 
@@ -60,32 +60,42 @@ def test_the_table_of_a_gpu_run():
     assert " DIFF FAILED" in lines[4]
 
 
-def test_ring_variant_keys_fit_two_blocks_where_the_card_allows():
+def test_ring_keys_fit_two_blocks_where_the_card_allows():
     """ring_stages: 4 stages at both row tiles on sm_90 (88 / 104 KB a block, two blocks in 228 KB); sm_80 3 / 2;
-    sm_86 4 / 3 for one block an SM (no ring of 2 stages fits two blocks in 100 KB beside the exchange). The launch
-    is the shipped grid with the ring's shared memory, all dynamic; bf16 KV and a ring past the card are refused."""
-    from lab.attn_long import RESERVED_SMEM, RingKey, VARIANTS, ring_smem
+    sm_86 4 / 3 for one block an SM (no ring of 2 stages fits two blocks in 100 KB beside the exchange). The shipped
+    key (make_key) rings where two blocks fit (sm_80, sm_90) and loads directly on sm_86. The launch is the direct
+    grid with the ring's shared memory, all dynamic; bf16 KV, fewer than 2 stages and a ring past the card are
+    refused."""
+    from compiler.kernels.attn_decode import RESERVED_SMEM, Key, ring_smem
+    from lab.attn_long import VARIANTS
 
     for arch, want in (("sm_90", (4, 4)), ("sm_80", (3, 2)), ("sm_86", (4, 3))):
         target = lookup(arch)
         for t, stages in zip((1, 4), want):
             key = attn_decode.make_key(24, 4, 256, 1, t, "int8", 2048, target)
-            ring = VARIANTS["ring"](key)
-            assert ring.stages == stages and ring.name == key.name.replace(f"_{arch.replace('_', '')}",
-                                                                           f"_ring{stages}_{arch.replace('_', '')}")
-            launch, shipped = attn_decode.launch(ring), attn_decode.launch(key)
-            assert launch.grid == shipped.grid and launch.block == shipped.block and shipped.smem == 0
+            assert key.stages == (0 if arch == "sm_86" else stages)
+            ring, direct = VARIANTS["ring"](key), VARIANTS["direct"](key)
+            assert ring.stages == stages and direct.stages == 0 and attn_long.variant_of(direct) != "ring"
+            tag = f"_{arch.replace('_', '')}"
+            assert ring.name == direct.name.replace(tag, f"_ring{stages}{tag}")
+            launch, plain = attn_decode.launch(ring), attn_decode.launch(direct)
+            assert launch.grid == plain.grid and launch.block == plain.block and plain.smem == 0
             assert launch.smem == ring_smem(ring, stages) == attn_decode.smem_bytes(key) + stages * 4 * 4608
             blocks = target.smem_per_sm // (launch.smem + RESERVED_SMEM)
             assert blocks == (1 if arch == "sm_86" else 2)
+            assert ring.template == "attn_decode_ring.cu.j2" and direct.template is None
     bf16 = attn_decode.make_key(24, 4, 256, 1, 1, "bf16", 2048, lookup("sm_90"))
+    assert bf16.stages == 0
     with pytest.raises(ValueError, match="INT8 KV only"):
-        RingKey(**bf16.fields(), stages=4)
+        Key(**bf16.fields() | {"stages": 4})
+    sm86 = attn_decode.make_key(24, 4, 256, 1, 4, "int8", 2048, lookup("sm_86"))
     with pytest.raises(ValueError, match="more than the"):
-        RingKey(**attn_decode.make_key(24, 4, 256, 1, 4, "int8", 2048, lookup("sm_86")).fields(), stages=4)
-    rows = attn_long.dry_run(attn_long.parse(["--dry-run", "--contexts", "32768", "--variant", "ring"]))
-    assert [(r["variant"], r["t"], r["smem"]) for r in rows] == [("shipped", 1, 16384), ("ring", 1, 90112),
-                                                                  ("shipped", 4, 32768), ("ring", 4, 106496)]
+        Key(**sm86.fields() | {"stages": 4})
+    with pytest.raises(ValueError, match="needs 2 or more"):
+        Key(**sm86.fields() | {"stages": 1})
+    rows = attn_long.dry_run(attn_long.parse(["--dry-run", "--contexts", "32768", "--variant", "direct,ring"]))
+    assert [(r["variant"], r["t"], r["smem"]) for r in rows] == [("shipped", 1, 90112), ("direct", 1, 16384),
+                                                                  ("shipped", 4, 106496), ("direct", 4, 32768)]
 
 
 # A floating-point PTX instruction (cuda_fp16.h's wrappers put theirs in braces: `{sub.f16x2 …`).
@@ -93,9 +103,9 @@ _FP = re.compile(r"^\s*\{?\s*(?:@%p\d+\s+)?((?:fma|mul|add|sub|ex2|max|min|neg|c
 
 
 @pytest.mark.parametrize("arch", ["sm_86", "sm_90"])
-def test_ring_variant_compiles_without_spills_with_the_shipped_arithmetic(tmp_path, arch):
+def test_ring_compiles_without_spills_with_the_direct_loads_arithmetic(tmp_path, arch):
     """The ring template at one row tile (T = 1) and two (T = 4): no spills and no stack frame, and its PTX has the
-    shipped kernel's floating-point instructions kind by kind (a necessary condition for its bits, which the GPU
+    direct-load kernel's floating-point instructions kind by kind (a necessary condition for its bits, which the GPU
     checks: lab.attn_long's `bits` column, tests/gpu/test_long_context_gpu.py). Registers are printed."""
     try:
         from compiler import nvrtc
@@ -105,10 +115,11 @@ def test_ring_variant_compiles_without_spills_with_the_shipped_arithmetic(tmp_pa
         pytest.skip(f"NVRTC unavailable: {err}")
     from compiler.build_cache import build_kernels
 
-    shipped = [attn_decode.make_key(24, 4, 256, 1, t, "int8", 2048, lookup(arch)) for t in (1, 4)]
-    rings = [attn_long.VARIANTS["ring"](k) for k in shipped]
-    built = {b.key: b for b in build_kernels(shipped + rings, root=tmp_path, jobs=2, ptx=True, progress=False).built}
-    for key, ring in zip(shipped, rings):
+    made = [attn_decode.make_key(24, 4, 256, 1, t, "int8", 2048, lookup(arch)) for t in (1, 4)]
+    direct = [attn_long.VARIANTS["direct"](k) for k in made]
+    rings = [attn_long.VARIANTS["ring"](k) for k in made]
+    built = {b.key: b for b in build_kernels(direct + rings, root=tmp_path, jobs=2, ptx=True, progress=False).built}
+    for key, ring in zip(direct, rings):
         meta = built[ring].meta
         print(f"\n{ring.name}: {meta['registers']} registers, {attn_decode.launch(ring).smem} B shared")
         assert meta["spill_stores"] == meta["spill_loads"] == meta["stack_bytes"] == 0

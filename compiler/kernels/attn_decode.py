@@ -6,18 +6,25 @@ context bucket, never from B or T, and each row splits its own pages evenly, so 
 depends only on its context. splits > 1 writes partials that attn_combine reduces. A block has one
 warp per 64 dims; its query rows (a kv head's GROUP·T) are m16 tiles, two at most per block, one with
 bf16 KV (`tiling`).
+
+INT8 keys may stage their loads instead (`stages` ≥ 2, templates/attn_decode_ring.cu.j2): each warp cp.asyncs its
+K, V and scales `stages` − 1 chunks ahead into its own shared-memory ring — the same grid, partials and bits, more
+bytes in flight per SM (the direct-load kernel is latency-bound at long context: session 21's Nsight). `stages`
+= 0 keeps the direct loads (bf16 KV always does).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from .._torch import torch
 
-from ..targets import Target
+from ..targets import Target, lookup
 from . import KernelKey, Launch, Param, ceil_div
 
 SMEM_LIMIT = 48 * 1024      # static shared memory
+RESERVED_SMEM = 1024        # shared memory the CUDA runtime keeps per block on sm_80+ (counts against the SM's)
+RING_TEMPLATE = "attn_decode_ring.cu.j2"
 
 
 @dataclass(frozen=True)
@@ -52,22 +59,39 @@ class Key(KernelKey):
     splits: int
     gate: bool
     arch: str
+    stages: int = 0        # INT8: ≥ 2 = each warp's cp.async ring of that many chunks; 0 = direct loads
 
     def __post_init__(self):
         if self.kv_dtype not in ("int8", "bf16") or self.d % 64 or 256 % self.d or self.page != 64:
             raise ValueError(f"attn_decode: unsupported shape {self}")
         if smem_bytes(self) > SMEM_LIMIT:
             raise ValueError(f"attn_decode: {smem_bytes(self)} B of shared memory exceeds {SMEM_LIMIT}")
+        if self.stages:
+            if self.kv_dtype != "int8":
+                raise ValueError(f"attn_decode ring: INT8 KV only ({self.kv_dtype} asked): bf16 keys are 128 bytes "
+                                 "a warp, whose ring layout and swizzle the template does not have")
+            if self.stages < 2:
+                raise ValueError(f"attn_decode ring: {self.stages} stages: a ring needs 2 or more")
+            need, limit = ring_smem(self, self.stages), lookup(self.arch).smem_per_block
+            if need > limit:
+                raise ValueError(f"attn_decode ring: {self.stages} stages take {need} B of shared memory, more "
+                                 f"than the {limit} B a block may have on {self.arch}")
+
+    @property
+    def template(self) -> str | None:
+        """The ring's own kernel; None: the family's, attn_decode.cu.j2 (direct loads)."""
+        return RING_TEMPLATE if self.stages else None
 
     def _name_parts(self):
         return [f"q{self.hq}", f"kv{self.hkv}", f"d{self.d}", f"b{self.b}", f"t{self.t}", self.kv_dtype,
-                f"p{self.page}x{self.max_pages}", f"s{self.splits}"] + (["gate"] if self.gate else [])
+                f"p{self.page}x{self.max_pages}", f"s{self.splits}"] + (["gate"] if self.gate else []) + \
+            ([f"ring{self.stages}"] if self.stages else [])
 
     def dynamic_smem(self) -> int:
-        """Dynamic shared memory the key's template declares: none here (the score exchange is static,
-        `smem_bytes`); a lab variant with a shared-memory ring (lab/attn_long.py's RingKey) declares its own, and
-        `launch` passes it on, so the loader sets the opt-in attribute above 48 KiB."""
-        return 0
+        """Dynamic shared memory the key's template declares: none with direct loads (the score exchange is
+        static, `smem_bytes`), the whole `ring_smem` with a ring; `launch` passes it on, so the loader sets the
+        opt-in attribute above 48 KiB."""
+        return ring_smem(self, self.stages) if self.stages else 0
 
 
 def smem_bytes(key: Key) -> int:
@@ -76,14 +100,46 @@ def smem_bytes(key: Key) -> int:
     return 2 * t.warps * t.mt * (t.chunk // 8) * 32 * 16 if t.warps > 1 else 16
 
 
+def ring_smem(key: Key, stages: int) -> int:
+    """The ring template's dynamic shared memory (it asserts the same): the score exchange (static in the
+    direct-load kernel, `smem_bytes`) and per warp `stages` stages of a chunk's K and V codes (64 bytes a key) and
+    its K and V scales of every group (fp16)."""
+    t = tiling(key)
+    exchange = smem_bytes(key) if t.warps > 1 else 0
+    return exchange + stages * t.warps * (2 * t.chunk * 64 + 2 * t.chunk * (key.d // 64) * 2)
+
+
+def ring_stages(key: Key, blocks: tuple[int, ...] = (2, 1)) -> int:
+    """The most stages (2–4) with which two blocks still fit an SM of the key's arch — the direct-load kernel's
+    occupancy, one wave of the 27B's 264 blocks on 132 SMs: 4 on sm_90, 3 (one row tile) or 2 (two) on sm_80. Where
+    not even 2 do (sm_86/89, 100 KB an SM: the exchange and two stages are 52–68 KB a block), the most for one
+    block an SM (4 / 3), unless `blocks` leaves 1 out (then 0: no ring)."""
+    target = lookup(key.arch)
+    for n in blocks:
+        for stages in (4, 3, 2):
+            need = ring_smem(key, stages)
+            if need <= target.smem_per_block and n * (need + RESERVED_SMEM) <= target.smem_per_sm:
+                return stages
+    if 1 not in blocks:
+        return 0
+    raise ValueError(f"attn_decode ring: no ring of 2 stages fits {target.name}'s shared memory ({key.name})")
+
+
+def choose_stages(key: Key) -> int:
+    """The shipped loads: INT8 keys ring where two blocks of a ring still fit an SM (the direct-load kernel's
+    occupancy: sm_80, sm_90), else load directly (sm_86/89, whose 100 KB an SM holds one ring block: untimed on
+    a 3090), as bf16 keys always do."""
+    return ring_stages(key, blocks=(2,)) if key.kv_dtype == "int8" else 0
+
+
 def choose_splits(hkv: int, max_pages: int, target: Target) -> int:
     """Enough blocks for two waves over the SMs at batch 1; at most one page per split."""
     return max(1, min(max_pages, ceil_div(2 * target.sms, hkv)))
 
 
 def make_key(hq, hkv, d, b, t, kv_dtype, max_pages, target: Target, gate=True, page=64) -> Key:
-    return Key(hq, hkv, d, b, t, kv_dtype, page, max_pages, choose_splits(hkv, max_pages, target), gate,
-               target.arch)
+    key = Key(hq, hkv, d, b, t, kv_dtype, page, max_pages, choose_splits(hkv, max_pages, target), gate, target.arch)
+    return replace(key, stages=choose_stages(key))
 
 
 def launch(key: Key, target: Target | None = None) -> Launch:

@@ -1,7 +1,7 @@
 """GPU tier at long context (issue 31): the paged kernels keyed as the 128K profile builds them (a 2,048-page
 block table) against their references at positions past 32,768 and 100,000 — qk_rope_kv (RoPE + the INT8
-append), attn_decode + attn_combine for a decode row and a verify's 4 rows (and the lab's ring variant against
-them, bit for bit), attn_prefill for a chunk at the end of 128K — at the 27B's attention shape; and greedy
+append), attn_decode + attn_combine for a decode row and a verify's 4 rows (and the shared-memory ring against
+the direct loads, bit for bit), attn_prefill for a chunk at the end of 128K — at the 27B's attention shape; and greedy
 decoding with K = 3 drafts equal to plain greedy token for token after real random-token prompts of 40,000 and
 100,000 tokens (the tiny spec made to hold 131,072 positions; the one-graph fused rounds).
 Run: pytest -m gpu tests/gpu/test_long_context_gpu.py -q -s"""
@@ -77,19 +77,24 @@ def test_attn_decode_row_has_the_same_bits_in_a_decode_and_in_a_verify(h, ctx):
 
 
 @pytest.mark.parametrize("t", [1, 4])
-def test_attn_decode_ring_variant_has_the_shipped_bits(h, t):
-    """The lab's shared-memory ring variant (lab/templates/attn_decode_ring.cu.j2, `lab.attn_long --variant ring`)
-    writes the shipped kernel's partials and, through the combine, output bit for bit at one row tile (T = 1) and
-    two (T = 4): three rows of random lengths, the last padded (one page per split: 2 chunks, fewer than the ring's
-    stages), and one row of 40,010 keys (10 pages per split, a ragged last chunk)."""
-    from lab.attn_long import VARIANTS, same_bits
+def test_attn_decode_ring_has_the_direct_loads_bits(h, t):
+    """The shared-memory ring (templates/attn_decode_ring.cu.j2, 2 and 4 stages) writes the direct-load kernel's
+    partials and, through the combine, output bit for bit at one row tile (T = 1) and two (T = 4): three rows of
+    random lengths, the last padded (one page per split: 2 chunks, fewer than the ring's stages), and one row of
+    40,010 keys (10 pages per split, a ragged last chunk)."""
+    from dataclasses import replace
+
+    from lab.attn_long import same_bits
 
     for b, ctx in ((3, None), (1, 40_010)):
-        key = attn_decode.make_key(HQ, HKV, D, b, t, "int8", MAX_PAGES, TARGET)
-        ring = VARIANTS["ring"](key)
-        h.build([key, ring, attn_combine.for_decode(key)])
-        case = make_case(ring, "cuda", 11 + b, ctx=ctx)
-        assert same_bits(ring, case, lambda k, a: h.KERNELS.bind(k, a)), f"{ring.name}, b = {b}, ctx = {ctx}"
+        direct = replace(attn_decode.make_key(HQ, HKV, D, b, t, "int8", MAX_PAGES, TARGET), stages=0)
+        for stages in (2, 4):
+            ring = replace(direct, stages=stages)
+            h.build([direct, ring, attn_combine.for_decode(direct)])
+            case = make_case(ring, "cuda", 11 + b, ctx=ctx)
+            same = same_bits(ring, direct, case, lambda k, a: h.KERNELS.bind(k, a))
+            assert same, f"{ring.name}, b = {b}, ctx = {ctx}"
+            del case
         del case
         torch.cuda.empty_cache()
 
