@@ -1,16 +1,17 @@
 """attn_prefill_long: the prefill attention of one chunk at the end of a long history (issue: the 128K prefill's rate)
-— the shipped INT8 attn_prefill (templates/attn_prefill_int8.cu.j2: K/V converted once per block to scaled fp16 in
-a cp.async-fed double buffer, `warps` × 16 flattened query rows) and the archived v1 it replaced
-(lab/templates/attn_prefill_v1.cu.j2, `V1Key`: one warp per query head, K/V dequantised to bf16 through registers)
-on the same inputs at the 27B's shape (24 query / 4 KV heads × 256, INT8-G64 pages in a shuffled pool, the
-runtime's 128K block table); `--variant wg` adds the lab's Hopper warpgroup-MMA variant (lab/templates/
-attn_prefill_wg.cu.j2, `WgKey`, sm_90 only). Per history L (the keys in the cache, the chunk's own T the last of them): both checked
+— the shipped INT8 attn_prefill (sm_90: templates/attn_prefill_wg.cu.j2 on warpgroup MMA; elsewhere
+templates/attn_prefill_int8.cu.j2: K/V converted once per block to scaled fp16 in a cp.async-fed double buffer,
+`warps` × 16 flattened query rows on mma.sync) and the archived v1 (lab/templates/attn_prefill_v1.cu.j2, `V1Key`:
+one warp per query head, K/V dequantised to bf16 through registers) on the same inputs at the 27B's shape (24 query
+/ 4 KV heads × 256, INT8-G64 pages in a shuffled pool, the runtime's 128K block table); `--variant mma` adds the
+mma.sync kernel where it is not the shipped one (sm_90), `--variant wg` the wgmma one. Per history L (the keys in
+the cache, the chunk's own T the last of them): each checked
 against the fp32 reference on sampled query tokens (the whole reference at 128K is 24 × T × L scores), then timed
 (CUDA events, median), with the causal FLOPs counted exactly (4·hq·d per visible query-key pair). Writes JSON,
 prints a table last. `--dry-run` (any machine, no GPU): keys, launches, shared memory and FLOPs only.
 
   python3 -m lab.attn_prefill_long --out X.json --history 8192,32768,131072 --chunk 4096
-  python3 -m lab.attn_prefill_long --dry-run [--arch sm_86] [--variant wg]
+  python3 -m lab.attn_prefill_long --dry-run [--arch sm_86] [--variant mma]
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import argparse
 import json
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from compiler.kernels import Launch, attn_prefill, gemm_wg
@@ -37,7 +38,7 @@ class V1Key(attn_prefill.Key):
 
 
 def v1_of(key: attn_prefill.Key) -> V1Key:
-    return V1Key(**key.fields())
+    return V1Key(**mma_of(key).fields())           # (its tiling fields are unused; mma's keep it off sm_90a)
 
 
 def v1_launch(key: V1Key) -> Launch:
@@ -47,52 +48,22 @@ def v1_launch(key: V1Key) -> Launch:
     return Launch((key.t // 16, key.hkv, 1), (32 * group, 1, 1), (group * 16 + 2 * 32) * (key.d + 8) * 2)
 
 
-WG_WARPS, WG_TK = 8, 64     # two warpgroups × 64 query rows, 64-key tiles (S: 32 fp32 a thread beside O's 128)
+def mma_of(key: attn_prefill.Key) -> attn_prefill.Key:
+    """The mma.sync INT8 kernel (templates/attn_prefill_int8.cu.j2) of `key`'s shape: the first of TILINGS whose
+    shared memory fits the card — what sm_90 shipped before its wgmma kernel."""
+    target = lookup(key.arch)
+    for warps, tk in attn_prefill.TILINGS:
+        if key.page % tk == 0 and attn_prefill.int8_smem_bytes(key.d, warps, tk) <= target.smem_per_block:
+            return replace(key, warps=warps, tk=tk)
+    raise ValueError(f"attn_prefill: no mma.sync tiling fits {key.name}")
 
 
-def wg_smem_bytes(d: int, warps: int, tk: int) -> int:
-    """The wg template's dynamic shared memory (it asserts the same): Q (16·warps rows) and one K and one V tile as
-    fp16, two ring stages of codes and fp16 scales as the shipped kernel's, and 1 KB to align the swizzle atoms."""
-    return 16 * warps * d * 2 + 2 * tk * d * 2 + 2 * (2 * tk * d + 2 * tk * (d // 64) * 2) + 1024
+def wg_of(key: attn_prefill.Key) -> attn_prefill.Key:
+    """The wgmma kernel (templates/attn_prefill_wg.cu.j2) of `key`'s shape: sm_90 only."""
+    return replace(key, warps=attn_prefill.WG_TILING[0], tk=attn_prefill.WG_TILING[1])
 
 
-@dataclass(frozen=True)
-class WgKey(attn_prefill.Key):
-    """The lab variant of the INT8 prefill attention on wgmma (lab/templates/attn_prefill_wg.cu.j2): the shipped
-    key's fields and arguments, `warps` / 4 warpgroups of 64 flattened query rows, `tk` keys a tile; compiled for
-    sm_90a, refused on every other arch."""
-    template, template_dir = "attn_prefill_wg.cu.j2", LAB_TEMPLATES
-
-    def __post_init__(self):
-        if self.kv_dtype != "int8" or self.t % 16 or self.d % 64 or self.d > 256 or self.page % self.tk:
-            raise ValueError(f"attn_prefill wg: unsupported shape {self} (INT8 pages, d a multiple of 64 up to 256)")
-        if (self.warps, self.tk) != (WG_WARPS, WG_TK):
-            raise ValueError(f"attn_prefill wg: tiling {self.warps} warps × {self.tk} keys; the template has "
-                             f"{WG_WARPS} × {WG_TK}")
-        self.check_arch()
-
-    def check_arch(self) -> None:
-        super().check_arch()
-        if not gemm_wg.arch_supported(self.arch):
-            raise ValueError(f"attn_prefill wg needs sm_90 (wgmma, compiled for sm_90a), not {self.arch}")
-
-    @property
-    def compile_arch(self) -> str:
-        return self.arch + "a"
-
-    def _name_parts(self):
-        return super()._name_parts() + ["wg"]
-
-
-def wg_of(key: attn_prefill.Key) -> WgKey:
-    return WgKey(**key.fields() | {"warps": WG_WARPS, "tk": WG_TK})
-
-
-def wg_launch(key: WgKey) -> Launch:
-    """Blocks of 16·warps flattened rows of one kv head (the shipped grid at 8 warps), one warpgroup per 64 rows."""
-    rows = key.hq // key.hkv * key.t
-    return Launch((-(-rows // (16 * key.warps)), key.hkv, 1), (32 * key.warps, 1, 1),
-                  wg_smem_bytes(key.d, key.warps, key.tk))
+VARIANTS = {"mma": mma_of, "wg": wg_of}
 
 
 def causal_flops(key, length: int) -> int:
@@ -108,12 +79,12 @@ def keys(args, target) -> tuple[V1Key, attn_prefill.Key]:
 
 
 def launches(args, target) -> dict:
-    """{"v1": (key, launch), "shipped": (key, launch)}, and "wg" with `--variant wg`."""
+    """{"v1": (key, launch), "shipped": (key, launch)}, and the `--variant`'s (mma or wg) under its name."""
     v1, key = keys(args, target)
     runs = {"v1": (v1, v1_launch(v1)), "shipped": (key, attn_prefill.launch(key))}
-    if args.variant == "wg":
-        wg = wg_of(key)
-        runs["wg"] = (wg, wg_launch(wg))
+    if args.variant:
+        other = VARIANTS[args.variant](key)
+        runs[args.variant] = (other, attn_prefill.launch(other))
     return runs
 
 
@@ -189,6 +160,7 @@ def measure(args) -> dict:
     target = lookup(args.arch or f"sm_{major}{minor}")
     if args.variant == "wg" and not gemm_wg.arch_supported(target.arch):
         raise SystemExit(f"error: --variant wg: wgmma needs sm_90, this device is {target.arch}")
+    var = args.variant
     runs = launches(args, target)
     key = runs["shipped"][0]
     built = build_kernels([k for k, _ in runs.values()], root=build_root() or DEFAULT_ROOT, progress=False).by_name()
@@ -217,9 +189,9 @@ def measure(args) -> dict:
                 row[name] = {"us": us, "TFLOPs": row["flops"] / us / 1e6, **error(outs[name], ref)}
             row["shipped_vs_v1_max_abs"] = (outs["shipped"].float() - outs["v1"].float()).abs().max().item()
             row["speedup"] = row["v1"]["us"] / row["shipped"]["us"]
-            if "wg" in outs:
-                row["wg_vs_shipped_max_abs"] = (outs["wg"].float() - outs["shipped"].float()).abs().max().item()
-                row["wg_speedup"] = row["shipped"]["us"] / row["wg"]["us"]
+            if var:
+                row["variant_vs_shipped_max_abs"] = (outs[var].float() - outs["shipped"].float()).abs().max().item()
+                row["variant_speedup"] = row["shipped"]["us"] / row[var]["us"]
         except Exception as err:                       # one failing history must not hide the others
             row["error"] = f"{type(err).__name__}: {err}"
         rows.append(row)
@@ -228,18 +200,18 @@ def measure(args) -> dict:
         case = ref = outs = None
         torch.cuda.empty_cache()
     return {"device": torch.cuda.get_device_name(), "target": target.name, "iters": args.iters, "kernels": info,
-            "results": rows}
+            "variant": var, "results": rows}
 
 
 def table(r: dict) -> str:
-    k = r["kernels"]
+    k, var = r["kernels"], r.get("variant")
     lines = [f"device {r['device']} (median of {r['iters']}); v1 {k['v1']['name']} "
              f"({k['v1']['registers']} regs), shipped {k['shipped']['name']} ({k['shipped']['registers']} regs)",
              f"{'history':>8} {'chunk':>6} {'TFLOP':>7} {'v1 us':>11} {'TFLOP/s':>8} {'ok':>3} "
              f"{'shipped us':>11} {'TFLOP/s':>8} {'ok':>3} {'speedup':>8} {'max|s-v1|':>9}"
-             + (f" {'wg us':>11} {'TFLOP/s':>8} {'ok':>3} {'wg/ship':>8} {'max|w-s|':>9}" if "wg" in k else "")]
-    if "wg" in k:
-        lines[0] += f", wg {k['wg']['name']} ({k['wg']['registers']} regs)"
+             + (f" {var + ' us':>11} {'TFLOP/s':>8} {'ok':>3} {'ship/' + var:>8} {'max|v-s|':>9}" if var else "")]
+    if var:
+        lines[0] += f", {var} {k[var]['name']} ({k[var]['registers']} regs)"
     for x in r["results"]:
         head = f"{x['history']:>8,} {x['chunk']:>6} {x['flops'] / 1e12:>7.2f}"
         if "error" in x:
@@ -248,10 +220,10 @@ def table(r: dict) -> str:
         v, s = x["v1"], x["shipped"]
         line = (f"{head} {v['us']:>11,.0f} {v['TFLOPs']:>8.1f} {'y' if v['ok'] else 'N':>3} {s['us']:>11,.0f} "
                 f"{s['TFLOPs']:>8.1f} {'y' if s['ok'] else 'N':>3} {x['speedup']:>7.2f}x {x['shipped_vs_v1_max_abs']:>9.2e}")
-        if "wg" in x:
-            w = x["wg"]
-            line += (f" {w['us']:>11,.0f} {w['TFLOPs']:>8.1f} {'y' if w['ok'] else 'N':>3} {x['wg_speedup']:>7.2f}x "
-                     f"{x['wg_vs_shipped_max_abs']:>9.2e}")
+        if var:
+            w = x[var]
+            line += (f" {w['us']:>11,.0f} {w['TFLOPs']:>8.1f} {'y' if w['ok'] else 'N':>3} {x['variant_speedup']:>7.2f}x "
+                     f"{x['variant_vs_shipped_max_abs']:>9.2e}")
         lines.append(line)
     return "\n".join(lines)
 
@@ -267,8 +239,9 @@ def parse(argv=None):
     ap.add_argument("--iters", type=int, default=5, help="timed launches per kernel (median)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed launches first")
     ap.add_argument("--check-tokens", type=int, default=128, help="query tokens checked against the reference")
-    ap.add_argument("--variant", default="", choices=("", "wg"), help="also time a lab variant: wg (warpgroup MMA, "
-                    "lab/templates/attn_prefill_wg.cu.j2; sm_90 only)")
+    ap.add_argument("--variant", default="", choices=("", *VARIANTS), help="also time the other INT8 kernel: mma "
+                    "(mma.sync, templates/attn_prefill_int8.cu.j2: sm_90's before its wgmma one) or wg (warpgroup MMA, "
+                    "templates/attn_prefill_wg.cu.j2; sm_90 only)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="attn_prefill_long.json", help="JSON results")
     ap.add_argument("--dry-run", action="store_true", help="keys, launches, shared memory and FLOPs only: no GPU")

@@ -28,8 +28,9 @@ fi
 if part pattn; then                  # session 17 (issue 31, 128K TTFT): the prefill attention over a long history,
                                      # the shipped INT8 kernel vs the archived v1 (lab/templates/attn_prefill_v1.cu.j2);
                                      # PARCH=sm_86: the 3090's 4-warp tiling, run as PTX (never timed yet);
-                                     # PVAR=wg: also the lab's wgmma variant (sm_90 only; its GPU test first)
-  if [ "${PVAR:-}" = wg ]; then
+                                     # PVAR=mma: also the mma.sync kernel (sm_90's before its wgmma one), wg: the
+                                     # wgmma one (sm_90 only); either runs the wgmma kernel's GPU test first
+  if [ -n "${PVAR:-}" ]; then
     timeout ${PWGT_S:-120} python3 -m pytest -m gpu tests/gpu/test_attn_prefill_wg_gpu.py -v -rf -p no:cacheprovider \
       > $OUT/attn_prefill_wg_tests.log 2>&1
     echo "prefill wg tests: rc $?"; grep -a "PASSED\|FAILED\|ERROR\|exceeded\|NaN" $OUT/attn_prefill_wg_tests.log | head -12

@@ -1,5 +1,6 @@
-"""attn_prefill on the CPU: INT8 keys compile templates/attn_prefill_int8.cu.j2 and bf16 keys
-attn_prefill.cu.j2, both without spills; the INT8 kernel compiles for sm_80/86/89/90 with a launch that fits, at the
+"""attn_prefill on the CPU: INT8 keys compile templates/attn_prefill_int8.cu.j2 (sm_90: attn_prefill_wg.cu.j2 for
+sm_90a, its wgmma kept asynchronous) and bf16 keys attn_prefill.cu.j2, all without spills; the INT8 kernels compile
+for sm_80/86/89/90 with a launch that fits, at the
 27B's and the tiny spec's shapes (its shared-memory total the same in Python, in the template's Jinja and in its C
 layout); the tiling follows the card's shared memory; the launch covers every flattened query row once; the
 kernel's fp16 numerics (codes·scale, Q and P rounded to fp16) stay within the bf16 tolerance the GPU tests use."""
@@ -33,12 +34,14 @@ def _nvrtc():
 
 
 def test_int8_keys_compile_their_own_template_and_bf16_keys_the_familys():
-    assert codegen.template_path(_key()) == "templates/attn_prefill_int8.cu.j2"
+    assert codegen.template_path(_key("sm_86")) == "templates/attn_prefill_int8.cu.j2"
+    assert codegen.template_path(_key()) == "templates/attn_prefill_wg.cu.j2" and _key().compile_arch == "sm_90a"
     assert codegen.template_path(_key(kv="bf16")) == "templates/attn_prefill.cu.j2"
-    assert _key().name == "attn_prefill_q24_kv4_d256_t4096_int8_p64x2048_gate_w8k32_sm90"
+    assert _key().name == "attn_prefill_q24_kv4_d256_t4096_int8_p64x2048_gate_w8k64_sm90"
+    assert _key("sm_86").compile_arch == "sm_86" and _key(kv="bf16").compile_arch == "sm_90"
 
 
-TILINGS = {"sm_80": (8, 16), "sm_86": (4, 16), "sm_89": (4, 16), "sm_90": (8, 32)}      # the reference cards'
+TILINGS = {"sm_80": (8, 16), "sm_86": (4, 16), "sm_89": (4, 16), "sm_90": (8, 64)}      # the reference cards'
 
 
 @pytest.mark.parametrize("arch, tiling", TILINGS.items())
@@ -53,12 +56,17 @@ def test_int8_compiles_without_spills_and_fits(tmp_path, arch, tiling):
     for key in keys:
         source = codegen.render(key, nvrtc.version()).source
         assert int(re.search(r"SMEM_BYTES = (\d+);", source).group(1)) == attn_prefill.smem_bytes(key)  # + C's assert
-    for built in build_kernels(keys, root=tmp_path, jobs=2, progress=False).built:
+    for built in build_kernels(keys, root=tmp_path, jobs=2, ptx=arch == "sm_90", progress=False).built:
         meta, cfg = built.meta, attn_prefill.launch(built.key)
         print(f"\n{built.key.name}: {meta['registers']} registers, {cfg.smem} B shared, grid {cfg.grid}")
         assert meta["spill_stores"] == meta["spill_loads"] == meta["stack_bytes"] == 0
         assert meta["smem_bytes"] == 0 and cfg.smem <= lookup(arch).smem_per_block
         assert meta["registers"] * cfg.block[0] <= 65536                # one block per SM
+        if built.key.wg:                # ptxas keeps the wgmma asynchronous; both products are wgmma of the plan
+            assert "C7513" not in (built.dir / "nvrtc.log").read_text(), f"serialised wgmma in {built.key.name}"
+            ptx, d = built.ptx.read_text(), built.key.d         # Q·Kᵀ: d / 16 k-steps of n64; P·V: 64 keys, 4 of n = d
+            qk, pv = (f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16" for n in (64, d))
+            assert (ptx.count(qk), ptx.count(pv)) == ((d // 16, 4) if d != 64 else (d // 16 + 4,) * 2)
 
 
 @pytest.mark.parametrize("arch", ["sm_86", "sm_90"])
@@ -87,7 +95,8 @@ def test_int8_launch_covers_every_flattened_row_once(arch, t):
 def test_the_tiling_follows_shared_memory_and_bf16_keeps_a_warp_per_head():
     for arch, tiling in TILINGS.items():
         assert attn_prefill.tiling(24, 4, 256, "int8", 64, lookup(arch)) == tiling
-        assert attn_prefill.tiling(4, 2, 64, "int8", 64, lookup(arch)) == (8, 32)     # small rows fit anywhere
+        small = (8, 64) if arch == "sm_90" else (8, 32)                        # small rows fit anywhere
+        assert attn_prefill.tiling(4, 2, 64, "int8", 64, lookup(arch)) == small
     bf16 = _key("sm_86", kv="bf16")
     assert (bf16.warps, bf16.tk) == (6, 32)
     assert attn_prefill.launch(bf16) == Launch((256, 4, 1), (192, 1, 1), (96 + 64) * 264 * 2)
@@ -99,7 +108,9 @@ def test_unknown_tilings_are_refused():
     with pytest.raises(ValueError, match="tiling"):
         attn_prefill.Key(**{**_key(kv="bf16").fields(), "warps": 8})
     with pytest.raises(ValueError, match="tiling"):
-        attn_prefill.Key(**{**_key().fields(), "tk": 64})
+        attn_prefill.Key(**{**_key().fields(), "warps": 4})                   # 4 × 64: no kernel's
+    with pytest.raises(ValueError, match="sm_90 only"):
+        attn_prefill.Key(**{**_key("sm_86").fields(), "warps": 8, "tk": 64})  # the wgmma tiling off sm_90
 
 
 def test_the_int8_kernels_fp16_numerics_are_within_the_bf16_tolerance():

@@ -1,8 +1,8 @@
 """lab/attn_prefill_long.py on the CPU: the archived v1 (lab/templates/attn_prefill_v1.cu.j2) renders and compiles for
 sm_86 and sm_90 with no spills beside the shipped kernel, its launch the v1 one; the FLOP count is the kernel lab's;
 the sampled reference is the family's reference on those rows; the CLI parses and prints a GPU run's table; the
-`wg` variant (lab/templates/attn_prefill_wg.cu.j2, wgmma) keys, launches, refusals and sm_90a compile. (The shipped
-kernel's own tests: tests/test_attn_prefill.py; the wg variant on the GPU: tests/gpu/test_attn_prefill_wg_gpu.py.)"""
+`mma` / `wg` variants' keys, launches and refusals. (The shipped kernels' own tests, the wgmma one's sm_90a compile
+included: tests/test_attn_prefill.py; on the GPU: tests/gpu/test_attn_prefill_wg_gpu.py.)"""
 import pytest
 import torch
 
@@ -85,54 +85,30 @@ def test_the_table_of_a_gpu_run():
     assert "183.1" in text and "1.19x" in text and "FAILED: CudaError" in text
 
 
-def test_wg_variant_keys_launch_and_refusals():
-    """`--variant wg` adds the warpgroup-MMA key beside v1 and the shipped kernel (default runs unchanged): the
-    shipped grid and block, its own shared memory (Q, one K and one V fp16 tile, two ring stages, 1 KB of alignment)
-    within the card's; other arches and tilings are refused with the reason."""
-    rows = lab.dry_run(lab.parse(["--dry-run", "--history", "8192", "--variant", "wg"]))
+def test_variant_keys_launch_and_refusals():
+    """`--variant mma` adds sm_90's mma.sync kernel beside v1 and the shipped wgmma one (default runs unchanged): the
+    shipped grid and block at 8 warps, each its own shared memory within the card's (wgmma: Q, one K and one V fp16
+    tile, two ring stages, 1 KB of alignment); `--variant wg` off sm_90 is refused with the reason."""
+    rows = lab.dry_run(lab.parse(["--dry-run", "--history", "8192", "--variant", "mma"]))
     assert [r["name"] for r in rows][:2] == [r["name"] for r in lab.dry_run(lab.parse(["--dry-run", "--history", "8192"]))]
-    wg = rows[2]
-    assert wg["name"] == "attn_prefill_q24_kv4_d256_t4096_int8_p64x2048_gate_w8k64_wg_sm90"
-    assert wg["grid"] == (192, 4, 1) and wg["block"] == (256, 1, 1) and wg["flops"] == rows[1]["flops"]
+    wg, mma = rows[1], rows[2]
+    assert wg["name"] == "attn_prefill_q24_kv4_d256_t4096_int8_p64x2048_gate_w8k64_sm90"
+    assert mma["name"] == "attn_prefill_q24_kv4_d256_t4096_int8_p64x2048_gate_w8k32_sm90"
+    assert wg["grid"] == mma["grid"] == (192, 4, 1) and wg["block"] == (256, 1, 1) and wg["flops"] == mma["flops"]
     assert wg["smem"] == 128 * 512 + 2 * 64 * 512 + 2 * (2 * 64 * 256 + 2 * 64 * 4 * 2) + 1024 == 199_680
-    assert wg["smem"] <= lookup("sm_90").smem_per_block
-    key = lab.wg_of(_key())
-    assert key.compile_arch == "sm_90a" and codegen.template_path(key) == "lab/templates/attn_prefill_wg.cu.j2"
+    assert wg["smem"] <= lookup("sm_90").smem_per_block and mma["smem"] == 168_960
+    assert codegen.template_path(lab.mma_of(_key())) == "templates/attn_prefill_int8.cu.j2"
     with pytest.raises(SystemExit, match="needs sm_90"):
         lab.parse(["--variant", "wg", "--arch", "sm_86"])
-    with pytest.raises(ValueError, match="needs sm_90"):
+    with pytest.raises(ValueError, match="sm_90 only"):
         lab.wg_of(_key("sm_86"))
-    with pytest.raises(ValueError, match="tiling"):
-        lab.WgKey(**_key().fields())                        # the shipped 8 × 32 tiling: not the template's
 
 
-def test_wg_variant_compiles_for_sm90a_without_spills(tmp_path):
-    """The wg template at the 27B's shape and at a ragged small one (R = 288 rows: a block past R): no spills, no
-    stack frame, ptxas keeps the wgmma asynchronous (no C7513), and both products are wgmma of the planned shapes
-    (QK m64n64k16 from shared memory, PV m64n256k16 with A in registers). Registers are printed."""
-    try:
-        from compiler import nvrtc
-        nvrtc.version()
-        nvrtc.cuda_include_dir()
-    except Exception as err:                     # no cuda-bindings / NVRTC / headers on this machine
-        pytest.skip(f"NVRTC unavailable: {err}")
-    from compiler.build_cache import build_kernels
-
-    keys = [lab.wg_of(_key()), lab.wg_of(_key(t=48, max_pages=8))]
-    for b in build_kernels(keys, root=tmp_path, jobs=2, ptx=True, progress=False).built:
-        meta, ptx = b.meta, b.ptx.read_text()
-        print(f"\n{b.key.name}: {meta['registers']} registers, {lab.wg_launch(b.key).smem} B shared")
-        assert meta["spill_stores"] == meta["spill_loads"] == meta["stack_bytes"] == 0
-        assert "C7513" not in (b.dir / "nvrtc.log").read_text(), f"ptxas serialised the wgmma of {b.key.name}"
-        assert ptx.count("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16") == 16
-        assert ptx.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16") == 4
-
-
-def test_the_table_of_a_gpu_run_with_the_wg_variant():
-    run = {"v1": {"us": 84682.0, "TFLOPs": 153.4, "ok": True}, "shipped": {"us": 70927.0, "TFLOPs": 183.1, "ok": True},
-           "wg": {"us": 40000.0, "TFLOPs": 324.7, "ok": True}}
-    row = {"history": 131072, "chunk": 4096, "flops": 1.3e13, **run, "speedup": 84682 / 70927,
-           "shipped_vs_v1_max_abs": 6.1e-5, "wg_speedup": 70927 / 40000, "wg_vs_shipped_max_abs": 1.2e-4}
-    kernels = {n: {"name": f"attn_prefill_{n}", "registers": 218, "spills": 0} for n in ("v1", "shipped", "wg")}
-    text = lab.table({"device": "NVIDIA H100", "iters": 5, "kernels": kernels, "results": [row]})
-    assert "wg attn_prefill_wg (218 regs)" in text and "324.7" in text and "1.77x" in text and "wg/ship" in text
+def test_the_table_of_a_gpu_run_with_a_variant():
+    run = {"v1": {"us": 84682.0, "TFLOPs": 153.4, "ok": True}, "shipped": {"us": 40000.0, "TFLOPs": 324.7, "ok": True},
+           "mma": {"us": 70927.0, "TFLOPs": 183.1, "ok": True}}
+    row = {"history": 131072, "chunk": 4096, "flops": 1.3e13, **run, "speedup": 84682 / 40000,
+           "shipped_vs_v1_max_abs": 6.1e-5, "variant_speedup": 40000 / 70927, "variant_vs_shipped_max_abs": 1.2e-4}
+    kernels = {n: {"name": f"attn_prefill_{n}", "registers": 218, "spills": 0} for n in ("v1", "shipped", "mma")}
+    text = lab.table({"device": "NVIDIA H100", "iters": 5, "kernels": kernels, "variant": "mma", "results": [row]})
+    assert "mma attn_prefill_mma (218 regs)" in text and "183.1" in text and "0.56x" in text and "ship/mma" in text

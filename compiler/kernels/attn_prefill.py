@@ -5,8 +5,10 @@ qk_rope_kv writes them (that kernel runs first, so the chunk attends to itself).
 INT8 pages (templates/attn_prefill_int8.cu.j2): a kv head's GROUP·T query rows flattened into blocks of
 `warps` × 16 rows, K/V codes cp.async'd into a 2-stage ring and converted once per block to fp16
 code·scale in a double buffer between the QK mma, `tk` keys per tile (`tiling`: the most warps and keys
-whose shared memory fits the card). bf16 pages (templates/attn_prefill.cu.j2): a block of 16 query tokens,
-one warp per query head of a kv head, 32-key bf16 tiles through registers.
+whose shared memory fits the card). On sm_90 the INT8 tiling is WG_TILING (templates/attn_prefill_wg.cu.j2,
+compiled for sm_90a): two warpgroups × 64 flattened rows, 64-key tiles, both products on wgmma — every K/V byte a
+warpgroup reads from shared memory serves 64 rows (mma.sync: 16). bf16 pages (templates/attn_prefill.cu.j2): a
+block of 16 query tokens, one warp per query head of a kv head, 32-key bf16 tiles through registers.
 """
 from __future__ import annotations
 
@@ -17,12 +19,15 @@ from .._torch import torch
 
 from ..targets import Target
 from . import KernelKey, Launch, Param, ceil_div
+from . import gemm_wg
 from .attn_decode import gather_kv
 
 # (warps, keys per tile) of the INT8 kernel, tried in order: 8 warps × 16 rows keep the tensor pipe of every
 # SMSP busy (the one block per SM is bound by O's registers); 32-key tiles halve the barriers per key
 TILINGS = ((8, 32), (8, 16), (4, 16))
 INT8_TEMPLATE = "attn_prefill_int8.cu.j2"
+WG_TILING = (8, 64)         # the wgmma kernel's (warps, keys per tile), sm_90 only
+WG_TEMPLATE = "attn_prefill_wg.cu.j2"
 
 
 @dataclass(frozen=True)
@@ -43,18 +48,36 @@ class Key(KernelKey):
     def __post_init__(self):
         if self.t % 16 or self.d % 64 or self.d > 256 or self.page % 32 or self.kv_dtype not in ("int8", "bf16"):
             raise ValueError(f"attn_prefill: unsupported shape {self}")
-        tilings = TILINGS if self.kv_dtype == "int8" else ((self.hq // self.hkv, 32),)
+        tilings = TILINGS + (WG_TILING,) if self.kv_dtype == "int8" else ((self.hq // self.hkv, 32),)
         if (self.warps, self.tk) not in tilings or self.page % self.tk:
             raise ValueError(f"attn_prefill: unsupported tiling {self.warps} warps × {self.tk} keys for {self}")
+        if self.wg and not gemm_wg.arch_supported(self.arch):
+            raise ValueError(f"attn_prefill: the {WG_TILING[0]} × {WG_TILING[1]} tiling is the wgmma kernel's, "
+                             f"sm_90 only (compiled for sm_90a), not {self.arch}")
+
+    @property
+    def wg(self) -> bool:
+        """Whether the key is the wgmma kernel's (INT8, WG_TILING)."""
+        return self.kv_dtype == "int8" and (self.warps, self.tk) == WG_TILING
 
     @property
     def template(self) -> str | None:
-        """INT8 pages' own kernel; None: the family's, attn_prefill.cu.j2 (bf16)."""
-        return INT8_TEMPLATE if self.kv_dtype == "int8" else None
+        """INT8 pages' own kernels (wgmma or mma.sync); None: the family's, attn_prefill.cu.j2 (bf16)."""
+        return (WG_TEMPLATE if self.wg else INT8_TEMPLATE) if self.kv_dtype == "int8" else None
+
+    @property
+    def compile_arch(self) -> str:
+        return self.arch + "a" if self.wg else self.arch
 
     def _name_parts(self):
         return [f"q{self.hq}", f"kv{self.hkv}", f"d{self.d}", f"t{self.t}", self.kv_dtype,
                 f"p{self.page}x{self.max_pages}"] + (["gate"] if self.gate else []) + [f"w{self.warps}k{self.tk}"]
+
+
+def wg_smem_bytes(d: int, warps: int, tk: int) -> int:
+    """The wgmma kernel's shared memory (it asserts the same): Q (16·warps rows) and one K and one V tile as fp16,
+    two ring stages of codes and fp16 scales as the mma.sync kernel's, and 1 KB to align the swizzle atoms."""
+    return 16 * warps * d * 2 + 2 * tk * d * 2 + 2 * (2 * tk * d + 2 * tk * (d // 64) * 2) + 1024
 
 
 def int8_smem_bytes(d: int, warps: int, tk: int) -> int:
@@ -65,10 +88,14 @@ def int8_smem_bytes(d: int, warps: int, tk: int) -> int:
 
 
 def tiling(hq: int, hkv: int, d: int, kv_dtype: str, page: int, target: Target) -> tuple[int, int]:
-    """(warps, tk): INT8, the first of TILINGS whose shared memory fits one block of the card (sm_90: 8 × 32,
-    sm_80: 8 × 16, sm_86/sm_89: 4 × 16); bf16, one warp per query head and 32 keys."""
+    """(warps, tk): INT8, WG_TILING where wgmma runs (sm_90) and its shared memory fits, else the first of TILINGS
+    whose shared memory fits one block of the card (sm_80: 8 × 16, sm_86/sm_89: 4 × 16); bf16, one warp per query
+    head and 32 keys."""
     if kv_dtype != "int8":
         return hq // hkv, 32
+    if (gemm_wg.arch_supported(target.arch) and page % WG_TILING[1] == 0
+            and wg_smem_bytes(d, *WG_TILING) <= target.smem_per_block):
+        return WG_TILING
     for warps, tk in TILINGS:
         if page % tk == 0 and int8_smem_bytes(d, warps, tk) <= target.smem_per_block:
             return warps, tk
@@ -84,7 +111,7 @@ def smem_bytes(key: Key) -> int:
     """Dynamic shared memory. bf16: the block's Q rows (16 per query head) and one K and one V tile of 32 keys,
     bf16 rows padded by 8 values."""
     if key.kv_dtype == "int8":
-        return int8_smem_bytes(key.d, key.warps, key.tk)
+        return (wg_smem_bytes if key.wg else int8_smem_bytes)(key.d, key.warps, key.tk)
     return (key.hq // key.hkv * 16 + 2 * 32) * (key.d + 8) * 2
 
 
