@@ -95,7 +95,6 @@ def test_attn_decode_ring_has_the_direct_loads_bits(h, t):
             same = same_bits(ring, direct, case, lambda k, a: h.KERNELS.bind(k, a))
             assert same, f"{ring.name}, b = {b}, ctx = {ctx}"
             del case
-        del case
         torch.cuda.empty_cache()
 
 
