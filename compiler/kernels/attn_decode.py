@@ -10,7 +10,7 @@ bf16 KV (`tiling`).
 INT8 keys may stage their loads instead (`stages` ≥ 2, templates/attn_decode_ring.cu.j2): each warp cp.asyncs its
 K, V and scales `stages` − 1 chunks ahead into its own shared-memory ring — the same grid, partials and bits, more
 bytes in flight per SM (the direct-load kernel is latency-bound at long context: session 21's Nsight). `stages`
-= 0 keeps the direct loads (bf16 KV always does).
+= 0 keeps the direct loads (bf16 KV always does); `choose_stages` rings on sm_90, where it was timed.
 """
 from __future__ import annotations
 
@@ -125,11 +125,14 @@ def ring_stages(key: Key, blocks: tuple[int, ...] = (2, 1)) -> int:
     raise ValueError(f"attn_decode ring: no ring of 2 stages fits {target.name}'s shared memory ({key.name})")
 
 
+RING_ARCHS = ("sm_90",)     # where the ring was timed against the direct loads (H200, session 22: 1.19–1.24× at T = 1)
+
+
 def choose_stages(key: Key) -> int:
-    """The shipped loads: INT8 keys ring where two blocks of a ring still fit an SM (the direct-load kernel's
-    occupancy: sm_80, sm_90), else load directly (sm_86/89, whose 100 KB an SM holds one ring block: untimed on
-    a 3090), as bf16 keys always do."""
-    return ring_stages(key, blocks=(2,)) if key.kv_dtype == "int8" else 0
+    """The shipped loads: INT8 keys ring on the archs it was timed on (RING_ARCHS), with the most stages for which
+    two ring blocks still fit an SM (the direct-load kernel's occupancy); elsewhere, and for bf16 KV, direct loads
+    (sm_86/89 hold one 27B ring block an SM in 100 KB; untimed on a 3090)."""
+    return ring_stages(key, blocks=(2,)) if key.kv_dtype == "int8" and key.arch in RING_ARCHS else 0
 
 
 def choose_splits(hkv: int, max_pages: int, target: Target) -> int:
