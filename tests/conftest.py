@@ -4,10 +4,21 @@
 (OMP_WAIT_POLICY=PASSIVE, set before torch loads: on a busy 2-core machine spinning threads stall each
 other — the same bits, up to 10× slower decode); after each module that used CUDA, unreachable objects are
 collected and the allocator's cache emptied, so a module's models (a backend's graphs and buffers hold reference
-cycles) never count against the next module's memory budget."""
+cycles) never count against the next module's memory budget.
+
+Also the session's kernel cache (`kernel_cache`: one build root for every NVRTC compile test, so a key two tests
+build compiles once; the folder names hash the exact source) and its background build: tests marked
+`prebuild(keys=keys_fn, **build_kwargs)` run last in the session, and right after collection a process at idle CPU
+priority (tests/kernel_prebuild.py) starts compiling their keys (`keys_fn` of the test's parameters, the function the
+test builds from) into that cache — on CI's 2 cores the other tests leave most of a core idle, and the NVRTC work
+(~400 CPU-seconds) soaks it up instead of running after them. NINFER_PREBUILD=0 turns the background build off."""
 import gc
+import inspect
+import json
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -62,6 +73,9 @@ def _slow_gpu_asked(config) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    # compile tests last (order otherwise kept), so that the background build has the other tests' time to work in
+    items[:] = [i for i in items if not i.get_closest_marker("prebuild")] + \
+               [i for i in items if i.get_closest_marker("prebuild")]
     if not _slow_gpu_asked(config):
         slow = pytest.mark.skip(reason="slow statistical GPU case: run with -m slow_gpu or NINFER_SLOW_GPU=1")
         for item in items:
@@ -73,3 +87,56 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+_PREBUILD: dict = {}        # "root": the session's kernel cache; "proc": the background build
+
+
+@pytest.fixture(scope="session")
+def kernel_cache(tmp_path_factory) -> Path:
+    """The session's kernel build root (a key compiles once per session; the background build fills it)."""
+    if "root" not in _PREBUILD:
+        _PREBUILD["root"] = tmp_path_factory.mktemp("kernels")
+    return _PREBUILD["root"]
+
+
+def _prebuild_jobs(items) -> list[dict]:
+    jobs = []
+    for item in items:
+        mark = item.get_closest_marker("prebuild")
+        if mark is None or item.get_closest_marker("skip"):
+            continue
+        fn, kwargs = mark.kwargs["keys"], {k: v for k, v in mark.kwargs.items() if k != "keys"}
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        job = {"module": fn.__module__, "fn": fn.__name__, "kwargs": kwargs,
+               "params": {n: params[n] for n in inspect.signature(fn).parameters if n in params}}
+        if job not in jobs:
+            jobs.append(job)
+    return jobs
+
+
+def pytest_collection_finish(session):
+    config = session.config
+    if config.option.collectonly or os.environ.get("NINFER_PREBUILD") == "0":
+        return
+    jobs = _prebuild_jobs(session.items)
+    if not jobs or all(i.get_closest_marker("prebuild") for i in session.items):
+        return                  # nothing to build, or no other test to overlap with (the tests build it themselves)
+    if "root" not in _PREBUILD:
+        _PREBUILD["root"] = config._tmp_path_factory.mktemp("kernels")
+    root = _PREBUILD["root"]
+    log = open(root / "prebuild.log", "w")
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("kernel_prebuild.py"))],
+                            stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, text=True,
+                            cwd=Path(__file__).resolve().parent.parent)
+    log.close()
+    proc.stdin.write(json.dumps({"root": str(root), "jobs": jobs}))
+    proc.stdin.close()
+    _PREBUILD["proc"] = proc
+
+
+def pytest_sessionfinish(session):
+    proc = _PREBUILD.pop("proc", None)
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.wait()

@@ -3,7 +3,8 @@ that the driver JIT-compiles. The sm_86 path of a tiny-spec profile plans withou
 compiles to compute_86 PTX with NVRTC here, holds no sm_90-only instruction, and is cached in its own
 `build/sm_86-ptx/` folders under its own hash; a path newer than the device is refused at load; the
 kernel cache of a PTX path loads `.ptx` images, all of them as they are built.
-The GPU tier runs the path: tests/gpu/test_arch_path_gpu.py."""
+The GPU tier runs the path: tests/gpu/test_arch_path_gpu.py. The path's PTX builds in the session's kernel cache
+(tests/conftest.py)."""
 import json
 import re
 from pathlib import Path
@@ -79,16 +80,16 @@ def test_sm86_path_plans_have_no_pdl_and_no_gemm_wg():
                                                       "pos_embed", "attn_vision"}
 
 
-@pytest.fixture(scope="module")
-def sm86_ptx(tmp_path_factory):
-    root = tmp_path_factory.mktemp("build")
-    keys = profile_keys(*_plans("sm_86"))
-    return root, keys, build_kernels(keys, jobs=2, root=root, ptx_only=True, progress=False)
+def sm86_path_keys() -> list:
+    return profile_keys(*_plans("sm_86"))
 
 
-def test_sm86_path_compiles_to_compute86_ptx_without_sm90_instructions(sm86_ptx):
-    root, keys, summary = sm86_ptx
-    assert summary.compiled == len(keys) == summary.kernels and len(keys) > 100
+@pytest.mark.prebuild(keys=sm86_path_keys, ptx_only=True)
+def test_sm86_path_compiles_to_compute86_ptx_without_sm90_instructions(kernel_cache):
+    root, keys = kernel_cache, sm86_path_keys()
+    summary = build_kernels(keys, jobs=2, root=root, ptx_only=True, progress=False)
+    # every key built once (none twice), compiled here or earlier in the session from the same source
+    assert len(summary.built) == len(keys) == summary.kernels and len(keys) > 100
     for b in summary.built:
         assert b.dir.parent.parent == root / "sm_86-ptx", b.dir
         assert {p.name for p in b.dir.iterdir()} == {"kernel.cu", "kernel.ptx", "meta.json", "nvrtc.log"}

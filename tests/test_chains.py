@@ -1,7 +1,7 @@
 """CPU tier for joined GEMV launches (CompileOptions.chain; compiler/chains.py, kernels/gemv_chain.py): the 27B's
 decode forward within issue 32's 300 launches, every member keeping its own call's kernel and bindings in order,
 the counters' place in the workspace, the launch arithmetic, refusals, and NVRTC builds without spills. The bits
-are the GPU tier's (tests/gpu/test_chains_gpu.py)."""
+are the GPU tier's (tests/gpu/test_chains_gpu.py). The builds use the session's kernel cache (tests/conftest.py)."""
 from pathlib import Path
 
 import pytest
@@ -119,16 +119,21 @@ def test_the_default_plans_join_nothing():
     assert not any(c.key.family == "gemv_chain" for c in plan.calls) and plan.launches == len(_members(plan))
 
 
-@pytest.mark.parametrize("arch", ["sm_86", "sm_90"])
-def test_the_tiny_specs_joined_launches_compile_without_spills(tmp_path, arch):
-    """Every chain and group of the tiny spec's decode buckets (1 and 3 lanes, the 4-row verify), within the
-    static shared memory (the template asserts it) and without spills. The 27B's are in the slow tier of
-    tests/test_kernels_compile.py."""
+def joined_keys(arch: str) -> list:
+    """Every chain and group of the tiny spec's decode buckets (1 and 3 lanes, the 4-row verify)."""
     keys = []
     for entry, b, t in (("step", 1, 1), ("step", 3, 1), ("verify", 1, 4)):
         for mode in ("group", "chain"):
             keys += [c.key for c in _plan(SPEC_TINY, arch, mode, entry, b, t).calls if c.key.family == "gemv_chain"]
-    keys = list(dict.fromkeys(keys))
+    return list(dict.fromkeys(keys))
+
+
+@pytest.mark.prebuild(keys=joined_keys)
+@pytest.mark.parametrize("arch", ["sm_86", "sm_90"])
+def test_the_tiny_specs_joined_launches_compile_without_spills(kernel_cache, arch):
+    """`joined_keys` compile within the static shared memory (the template asserts it) and without spills. The
+    27B's are in the slow tier of tests/test_kernels_compile.py."""
+    keys = joined_keys(arch)
     assert any(k.chained for k in keys) and any(not k.chained for k in keys)
-    summary = build_kernels(keys, jobs=2, root=tmp_path, progress=False)
+    summary = build_kernels(keys, jobs=2, root=kernel_cache, progress=False)
     assert summary.spills == 0 and all(b.meta["smem_bytes"] <= 48 * 1024 for b in summary.built)

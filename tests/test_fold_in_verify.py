@@ -2,7 +2,8 @@
 and first folds the other (the GDN kernels' commit_record modes), rounds alternate sets, the accept kernel hands
 its counts to the next round's verify — planned, bound and compiled. The interpreter's equality of a folding
 verify with commit-then-verify is tests/test_replayssm.py's; the rows' bookkeeping tests/test_round_rows.py's;
-the GPU's rounds with and without the option, tests/gpu/test_speculative_gpu.py's.
+the GPU's rounds with and without the option, tests/gpu/test_speculative_gpu.py's. The NVRTC build uses the
+session's kernel cache (tests/conftest.py).
 """
 from pathlib import Path
 
@@ -74,21 +75,29 @@ def test_a_folding_verify_binds_its_own_set_and_folds_the_other(parity):
             break
 
 
-@pytest.mark.parametrize("target", ["rtx3090", "h200"])
-def test_its_kernels_compile_without_spills(target, tmp_path):
-    from compiler.buckets import plan_profile, plan_rounds, profile_keys
-    from compiler.build_cache import build_kernels
+def fold_keys(target: str) -> list:
+    """The tiny spec's folding keys (commit_record and fold modes) and round kernels, both parities."""
+    from compiler.buckets import plan_profile, profile_keys
 
-    profile = profile_of(TINY, cohorts=(1, 2), options=ON)
-    t = TARGETS[target]
+    profile, t = profile_of(TINY, cohorts=(1, 2), options=ON), TARGETS[target]
     rounds = {(b, a, p): plan_round(TINY, t, profile, b, a, parity=p) for b in (1, 2) for a in ("greedy", "sampled")
               for p in (0, 1)}
-    keys = [k for k in profile_keys(plan_profile(TINY, t, profile), rounds)
+    return [k for k in profile_keys(plan_profile(TINY, t, profile), rounds)
             if getattr(k, "mode", "") in ("commit_record", "fold") or k.family == "spec_round"]
-    summary = build_kernels(keys, jobs=2, root=tmp_path, progress=False)
+
+
+@pytest.mark.prebuild(keys=fold_keys)
+@pytest.mark.parametrize("target", ["rtx3090", "h200"])
+def test_its_kernels_compile_without_spills(target, kernel_cache):
+    from compiler.buckets import plan_rounds
+    from compiler.build_cache import build_kernels
+
+    keys = fold_keys(target)
+    summary = build_kernels(keys, jobs=2, root=kernel_cache, progress=False)
     assert {k.mode for k in keys if k.family in ("gdn_conv", "gdn_step")} >= {"commit_record", "fold"}
-    assert summary.compiled == len(keys) and summary.spills == 0, summary.table()
-    assert plan_rounds(TINY, t, profile)
+    # every key built once (none twice), compiled here or earlier in the session from the same source
+    assert summary.kernels == len(keys) == len(summary.built) and summary.spills == 0, summary.table()
+    assert plan_rounds(TINY, TARGETS[target], profile_of(TINY, cohorts=(1, 2), options=ON))
 
 
 def test_record_sets_are_refused_where_they_do_not_belong():

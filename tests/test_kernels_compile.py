@@ -1,9 +1,12 @@
 """CPU tier: every kernel family renders and compiles with NVRTC, with zero spills — the 27B's case keys
 (decode/verify buckets, M ∈ {1, 2, 4, 8, 16, 32}, the prefill chunk, the ReplaySSM modes) on sm_86 and
 sm_90, the tiny spec's on sm_86, a sample on sm_80 and sm_89, the image kernels (M-RoPE qk_rope_kv,
-embed_images), the joined GEMV launches (gemv_chain); a warm rebuild compiles nothing; NVRTC errors name the rendered file; the cache layout."""
+embed_images), the joined GEMV launches (gemv_chain); a warm rebuild compiles nothing; NVRTC errors name the rendered file; the cache layout.
+The compile tests build into the session's kernel cache (tests/conftest.py), their keys from the `*_keys` functions
+their `prebuild` marks name, which the session's background build compiles ahead."""
 import json
 from dataclasses import replace
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -42,7 +45,13 @@ def vision_keys(arch: str) -> list:
 
 
 def _spec_keys(arch: str, tiny: bool = True) -> list:
-    """The 27B's case keys (and the tiny spec's, unless `tiny` is false) for `arch`."""
+    """The 27B's case keys (and the tiny spec's, unless `tiny` is false) for `arch` (planned once per session: five
+    tests read them)."""
+    return list(_planned_spec_keys(arch, tiny))
+
+
+@cache
+def _planned_spec_keys(arch: str, tiny: bool) -> tuple:
     target = lookup(arch)
     keys = case_keys(SPECS["27b"], target) + (case_keys(SPECS["tiny"], target) if tiny else [])
     a = SPECS["27b"].model
@@ -54,7 +63,7 @@ def _spec_keys(arch: str, tiny: bool = True) -> list:
     # the vision encoder's kernels (an 8-token call of two images: 32 patch rows; its buckets:
     # tests/test_vision_kernels_compile.py)
     encoder = [k for name in ("27b", "tiny-vl") for k in plan_vision(SPECS[name], target, 8, 2).keys()]
-    return list(dict.fromkeys(keys + vision_keys(arch) + chain_keys(arch) + encoder))
+    return tuple(dict.fromkeys(keys + vision_keys(arch) + chain_keys(arch) + encoder))
 
 
 def chain_keys(arch: str) -> list:
@@ -65,27 +74,30 @@ def chain_keys(arch: str) -> list:
             for c in plan_bucket(SPECS["27b"], lookup(arch), entry, b, t, profile).calls if c.key.family == "gemv_chain"]
 
 
-@pytest.fixture(scope="module")
-def build_root(tmp_path_factory):
-    return tmp_path_factory.mktemp("build")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("arch", ["sm_86", "sm_90"])
-def test_every_kernel_compiles_without_spills(build_root, arch):
+def every_kernel_keys(arch: str) -> list:
     """sm_86 (the target, compiled nowhere else): the 27B's and the tiny spec's keys; sm_90: the 27B's (the
     GPU tier compiles the tiny spec's there) — every family either way."""
     keys = _spec_keys(arch, tiny=arch == "sm_86")
     if arch == "sm_90":       # the tiny spec's 32-row residual GEMVs too: unsplit, they take the norm fold (the 27B's
         keys += [k for k in case_keys(SPECS["tiny"], lookup(arch))     # are split-K), which spilled under a register cap
                  if k.family == "gemv" and k.m == 32 and k.epilogue == "residual"]
+    return keys
+
+
+@pytest.mark.slow
+@pytest.mark.prebuild(keys=every_kernel_keys)
+@pytest.mark.parametrize("arch", ["sm_86", "sm_90"])
+def test_every_kernel_compiles_without_spills(kernel_cache, arch):
+    """Every key of `every_kernel_keys` compiles without spills within the card's limits; a warm rebuild compiles
+    nothing. (The background build may have compiled some already: `cold` is this test's first look.)"""
+    keys = every_kernel_keys(arch)
     assert {k.family for k in keys} == set(FAMILY_MODULES) - ({"gemm_wg", "xperm"} if arch != "sm_90" else set())
     assert {k.m for k in keys if k.family == "gemv"} == {1, 2, 4, 8, 16, 32}
-    cold = build_kernels(keys, jobs=2, root=build_root, progress=False)
+    cold = build_kernels(keys, jobs=2, root=kernel_cache, progress=False)
     spilled = [b.key.name for b in cold.built if b.meta["spill_stores"] or b.meta["spill_loads"]]
     assert not spilled and cold.spills == 0, f"spills in {spilled}"
     print(f"\n{arch} cold: {cold.table()}")
-    warm = build_kernels(keys, jobs=2, root=build_root, progress=False)
+    warm = build_kernels(keys, jobs=2, root=kernel_cache, progress=False)
     assert warm.compiled == 0 and warm.cached == warm.kernels == cold.kernels
     print(f"{arch} warm: {warm.table()}")
     for b in cold.built:           # launch configs fit the card's limits
@@ -94,13 +106,11 @@ def test_every_kernel_compiles_without_spills(build_root, arch):
         assert b.meta["smem_bytes"] + cfg.smem <= lookup(arch).smem_per_block, b.key.name
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("arch", ["sm_86", "sm_90"])
-def test_gemv_experiment_variants_compile_without_spills(build_root, arch):
+def gemv_experiment_keys(arch: str) -> list:
     """The decode-GEMV fields not shipped (NINFER_GEMV experiments): a higher min_blocks on the 27B
     Q4/Q5/Q6 shapes, k-quant weights staged at other depths and M, `code_bias` loaded and staged, and the 4-warp
     shapes' activations loaded with their weights at M = 32 (`x_early`) at depth 1 and 2 without the shipped 4-block
-    cap compile without spills, so an experiment never trips the executable's spill check."""
+    cap."""
     target, a = lookup(arch), SPECS["27b"].model
     shapes = [("q4g64", 2 * a.intermediate_size, a.hidden_size, "silu_mul"), ("q5g64", a.hidden_size, 6144, "residual"),
               ("q5g64", a.hidden_size, a.intermediate_size, "residual"), ("q6g64", a.hidden_size, a.intermediate_size, "residual")]
@@ -112,7 +122,15 @@ def test_gemv_experiment_variants_compile_without_spills(build_root, arch):
                      stage_w=sw) for fmt in ("q4_k", "q5_k") for m in (1, 32) for sw in (0, 2)]  # codes + 128
     keys += [replace(gemv.make_key(fmt, n, k, 32, target, epi), x_early=True, depth=d, min_blocks=2)  # early, uncapped
              for fmt, n, k, epi in shapes for d in (1, 2) if gemv.make_key(fmt, n, k, 32, target, epi).warps == 4]
-    summary = build_kernels(keys, jobs=2, root=build_root, progress=False)
+    return keys
+
+
+@pytest.mark.slow
+@pytest.mark.prebuild(keys=gemv_experiment_keys)
+@pytest.mark.parametrize("arch", ["sm_86", "sm_90"])
+def test_gemv_experiment_variants_compile_without_spills(kernel_cache, arch):
+    """`gemv_experiment_keys` compile without spills, so an experiment never trips the executable's spill check."""
+    summary = build_kernels(gemv_experiment_keys(arch), jobs=2, root=kernel_cache, progress=False)
     spilled = [b.key.name for b in summary.built if b.meta["spill_stores"] or b.meta["spill_loads"]]
     assert not spilled and summary.spills == 0, f"spills in {spilled}"
 
@@ -120,7 +138,13 @@ def test_gemv_experiment_variants_compile_without_spills(build_root, arch):
 def kquant_keys(arch: str) -> list:
     """The GGUF k-quant kernels (issue 34) a Q4_K_M-style file plans, at the 27B's shapes (decode/verify GEMVs
     at M = 1 … 32, with the decode folds and without, the prefill chunk's GEMMs, the Q4_K embedding, the
-    GDN norm writing tiled heads) and the tiny GGUF fixture's (K of one super-block: odd Q6_K rows)."""
+    GDN norm writing tiled heads) and the tiny GGUF fixture's (K of one super-block: odd Q6_K rows). Planned once
+    per arch."""
+    return list(_planned_kquant_keys(arch))
+
+
+@cache
+def _planned_kquant_keys(arch: str) -> tuple:
     from compiler.kernels import embed, gated_rmsnorm
     from compiler.kquant import KFORMATS
     from gguf_fixtures import kquant_spec, q4_k_m_recipe
@@ -130,12 +154,24 @@ def kquant_keys(arch: str) -> list:
         keys += [k for k in case_keys(spec, target) if getattr(k, "fmt", None) in KFORMATS or
                  (isinstance(k, gated_rmsnorm.Key) and k.key_heads)]
     keys += [embed.Key(f, SPECS["27b"].model.hidden_size, 8, arch) for f in KFORMATS]
-    return list(dict.fromkeys(keys))
+    return tuple(dict.fromkeys(keys))
+
+
+def kquant_built_keys(arch: str, sample: bool) -> list:
+    """`kquant_keys`, or with `sample` the first and last key of each family and format."""
+    keys = kquant_keys(arch)
+    if sample:
+        groups: dict = {}
+        for k in keys:
+            groups.setdefault((k.family, getattr(k, "fmt", None)), []).append(k)
+        keys = list(dict.fromkeys(k for g in groups.values() for k in (g[0], g[-1])))
+    return keys
 
 
 @pytest.mark.slow
+@pytest.mark.prebuild(keys=kquant_built_keys)
 @pytest.mark.parametrize("arch, sample", [("sm_86", False), ("sm_80", True), ("sm_90", True)])
-def test_kquant_kernels_compile_without_spills(build_root, arch, sample):
+def test_kquant_kernels_compile_without_spills(kernel_cache, arch, sample):
     """Every k-quant key renders (gemv_kq.cu.j2, gemm_kq.cu.j2, the embed and norm variants) and compiles
     with no spills on sm_86 (the target, compiled nowhere else); on sm_80 and sm_90 (the GPU tier compiles
     the rest there) the first and last key of each family and format, which keeps CI's 2-core run short;
@@ -144,12 +180,7 @@ def test_kquant_kernels_compile_without_spills(build_root, arch, sample):
     fmts = {(k.family, k.fmt) for k in keys if hasattr(k, "fmt")}
     assert {(f, q) for f in ("gemv", "gemm", "embed") for q in ("q4_k", "q5_k", "q6_k")} <= fmts
     assert {k.m for k in keys if k.family == "gemv"} == {1, 2, 4, 8, 16, 32}
-    if sample:
-        groups: dict = {}
-        for k in keys:
-            groups.setdefault((k.family, getattr(k, "fmt", None)), []).append(k)
-        keys = list(dict.fromkeys(k for g in groups.values() for k in (g[0], g[-1])))
-    summary = build_kernels(keys, jobs=2, root=build_root, progress=False)
+    summary = build_kernels(kquant_built_keys(arch, sample), jobs=2, root=kernel_cache, progress=False)
     rows = sorted((b.key.name, b.meta["registers"], b.meta["smem_bytes"] + module_of(b.key).launch(b.key).smem,
                    b.meta["spill_stores"] + b.meta["spill_loads"], b.meta["stack_bytes"]) for b in summary.built)
     print(f"\n{arch}: {summary.table()}\n" + "\n".join(f"  {n}: {r} registers, {m} B shared, {sp} B spilled, "
@@ -167,56 +198,76 @@ def gemm_variants(key, warps=None):
             if warps is None or wr * wc in warps]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_90"])
-def test_every_gemm_tiling_compiles_without_spills(build_root, arch):
-    """No tiling the prefill GEMM config may pick spills. q6g64 (two hi words: the most
-    registers) everywhere, all tilings on sm_86/sm_90; w8g32 and bf16 (four A words per lane) there too."""
+def gemm_tiling_keys(arch: str) -> list:
+    """q6g64 (two hi words: the most registers) everywhere, all tilings on sm_86/sm_90; w8g32 and bf16 (four A
+    words per lane) there too."""
     target = lookup(arch)
     key = lambda fmt: gemm.make_key(fmt, 5120, 17408, 1024, target, "residual")   # noqa: E731
     if arch in ("sm_86", "sm_90"):
         keys = gemm_variants(key("q6g64")) + gemm_variants(key("w8g32"), {4}) + gemm_variants(key("bf16"), {4})
     else:
         keys = gemm_variants(key("q6g64"), {4, 8})
-    summary = build_kernels(keys, jobs=2, root=build_root, progress=False)
+    return keys
+
+
+@pytest.mark.slow
+@pytest.mark.prebuild(keys=gemm_tiling_keys)
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_90"])
+def test_every_gemm_tiling_compiles_without_spills(kernel_cache, arch):
+    """No tiling the prefill GEMM config may pick spills (`gemm_tiling_keys`)."""
+    summary = build_kernels(gemm_tiling_keys(arch), jobs=2, root=kernel_cache, progress=False)
     spilled = [b.key.name for b in summary.built if b.meta["spill_stores"] or b.meta["spill_loads"]]
     assert not spilled and summary.spills == 0, f"spills in {spilled}"
 
 
+def rmsnorm_keys(arch: str) -> list:
+    return [rmsnorm.Key(h, 16, add, "bf16", 1e-6, arch) for h in (2048, 3072, 4096, 8192) for add in (False, True)]
+
+
 @pytest.mark.slow
+@pytest.mark.prebuild(keys=rmsnorm_keys)
 @pytest.mark.parametrize("arch", ["sm_86", "sm_90"])
-def test_rmsnorm_of_other_hidden_sizes_compiles_without_spills(build_root, arch):
+def test_rmsnorm_of_other_hidden_sizes_compiles_without_spills(kernel_cache, arch):
     """Hidden sizes of other checkpoints than the 27B's 5120 (a 9B-class 4096 spilled 16 bytes when the
     unrolled loop kept its bounds check although THREADS divides the row), with and without the add."""
-    keys = [rmsnorm.Key(h, 16, add, "bf16", 1e-6, arch) for h in (2048, 3072, 4096, 8192) for add in (False, True)]
-    summary = build_kernels(keys, jobs=2, root=build_root, progress=False)
+    summary = build_kernels(rmsnorm_keys(arch), jobs=2, root=kernel_cache, progress=False)
     spilled = [b.key.name for b in summary.built if b.meta["spill_stores"] or b.meta["spill_loads"]]
     assert not spilled and summary.spills == 0, f"spills in {spilled}"
 
 
+def gemm_wg_keys() -> list:
+    key = lambda fmt: gemm_wg.make_key(fmt, 5120, 17408, 1024, lookup("sm_90"), "residual")   # noqa: E731
+    return [replace(key("q6g64"), wgs=w, rt=r, bn=b, stages=3) for w, r, b in gemm_wg.TILINGS] + \
+           [key(fmt) for fmt in gemm_wg.FMTS]
+
+
 @pytest.mark.slow
-def test_every_gemm_wg_tiling_compiles_without_spills_or_serialised_wgmma(build_root):
+@pytest.mark.prebuild(keys=gemm_wg_keys)
+def test_every_gemm_wg_tiling_compiles_without_spills_or_serialised_wgmma(kernel_cache):
     """Every tiling gemm_wg.config may pick, on q6g64 (the most registers), and the default tiling of
     the other formats: no spills, fits shared memory, and ptxas keeps the wgmma asynchronous (it
     serialises them, warning C7513, when a branch or an input definition sits under one in flight)."""
     target = lookup("sm_90")
-    key = lambda fmt: gemm_wg.make_key(fmt, 5120, 17408, 1024, target, "residual")   # noqa: E731
-    keys = [replace(key("q6g64"), wgs=w, rt=r, bn=b, stages=3) for w, r, b in gemm_wg.TILINGS]
-    keys += [key(fmt) for fmt in gemm_wg.FMTS]
-    summary = build_kernels(keys, jobs=2, root=build_root, progress=False)
+    summary = build_kernels(gemm_wg_keys(), jobs=2, root=kernel_cache, progress=False)
     for b in summary.built:
         assert not (b.meta["spill_stores"] or b.meta["spill_loads"]), f"spills in {b.key.name}"
         assert "C7513" not in (b.dir / "nvrtc.log").read_text(), f"ptxas serialised the wgmma of {b.key.name}"
         assert gemm_wg.launch(b.key).smem <= target.smem_per_block, b.key.name
 
 
+def image_keys(arch: str) -> list:
+    """`vision_keys` and their qk_rope_kv without M-RoPE (the 1-D kernels they are compared with)."""
+    keys = vision_keys(arch)
+    return keys + list(dict.fromkeys(replace(k, mrope=()) for k in keys if k.family == "qk_rope_kv"))
+
+
+@pytest.mark.prebuild(keys=image_keys)
 @pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_90"])
-def test_image_kernels_compile_without_spills(build_root, arch):
+def test_image_kernels_compile_without_spills(kernel_cache, arch):
     """qk_rope_kv with M-RoPE and embed_images compile with no spills (sm_80 too: holding the three positions
     spilled there) and with no more stack than the 1-D kernel (its sincosf slow path)."""
     keys = vision_keys(arch)
-    plain = list(dict.fromkeys(replace(k, mrope=()) for k in keys if k.family == "qk_rope_kv"))
-    summary = build_kernels(keys + plain, jobs=2, root=build_root, progress=False)
+    summary = build_kernels(image_keys(arch), jobs=2, root=kernel_cache, progress=False)
     built = {b.key: b.meta for b in summary.built}
     assert summary.spills == 0 and not [k.name for k in built if built[k]["spill_stores"] or built[k]["spill_loads"]]
     for k in keys:
@@ -288,12 +339,17 @@ def test_prefill_matmul_dispatch():
             assert gemm_wg.launch(key).smem <= h200.smem_per_block and key.stages >= 3
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("arch", ["sm_80", "sm_89"])
-def test_sample_compiles_on_other_archs(build_root, arch):
+def sample_keys(arch: str) -> list:
     keys = [k for k in _spec_keys(arch) if getattr(k, "m", None) in (None, 1, 32) or k.family == "gemm"]
-    keys = list({k.family + str(i % 3): k for i, k in enumerate(keys)}.values())   # ≤ 3 per family
-    summary = build_kernels(keys, jobs=2, root=build_root, progress=False)
+    return list({k.family + str(i % 3): k for i, k in enumerate(keys)}.values())   # ≤ 3 per family
+
+
+@pytest.mark.slow
+@pytest.mark.prebuild(keys=sample_keys)
+@pytest.mark.parametrize("arch", ["sm_80", "sm_89"])
+def test_sample_compiles_on_other_archs(kernel_cache, arch):
+    keys = sample_keys(arch)
+    summary = build_kernels(keys, jobs=2, root=kernel_cache, progress=False)
     assert summary.spills == 0 and {k.family for k in keys} == set(FAMILY_MODULES) - {"gemm_wg", "xperm"}
 
 
@@ -399,12 +455,9 @@ def test_an_empty_nvrtc_log_leaves_python_bytes_alone():
     assert b" " * 3 == bytes([32, 32, 32]) and bytes(" ", "ascii") == b"\x20"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("arch", ["sm_86", "sm_90"])
-def test_gemv_shared_memory_check_matches_ptxas(build_root, arch):
-    """`gemv.static_smem_bytes` is what ptxas reports for the group-64 template at every row-tile count, M and fold
-    (the warp reduction grows with tiles × M: the key refuses what would not fit 48 KiB instead of failing to
-    compile), up to the 48 KiB edge."""
+def gemv_smem_keys(arch: str) -> list:
+    """The group-64 GEMV at every row-tile count, M and fold the key accepts (a refused count is checked to be
+    over the static limit)."""
     target, keys = lookup(arch), []
     for m in (8, 32):
         for base in (gemv.make_key("bf16", 96, 5120, m, target, out_dtype="f32"),
@@ -416,14 +469,24 @@ def test_gemv_shared_memory_check_matches_ptxas(build_root, arch):
                     keys.append(replace(base, tiles=tiles, min_blocks=1))
                 except ValueError as err:
                     assert "static limit" in str(err) and gemv.reduce_bytes(replace(base, tiles=1)) * tiles > 40 * 1024
-    summary = build_kernels(list(dict.fromkeys(keys)), jobs=2, root=build_root, progress=False)
+    return list(dict.fromkeys(keys))
+
+
+@pytest.mark.slow
+@pytest.mark.prebuild(keys=gemv_smem_keys)
+@pytest.mark.parametrize("arch", ["sm_86", "sm_90"])
+def test_gemv_shared_memory_check_matches_ptxas(kernel_cache, arch):
+    """`gemv.static_smem_bytes` is what ptxas reports for the group-64 template at every row-tile count, M and fold
+    (the warp reduction grows with tiles × M: the key refuses what would not fit 48 KiB instead of failing to
+    compile), up to the 48 KiB edge."""
+    summary = build_kernels(gemv_smem_keys(arch), jobs=2, root=kernel_cache, progress=False)
     assert max(b.meta["smem_bytes"] for b in summary.built) > 44 * 1024          # the edge is in the sample
     for b in summary.built:
         assert b.meta["smem_bytes"] == gemv.static_smem_bytes(b.key), b.key.name
 
 
 @pytest.mark.parametrize("arch", ["sm_86", "sm_90"])
-def test_attn_combine_split_groups(build_root, arch):
+def test_attn_combine_split_groups(kernel_cache, arch):
     """The combine reduces the 27B's 66 splits in 4 groups of 256 threads (attn_combine.split_groups: ≥ 8 splits a
     group, ≤ 1,024 threads), few splits in one; every group count compiles within 64 registers (a 1,024-thread
     block's share) without spills; impossible counts are refused at the key."""
@@ -435,7 +498,7 @@ def test_attn_combine_split_groups(build_root, arch):
     assert dk.splits >= 32 and key.groups == 4 and attn_combine.launch(key).block == (1024, 1, 1)
     assert attn_combine.split_groups(256, 7) == 1 and attn_combine.split_groups(64, 200) == 4
     keys = [replace(key, groups=g) for g in (1, 2, 3, 4)]
-    summary = build_kernels(keys, jobs=2, root=build_root, progress=False)
+    summary = build_kernels(keys, jobs=2, root=kernel_cache, progress=False)
     for b in summary.built:
         assert b.meta["registers"] <= 64 and not b.meta["spill_stores"], (b.key.name, b.meta["registers"])
     with pytest.raises(ValueError, match="d · groups ≤ 1024"):

@@ -1,7 +1,8 @@
 """Tensor parallelism on the CPU (issue 24): compiler.shard's rank specs and weight shares, and the tiny
 spec run by two gloo processes (ninfer_gen.parallel.launch) against one process: logits of prefill, decode
 steps, a verify and the step after its commit within fp32 reduction-order tolerance (≤ 1e-4), greedy
-tokens identical over 64 steps with and without drafts, on both ranks."""
+tokens identical over 64 steps with and without drafts, on both ranks. A rank's kernels build in the session's kernel
+cache (tests/conftest.py)."""
 from pathlib import Path
 
 import pytest
@@ -137,16 +138,23 @@ def test_a_rank_plan_reduces_after_each_row_parallel_projection_and_gathers_the_
     assert "all_gather_n" in format_plan(plan) and " collective " in format_plan(plan)
 
 
-@pytest.mark.slow
-def test_a_rank_plans_kernels_compile_and_a_quantised_share_must_hold_whole_groups(tmp_path, capsys):
-    from compiler.build_cache import build_kernels
+def rank_step_keys() -> list:
+    """The keys of one rank's decode step of the 27B at --tp 2 on sm_86."""
     from compiler.buckets import plan_bucket
     from compiler.targets import lookup
+
+    return plan_bucket(shard_spec(load_spec(SPECS / "qwen3.8-27b.yaml"), 2), lookup("sm_86"), "step", 1, 1).keys()
+
+
+@pytest.mark.slow
+@pytest.mark.prebuild(keys=rank_step_keys)
+def test_a_rank_plans_kernels_compile_and_a_quantised_share_must_hold_whole_groups(kernel_cache, tmp_path, capsys):
+    from compiler.build_cache import build_kernels
     from ninfer_gen.cli import main
 
-    plan = plan_bucket(shard_spec(load_spec(SPECS / "qwen3.8-27b.yaml"), 2), lookup("sm_86"), "step", 1, 1)
-    summary = build_kernels(plan.keys(), jobs=2, root=tmp_path, progress=False)
-    assert summary.kernels == len(plan.keys()) and summary.spills == 0
+    keys = rank_step_keys()
+    summary = build_kernels(keys, jobs=2, root=kernel_cache, progress=False)
+    assert summary.kernels == len(keys) and summary.spills == 0
     assert main(["build", str(SPECS / "qwen3.8-tiny.yaml"), "--tp", "2", "--build-dir", str(tmp_path)]) == 2
     assert "96 input columns per rank are not a multiple of its q5g64 group" in capsys.readouterr().err
 
