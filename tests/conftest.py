@@ -10,7 +10,7 @@ Also the session's kernel cache (`kernel_cache`: one build root for every NVRTC 
 build compiles once; the folder names hash the exact source) and its background build: tests marked
 `prebuild(keys=keys_fn, **build_kwargs)` run last in the session, and right after collection a process at idle CPU
 priority (tests/kernel_prebuild.py) starts compiling their keys (`keys_fn` of the test's parameters, the function the
-test builds from) into that cache — on CI's 2 cores the other tests leave most of a core idle, and the NVRTC work
+test builds from; last test first) into that cache — on CI's 2 cores the other tests leave most of a core idle, and the NVRTC work
 (~400 CPU-seconds) soaks it up instead of running after them. NINFER_PREBUILD=0 turns the background build off."""
 import gc
 import inspect

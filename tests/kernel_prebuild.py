@@ -1,6 +1,7 @@
 """What the background kernel build of a test session runs (tests/conftest.py starts it after collection, as a
-script, at idle CPU priority): the keys of the collected tests marked `prebuild`, in the order those tests will run,
-compiled one by one into the session's kernel cache (the `kernel_cache` fixture). A test marked so still builds its
+script, at idle CPU priority): the keys of the collected tests marked `prebuild`, compiled one by one into the
+session's kernel cache (the `kernel_cache` fixture), last test's last key first — the tests start from the first, so
+when they catch up the two meet in the middle instead of compiling the same keys side by side. A test marked so still builds its
 own keys there with build_kernels and checks what it checked: a kernel built here is a cache hit (its folder is named
 by the hash of key, template text, NVRTC options and version — the source the test renders), one not built yet is
 compiled by the test itself. A failure here is only logged (`prebuild.log` in the cache): the test compiles that key
@@ -31,13 +32,13 @@ def main() -> None:
     from compiler.build_cache import build_kernels
 
     t0, compiled, cached = time.perf_counter(), 0, 0
-    for job in spec["jobs"]:
+    for job in reversed(spec["jobs"]):
         try:
             keys = getattr(importlib.import_module(job["module"]), job["fn"])(**job["params"])
         except Exception as err:             # the test computes its keys itself and fails there
             print(f"{job['module']}.{job['fn']}({job['params']}): {type(err).__name__}: {err}", flush=True)
             continue
-        for key in keys:
+        for key in reversed(list(keys)):
             if os.getppid() != parent:       # the session ended without stopping us
                 return
             try:

@@ -2,7 +2,8 @@
 attn_decode at the 27B shape, and the split variants asked for), and its byte counts — the same as the kernel
 lab's case builder counts, with the split partials by the rule templates/common/paged.cuh applies; the ring's
 stages and shared memory per arch (attn_decode.choose_stages), and its template compiled beside the direct-load
-one (no spills, no stack frame, the same floating-point instructions in its PTX)."""
+one (no spills, no stack frame, the same floating-point instructions in its PTX). The compiles use the session's
+kernel cache (tests/conftest.py)."""
 import collections
 import re
 
@@ -102,8 +103,15 @@ def test_ring_keys_fit_two_blocks_where_the_card_allows():
 _FP = re.compile(r"^\s*\{?\s*(?:@%p\d+\s+)?((?:fma|mul|add|sub|ex2|max|min|neg|cvt|mma)\.[\w.]*f(?:16|32)[\w.]*)", re.M)
 
 
+def ring_keys(arch: str) -> list:
+    """attn_decode at one row tile (T = 1) and two (T = 4) with direct loads, then the same with the ring."""
+    made = [attn_decode.make_key(24, 4, 256, 1, t, "int8", 2048, lookup(arch)) for t in (1, 4)]
+    return [attn_long.VARIANTS["direct"](k) for k in made] + [attn_long.VARIANTS["ring"](k) for k in made]
+
+
+@pytest.mark.prebuild(keys=ring_keys, ptx=True)
 @pytest.mark.parametrize("arch", ["sm_86", "sm_90"])
-def test_ring_compiles_without_spills_with_the_direct_loads_arithmetic(tmp_path, arch):
+def test_ring_compiles_without_spills_with_the_direct_loads_arithmetic(kernel_cache, arch):
     """The ring template at one row tile (T = 1) and two (T = 4): no spills and no stack frame, and its PTX has the
     direct-load kernel's floating-point instructions kind by kind (a necessary condition for its bits, which the GPU
     checks: lab.attn_long's `bits` column, tests/gpu/test_long_context_gpu.py). Registers are printed."""
@@ -115,10 +123,9 @@ def test_ring_compiles_without_spills_with_the_direct_loads_arithmetic(tmp_path,
         pytest.skip(f"NVRTC unavailable: {err}")
     from compiler.build_cache import build_kernels
 
-    made = [attn_decode.make_key(24, 4, 256, 1, t, "int8", 2048, lookup(arch)) for t in (1, 4)]
-    direct = [attn_long.VARIANTS["direct"](k) for k in made]
-    rings = [attn_long.VARIANTS["ring"](k) for k in made]
-    built = {b.key: b for b in build_kernels(direct + rings, root=tmp_path, jobs=2, ptx=True, progress=False).built}
+    keys = ring_keys(arch)
+    direct, rings = keys[:2], keys[2:]
+    built = {b.key: b for b in build_kernels(keys, root=kernel_cache, jobs=2, ptx=True, progress=False).built}
     for key, ring in zip(direct, rings):
         meta = built[ring].meta
         print(f"\n{ring.name}: {meta['registers']} registers, {attn_decode.launch(ring).smem} B shared")

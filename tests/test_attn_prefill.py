@@ -3,7 +3,8 @@ sm_90a, its wgmma kept asynchronous) and bf16 keys attn_prefill.cu.j2, all witho
 for sm_80/86/89/90 with a launch that fits, at the
 27B's and the tiny spec's shapes (its shared-memory total the same in Python, in the template's Jinja and in its C
 layout); the tiling follows the card's shared memory; the launch covers every flattened query row once; the
-kernel's fp16 numerics (codes·scale, Q and P rounded to fp16) stay within the bf16 tolerance the GPU tests use."""
+kernel's fp16 numerics (codes·scale, Q and P rounded to fp16) stay within the bf16 tolerance the GPU tests use.
+The compiles use the session's kernel cache (tests/conftest.py)."""
 import re
 
 import pytest
@@ -44,19 +45,28 @@ def test_int8_keys_compile_their_own_template_and_bf16_keys_the_familys():
 TILINGS = {"sm_80": (8, 16), "sm_86": (4, 16), "sm_89": (4, 16), "sm_90": (8, 64)}      # the reference cards'
 
 
+def int8_keys(arch: str) -> list:
+    return [_key(arch), _tiny(arch)]
+
+
+def bf16_keys(arch: str) -> list:
+    return [_key(arch, kv="bf16"), attn_prefill.make_key(4, 2, 64, 64, "bf16", 64, lookup(arch))]
+
+
+@pytest.mark.prebuild(keys=int8_keys)
 @pytest.mark.parametrize("arch, tiling", TILINGS.items())
-def test_int8_compiles_without_spills_and_fits(tmp_path, arch, tiling):
+def test_int8_compiles_without_spills_and_fits(kernel_cache, arch, tiling):
     _nvrtc()
     from compiler import nvrtc
     from compiler.build_cache import build_kernels
 
-    keys = [_key(arch), _tiny(arch)]
+    keys = int8_keys(arch)
     assert (keys[0].warps, keys[0].tk) == tiling
     assert keys[0].name.endswith(f"w{tiling[0]}k{tiling[1]}_{arch.replace('_', '')}")
     for key in keys:
         source = codegen.render(key, nvrtc.version()).source
         assert int(re.search(r"SMEM_BYTES = (\d+);", source).group(1)) == attn_prefill.smem_bytes(key)  # + C's assert
-    for built in build_kernels(keys, root=tmp_path, jobs=2, ptx=arch == "sm_90", progress=False).built:
+    for built in build_kernels(keys, root=kernel_cache, jobs=2, ptx=arch == "sm_90", progress=False).built:
         meta, cfg = built.meta, attn_prefill.launch(built.key)
         print(f"\n{built.key.name}: {meta['registers']} registers, {cfg.smem} B shared, grid {cfg.grid}")
         assert meta["spill_stores"] == meta["spill_loads"] == meta["stack_bytes"] == 0
@@ -69,14 +79,14 @@ def test_int8_compiles_without_spills_and_fits(tmp_path, arch, tiling):
             assert (ptx.count(qk), ptx.count(pv)) == ((d // 16, 4) if d != 64 else (d // 16 + 4,) * 2)
 
 
+@pytest.mark.prebuild(keys=bf16_keys)
 @pytest.mark.parametrize("arch", ["sm_86", "sm_90"])
-def test_bf16_compiles_without_spills(tmp_path, arch):
+def test_bf16_compiles_without_spills(kernel_cache, arch):
     """bf16 KV (no shipped spec uses it; the case keys never reach it) at the 27B's and the tiny spec's shapes."""
     _nvrtc()
     from compiler.build_cache import build_kernels
 
-    keys = [_key(arch, kv="bf16"), attn_prefill.make_key(4, 2, 64, 64, "bf16", 64, lookup(arch))]
-    for built in build_kernels(keys, root=tmp_path, jobs=2, progress=False).built:
+    for built in build_kernels(bf16_keys(arch), root=kernel_cache, jobs=2, progress=False).built:
         assert built.meta["spill_stores"] == built.meta["spill_loads"] == built.meta["stack_bytes"] == 0
         assert attn_prefill.launch(built.key).block == (32 * built.key.hq // built.key.hkv, 1, 1)
 

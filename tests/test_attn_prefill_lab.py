@@ -2,7 +2,8 @@
 sm_86 and sm_90 with no spills beside the shipped kernel, its launch the v1 one; the FLOP count is the kernel lab's;
 the sampled reference is the family's reference on those rows; the CLI parses and prints a GPU run's table; the
 `mma` / `wg` variants' keys, launches and refusals. (The shipped kernels' own tests, the wgmma one's sm_90a compile
-included: tests/test_attn_prefill.py; on the GPU: tests/gpu/test_attn_prefill_wg_gpu.py.)"""
+included: tests/test_attn_prefill.py; on the GPU: tests/gpu/test_attn_prefill_wg_gpu.py.) The v1 compile uses the
+session's kernel cache (tests/conftest.py)."""
 import pytest
 import torch
 
@@ -17,8 +18,13 @@ def _key(arch="sm_90", t=4096, max_pages=2048):
     return attn_prefill.make_key(24, 4, 256, t, "int8", max_pages, lookup(arch))
 
 
+def v1_keys(arch: str) -> list:
+    return [lab.launches(lab.parse(["--arch", arch]), lookup(arch))["v1"][0]]
+
+
+@pytest.mark.prebuild(keys=v1_keys)
 @pytest.mark.parametrize("arch", ["sm_86", "sm_90"])
-def test_v1_compiles_without_spills_beside_the_shipped_kernel(tmp_path, arch):
+def test_v1_compiles_without_spills_beside_the_shipped_kernel(kernel_cache, arch):
     try:
         from compiler import nvrtc
         nvrtc.version()
@@ -32,7 +38,7 @@ def test_v1_compiles_without_spills_beside_the_shipped_kernel(tmp_path, arch):
     assert v1.name == f"attn_prefill_q24_kv4_d256_t4096_int8_p64x2048_gate_v1_{arch.replace('_', '')}"
     assert codegen.template_path(v1) == "lab/templates/attn_prefill_v1.cu.j2" and runs["shipped"][0] == _key(arch)
     assert cfg.grid == (256, 4, 1) and cfg.block == (192, 1, 1) and cfg.smem == (96 + 64) * 264 * 2
-    (built,) = build_kernels([v1], root=tmp_path, jobs=1, progress=False).built
+    (built,) = build_kernels([v1], root=kernel_cache, jobs=1, progress=False).built
     assert built.meta["spill_stores"] == built.meta["spill_loads"] == 0
 
 
