@@ -8,10 +8,11 @@ cycles) never count against the next module's memory budget.
 
 Also the session's kernel cache (`kernel_cache`: one build root for every NVRTC compile test, so a key two tests
 build compiles once; the folder names hash the exact source) and its background build: tests marked
-`prebuild(keys=keys_fn, **build_kwargs)` run last in the session, and right after collection a process at idle CPU
-priority (tests/kernel_prebuild.py) starts compiling their keys (`keys_fn` of the test's parameters, the function the
-test builds from; last test first) into that cache — on CI's 2 cores the other tests leave most of a core idle, and the NVRTC work
-(~400 CPU-seconds) soaks it up instead of running after them. NINFER_PREBUILD=0 turns the background build off."""
+`prebuild(keys=keys_fn, **build_kwargs)` run last in the session, and a process at idle CPU priority
+(tests/kernel_prebuild.py; started with the session, so its imports overlap the collection) compiles their keys
+(`keys_fn` of the test's parameters, the function the test builds from; last test first) into that cache once they
+are collected — on CI's 2 cores the other tests leave most of a core idle, and the NVRTC work (~400 CPU-seconds)
+soaks it up instead of running after them. NINFER_PREBUILD=0 turns the background build off."""
 import gc
 import inspect
 import json
@@ -100,6 +101,27 @@ def kernel_cache(tmp_path_factory) -> Path:
     return _PREBUILD["root"]
 
 
+@pytest.fixture(scope="session")
+def adopt_kernels(kernel_cache):
+    """A function that moves the kernel folders another build root holds (a `ninfer-gen build --build-dir` of a
+    test, after its checks) into the session's cache, each with one rename: a folder's name is the hash of its
+    exact source, so it is the cache entry build_kernels would have compiled. A key the cache has already stays."""
+    def adopt(root: Path) -> int:
+        moved = 0
+        for src in Path(root).glob("*/*/*"):
+            if src.name.startswith(".") or src.suffix == ".failed" or not (src / "meta.json").is_file():
+                continue
+            dest = kernel_cache / src.relative_to(root)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                src.rename(dest)
+                moved += 1
+            except OSError:         # built already (by a test or the background build)
+                pass
+        return moved
+    return adopt
+
+
 def _prebuild_jobs(items) -> list[dict]:
     jobs = []
     for item in items:
@@ -115,24 +137,31 @@ def _prebuild_jobs(items) -> list[dict]:
     return jobs
 
 
-def pytest_collection_finish(session):
+def pytest_sessionstart(session):
+    """The background build's process starts before collection (its imports overlap the collection's, which runs on
+    one core); it waits for its jobs on stdin."""
     config = session.config
     if config.option.collectonly or os.environ.get("NINFER_PREBUILD") == "0":
         return
+    _PREBUILD["root"] = root = config._tmp_path_factory.mktemp("kernels")
+    with open(root / "prebuild.log", "w") as log:
+        _PREBUILD["proc"] = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("kernel_prebuild.py"))], stdin=subprocess.PIPE,
+            stdout=log, stderr=subprocess.STDOUT, text=True, cwd=Path(__file__).resolve().parent.parent)
+
+
+def pytest_collection_finish(session):
+    proc = _PREBUILD.get("proc")
+    if proc is None:
+        return
     jobs = _prebuild_jobs(session.items)
-    if not jobs or all(i.get_closest_marker("prebuild") for i in session.items):
-        return                  # nothing to build, or no other test to overlap with (the tests build it themselves)
-    if "root" not in _PREBUILD:
-        _PREBUILD["root"] = config._tmp_path_factory.mktemp("kernels")
-    root = _PREBUILD["root"]
-    log = open(root / "prebuild.log", "w")
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("kernel_prebuild.py"))],
-                            stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, text=True,
-                            cwd=Path(__file__).resolve().parent.parent)
-    log.close()
-    proc.stdin.write(json.dumps({"root": str(root), "jobs": jobs}))
-    proc.stdin.close()
-    _PREBUILD["proc"] = proc
+    if all(i.get_closest_marker("prebuild") for i in session.items):
+        jobs = []               # no other test to overlap with: the compile tests build their keys themselves
+    try:
+        proc.stdin.write(json.dumps({"root": str(_PREBUILD["root"]), "jobs": jobs}))
+        proc.stdin.close()
+    except OSError:             # it died: the tests build everything themselves
+        pass
 
 
 def pytest_sessionfinish(session):

@@ -5,7 +5,8 @@ when they catch up the two meet in the middle instead of compiling the same keys
 own keys there with build_kernels and checks what it checked: a kernel built here is a cache hit (its folder is named
 by the hash of key, template text, NVRTC options and version — the source the test renders), one not built yet is
 compiled by the test itself. A failure here is only logged (`prebuild.log` in the cache): the test compiles that key
-again and reports it. Reads one JSON object on stdin: {"root": ..., "jobs": [{"module", "fn", "params", "kwargs"}]}."""
+again and reports it. Started when the session starts; reads one JSON object on stdin once it is collected:
+{"root": ..., "jobs": [{"module", "fn", "params", "kwargs"}]}."""
 import importlib
 import json
 import os
@@ -27,9 +28,12 @@ def idle_priority() -> None:
 def main() -> None:
     idle_priority()
     parent = os.getppid()
-    spec = json.load(sys.stdin)
     sys.path.insert(1, str(ROOT))            # pytest's pythonpath = ["."]; sys.path[0] is tests/ (this script's)
+    import torch  # noqa: F401               # what the test modules import, loaded while the session collects
+    import lab.cases  # noqa: F401
     from compiler.build_cache import build_kernels
+
+    spec = json.load(sys.stdin)              # after collection: the jobs (none when nothing is to be built ahead)
 
     t0, compiled, cached = time.perf_counter(), 0, 0
     for job in reversed(spec["jobs"]):

@@ -1,5 +1,6 @@
 """Lowering: every fused equation maps to kernel keys, the arena never overlaps two live values,
-and `ninfer-gen build` compiles the tiny spec's kernels for sm_86 and sm_90 with zero spills."""
+and `ninfer-gen build` compiles the tiny spec's kernels for sm_86 and sm_90 with zero spills (into a folder of its
+own, then moved into the session's kernel cache: tests/conftest.py)."""
 from collections import Counter
 from pathlib import Path
 
@@ -91,7 +92,7 @@ def test_profile_shapes_cover_decode_verify_and_prefill_sizes():
     assert all(e in ("step", "prefill") for e, _, _ in no_drafts)
 
 
-def test_build_cli_compiles_exactly_the_profile_without_spills(tmp_path, capsys):
+def test_build_cli_compiles_exactly_the_profile_without_spills(tmp_path, capsys, adopt_kernels):
     """`ninfer-gen build` of a small profile (one lane, one draft, a 256-token context): it compiles the keys of
     the profile's plans and nothing else, without spills, and a warm rebuild does no NVRTC work. (Every
     family and arch is compiled by tests/test_kernels_compile.py; this is the command's path.)"""
@@ -109,6 +110,7 @@ def test_build_cli_compiles_exactly_the_profile_without_spills(tmp_path, capsys)
     assert "round B=1 greedy" in out and "round B=1 sampled" in out
     assert main(argv) == 0
     assert "compiled 0" in capsys.readouterr().out  # warm rebuild does no NVRTC work
+    adopt_kernels(tmp_path)     # 82 of them are test_kernels_compile's too: they join the session's kernel cache
 
 
 @pytest.mark.parametrize("n,chunk,expected", [
