@@ -51,11 +51,8 @@ def v1_launch(key: V1Key) -> Launch:
 def mma_of(key: attn_prefill.Key) -> attn_prefill.Key:
     """The mma.sync INT8 kernel (templates/attn_prefill_int8.cu.j2) of `key`'s shape: the first of TILINGS whose
     shared memory fits the card — what sm_90 shipped before its wgmma kernel."""
-    target = lookup(key.arch)
-    for warps, tk in attn_prefill.TILINGS:
-        if key.page % tk == 0 and attn_prefill.int8_smem_bytes(key.d, warps, tk) <= target.smem_per_block:
-            return replace(key, warps=warps, tk=tk)
-    raise ValueError(f"attn_prefill: no mma.sync tiling fits {key.name}")
+    warps, tk = attn_prefill.mma_tiling(key.d, key.page, lookup(key.arch))
+    return replace(key, warps=warps, tk=tk)
 
 
 def wg_of(key: attn_prefill.Key) -> attn_prefill.Key:

@@ -96,6 +96,11 @@ def tiling(hq: int, hkv: int, d: int, kv_dtype: str, page: int, target: Target) 
     if (gemm_wg.arch_supported(target.arch) and page % WG_TILING[1] == 0
             and wg_smem_bytes(d, *WG_TILING) <= target.smem_per_block):
         return WG_TILING
+    return mma_tiling(d, page, target)
+
+
+def mma_tiling(d: int, page: int, target: Target) -> tuple[int, int]:
+    """(warps, tk) of the mma.sync INT8 kernel: the first of TILINGS whose shared memory fits one block of the card."""
     for warps, tk in TILINGS:
         if page % tk == 0 and int8_smem_bytes(d, warps, tk) <= target.smem_per_block:
             return warps, tk
