@@ -9,8 +9,11 @@ runs inside a step) — and the decode kernel without its combine (timed alone, 
 inputs: `vahead` (lab/templates/attn_decode_vahead.cu.j2, V a chunk ahead at one row tile), `direct` (the
 direct-load kernel, templates/attn_decode.cu.j2), `ring` / `ring3` (templates/attn_decode_ring.cu.j2: each warp
 cp.asyncs its K, V and scales S − 1 chunks ahead into its own shared-memory ring; S by attn_decode.ring_stages, or
-3) — the shipped key is the one attn_decode.make_key chooses (`choose_stages`) — each checked bit for bit against
-the shipped key on the same inputs (the `bits` column). Writes JSON (--out), prints a table last. `--dry-run` (any
+3) — the shipped key is the one attn_decode.make_key chooses (`choose_layout`) — each checked bit for bit against
+the shipped key on the same inputs (the `bits` column); `keys` (templates/attn_decode_keys.cu.j2: the keys split
+over 4 chunk lanes of whole-dim warps, attn_decode.keys_split; shipped on sm_90) has its own arithmetic, so where
+one of the pair splits the keys and the other the dims, column `diff` gives the largest |output − the shipped
+output| instead (both within bf16 of the reference: the GPU tier checks it). Writes JSON (--out), prints a table last. `--dry-run` (any
 machine, no GPU): the keys, launch grids, shared memory and byte counts only.
 
   python -m lab.attn_long --out attn_long.json [--contexts 4096,32768,131072] [--t 1,4] [--splits 66,132,264]
@@ -42,16 +45,20 @@ class VaheadKey(attn_decode.Key):
         return super()._name_parts() + ["vahead"]
 
 
-VARIANTS = {"vahead": lambda key: VaheadKey(**replace(key, stages=0).fields()),
-            "direct": lambda key: replace(key, stages=0),
-            "ring": lambda key: replace(key, stages=attn_decode.ring_stages(key)),
-            "ring3": lambda key: replace(key, stages=3)}
+def _dims(key: attn_decode.Key, stages: int = 0) -> attn_decode.Key:
+    return replace(key, kw=0, stages=stages)
+
+
+VARIANTS = {"vahead": lambda key: VaheadKey(**_dims(key).fields()),
+            "direct": lambda key: _dims(key),
+            "ring": lambda key: _dims(key, attn_decode.ring_stages(_dims(key))),
+            "ring3": lambda key: _dims(key, 3),
+            "keys": lambda key: attn_decode.keys_split(_dims(key))}
 
 
 def shipped_of(key: attn_decode.Key) -> attn_decode.Key:
-    """The shipped key a variant is checked against: the same fields, the shipped loads (attn_decode.choose_stages)."""
-    base = attn_decode.Key(**{f.name: getattr(key, f.name) for f in fields(attn_decode.Key)})
-    return replace(base, stages=attn_decode.choose_stages(base))
+    """The shipped key a variant is checked against: the same fields, the shipped layout (attn_decode.choose_layout)."""
+    return attn_decode.choose_layout(attn_decode.Key(**{f.name: getattr(key, f.name) for f in fields(attn_decode.Key)}))
 
 
 def variant_of(key) -> str:
@@ -59,6 +66,8 @@ def variant_of(key) -> str:
         return "vahead"
     if key == shipped_of(key):
         return "shipped"
+    if key.kw:
+        return "keys"
     if not key.stages:
         return "direct"
     return "ring" if key.stages == attn_decode.ring_stages(key) else f"ring{key.stages}"
@@ -140,6 +149,21 @@ def same_bits(key: attn_decode.Key, ref: attn_decode.Key, case, bind) -> bool:
     return all(torch.equal(a, b) for a, b in zip(*results))
 
 
+def max_diff(key: attn_decode.Key, ref: attn_decode.Key, case, bind) -> float:
+    """The largest |output of `key` − output of `ref`| (both through the combine) on `case`'s inputs."""
+    import torch
+
+    (_, args), *rest = case.launches
+    outs = []
+    for k in (ref, key):
+        args[0].fill_(float("nan"))
+        for launcher in [bind(k, args)] + [bind(kc, a) for kc, a in rest]:
+            launcher.launch()
+        torch.cuda.synchronize()
+        outs.append(args[0].float().clone())
+    return (outs[0] - outs[1]).abs().max().item()
+
+
 def measure(args) -> dict:
     import torch
 
@@ -169,9 +193,12 @@ def measure(args) -> dict:
             assert first.bytes == moved["useful"], (first.bytes, moved["useful"])
             if row["variant"] != "shipped":          # at ctx keys and with a ragged last chunk (ctx − 37)
                 ragged = make_case(key, DEVICE, 1, ctx=max(key.t, ctx - 37))
-                same = all(same_bits(key, shipped_of(key), c, lambda k, a: KERNELS.bind(combine(k, g), a))
-                           for c in (first, ragged))
-                row["bits"] = "same" if same else "DIFF"
+                bind = lambda k, a: KERNELS.bind(combine(k, g), a)      # noqa: E731
+                if bool(key.kw) != bool(shipped_of(key).kw):       # the keys split beside the dims split
+                    row["max_diff"] = max(max_diff(key, shipped_of(key), c, bind) for c in (first, ragged))
+                else:
+                    same = all(same_bits(key, shipped_of(key), c, bind) for c in (first, ragged))
+                    row["bits"] = "same" if same else "DIFF"
                 del ragged
             copies = max(1, min(32, -(-2 * target.l2_bytes // first.bytes)))
             built = [first] + [make_case(key, DEVICE, i, ctx=ctx) for i in range(1, copies)]
@@ -212,7 +239,8 @@ def table(r: dict) -> str:
         lines.append(f"{head} {x['us']:>8.1f} {x['useful'] / 1e6:>7.1f} {x['GBps']:>7,.0f} "
                      f"{100 * x['read_fraction']:>6.1f} {x['us_chain']:>9.1f} {100 * x['read_fraction_chain']:>6.1f} "
                      f"{100 * x['combine_share']:>7.1f}% {x.get('us_decode_chain', 0):>10.1f} "
-                     f"{100 * x.get('decode_read_fraction_chain', 0):>6.1f}")
+                     f"{100 * x.get('decode_read_fraction_chain', 0):>6.1f}"
+                     + (f" {x['max_diff']:>8.1e}" if "max_diff" in x else ""))
     return "\n".join(lines)
 
 

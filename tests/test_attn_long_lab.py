@@ -64,7 +64,8 @@ def test_the_table_of_a_gpu_run():
 def test_ring_keys_fit_two_blocks_where_the_card_allows():
     """ring_stages: 4 stages at both row tiles on sm_90 (88 / 104 KB a block, two blocks in 228 KB); sm_80 3 / 2;
     sm_86 4 / 3 for one block an SM (no ring of 2 stages fits two blocks in 100 KB beside the exchange). The shipped
-    key (make_key) rings on sm_90 only (where it was timed) and loads directly on sm_80 and sm_86. The launch is the direct
+    key (make_key) splits the keys on sm_90 (attn_decode.choose_layout) and loads directly on sm_80 and sm_86. The
+    launch is the direct
     grid with the ring's shared memory, all dynamic; bf16 KV, fewer than 2 stages and a ring past the card are
     refused."""
     from compiler.kernels.attn_decode import RESERVED_SMEM, Key, ring_smem
@@ -74,14 +75,14 @@ def test_ring_keys_fit_two_blocks_where_the_card_allows():
         target = lookup(arch)
         for t, stages in zip((1, 4), want):
             key = attn_decode.make_key(24, 4, 256, 1, t, "int8", 2048, target)
-            assert key.stages == (stages if arch == "sm_90" else 0)
+            assert (key.kw, key.stages) == ((4, attn_decode.keys_split(key).stages) if arch == "sm_90" else (0, 0))
             ring, direct = VARIANTS["ring"](key), VARIANTS["direct"](key)
             assert ring.stages == stages and direct.stages == 0 and attn_long.variant_of(direct) != "ring"
             tag = f"_{arch.replace('_', '')}"
             assert ring.name == direct.name.replace(tag, f"_ring{stages}{tag}")
             launch, plain = attn_decode.launch(ring), attn_decode.launch(direct)
             assert launch.grid == plain.grid and launch.block == plain.block and plain.smem == 0
-            assert launch.smem == ring_smem(ring, stages) == attn_decode.smem_bytes(key) + stages * 4 * 4608
+            assert launch.smem == ring_smem(ring, stages) == attn_decode.smem_bytes(direct) + stages * 4 * 4608
             blocks = target.smem_per_sm // (launch.smem + RESERVED_SMEM)
             assert blocks == (1 if arch == "sm_86" else 2)
             assert ring.template == "attn_decode_ring.cu.j2" and direct.template is None
@@ -90,13 +91,15 @@ def test_ring_keys_fit_two_blocks_where_the_card_allows():
     with pytest.raises(ValueError, match="INT8 KV only"):
         Key(**bf16.fields() | {"stages": 4})
     sm86 = attn_decode.make_key(24, 4, 256, 1, 4, "int8", 2048, lookup("sm_86"))
+    assert sm86.kw == 0
     with pytest.raises(ValueError, match="more than the"):
         Key(**sm86.fields() | {"stages": 4})
     with pytest.raises(ValueError, match="needs 2 or more"):
         Key(**sm86.fields() | {"stages": 1})
     rows = attn_long.dry_run(attn_long.parse(["--dry-run", "--contexts", "32768", "--variant", "direct,ring"]))
-    assert [(r["variant"], r["t"], r["smem"]) for r in rows] == [("shipped", 1, 90112), ("direct", 1, 16384),
-                                                                  ("shipped", 4, 106496), ("direct", 4, 32768)]
+    assert [(r["variant"], r["t"], r["smem"]) for r in rows] == [
+        ("shipped", 1, 101376), ("direct", 1, 16384), ("ring", 1, 90112),
+        ("shipped", 4, 135168), ("direct", 4, 32768), ("ring", 4, 106496)]
 
 
 # A floating-point PTX instruction (cuda_fp16.h's wrappers put theirs in braces: `{sub.f16x2 …`).
@@ -132,3 +135,58 @@ def test_ring_compiles_without_spills_with_the_direct_loads_arithmetic(kernel_ca
         assert meta["spill_stores"] == meta["spill_loads"] == meta["stack_bytes"] == 0
         ops = [collections.Counter(_FP.findall(built[k].ptx.read_text())) for k in (key, ring)]
         assert ops[0] == ops[1] and ops[0]["mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"] > 0, ops
+
+
+def test_keys_split_tiling():
+    """attn_decode.keys_split: 4 chunk lanes; a decode (6 query rows: one row tile) is 4 warps with 3 stages on sm_90
+    (99 KB a block, two blocks an SM), a verify of 4 tokens (24 rows) 12 warps in one block with 4 stages, 8 tokens
+    (48 rows, six tiles) two row blocks; sm_86 keeps 2 stages where two blocks do not fit. The lab's `keys` variant is
+    the same key; make_key ships it on sm_90 only (KEYS_ARCHS). bf16 KV, a 1-stage ring and 13 lanes are refused."""
+    from compiler.kernels.attn_decode import Key, keys_smem, keys_split, keys_tiling
+
+    for arch, t, stages, warps, grid_y, smem in [("sm_90", 1, 3, 4, 4, 101_376), ("sm_90", 4, 4, 12, 4, 135_168),
+                                                  ("sm_90", 8, 4, 12, 8, 135_168), ("sm_86", 1, 2, 4, 4, 67_584)]:
+        base = attn_decode.make_key(24, 4, 256, 1, t, "int8", 2048, lookup(arch))
+        key = keys_split(base)
+        assert (key.kw, key.stages, keys_tiling(key).warps) == (4, stages, warps), key
+        assert key.template == "attn_decode_keys.cu.j2" and f"_kw4s{stages}_" in key.name
+        launch = attn_decode.launch(key)
+        assert launch.grid == (key.splits, grid_y, 1) and launch.block == (32 * warps, 1, 1)
+        assert launch.smem == keys_smem(key) == smem
+        lab = attn_long.VARIANTS["keys"](base)
+        shipped = arch in attn_decode.KEYS_ARCHS                # make_key's own layout there
+        assert lab == key and (base == key) == shipped and attn_long.shipped_of(lab) == base
+        assert attn_long.variant_of(lab) == ("shipped" if shipped else "keys")
+    ok = attn_decode.make_key(24, 4, 256, 1, 1, "int8", 2048, lookup("sm_90"))
+    for bad in (dict(kv_dtype="bf16", kw=4, stages=3), dict(kw=4, stages=1), dict(kw=13, stages=2)):
+        with pytest.raises(ValueError, match="keys split"):
+            Key(**(ok.fields() | {"stages": 0} | bad))
+
+
+def keys_split_keys(arch: str) -> list:
+    """attn_decode with the keys split at the 27B's shape, T = 1 and 4, and the tiny spec's (d = 64), T = 1 and 4."""
+    return [attn_decode.keys_split(attn_decode.make_key(hq, hkv, d, 1, t, "int8", pages, lookup(arch)))
+            for hq, hkv, d, pages in ((24, 4, 256, 2048), (4, 2, 64, 64)) for t in (1, 4)]
+
+
+@pytest.mark.prebuild(keys=keys_split_keys)
+@pytest.mark.parametrize("arch", ["sm_90"])
+def test_keys_split_compiles_without_spills(kernel_cache, arch):
+    """templates/attn_decode_keys.cu.j2 where it ships (sm_90) at one row tile (a decode) and three (a verify of 4
+    tokens): no spills, no stack frame, and registers that let the blocks an SM it was sized for run (two of 4
+    warps; one of 12). (sm_80/86 spill 4 registers at 12 warps: not shipped there.)"""
+    try:
+        from compiler import nvrtc
+        nvrtc.version()
+        nvrtc.cuda_include_dir()
+    except Exception as err:                     # no cuda-bindings / NVRTC / headers on this machine
+        pytest.skip(f"NVRTC unavailable: {err}")
+    from compiler.build_cache import build_kernels
+    from compiler.kernels.attn_decode import keys_tiling
+
+    keys = keys_split_keys(arch)
+    for b in build_kernels(keys, root=kernel_cache, jobs=2, progress=False).built:
+        meta, warps = b.meta, keys_tiling(b.key).warps
+        print(f"\n{b.key.name}: {meta['registers']} registers, {attn_decode.launch(b.key).smem} B shared")
+        assert meta["spill_stores"] == meta["spill_loads"] == meta["stack_bytes"] == 0, b.key.name
+        assert (-(-meta["registers"] // 8) * 8) * 32 * warps * (2 if warps == 4 else 1) <= 65536, b.key.name

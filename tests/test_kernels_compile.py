@@ -319,6 +319,25 @@ def test_attn_decode_template_cuts_the_work_as_its_launch_does(hq, hkv, d, t, kv
     nvrtc.compile_source(source, key.name, key.arch, options, ptx=True)
 
 
+@pytest.mark.parametrize("hq,hkv,d,t", [(24, 4, 256, 1), (24, 4, 256, 4), (24, 4, 256, 9), (4, 2, 64, 3),
+                                        (4, 2, 128, 7)])
+def test_attn_decode_keys_split_template_cuts_the_work_as_its_launch_does(hq, hkv, d, t):
+    """The keys split (templates/attn_decode_keys.cu.j2, shipped on sm_90): its row tiles a block, row blocks,
+    threads and shared memory are attn_decode.keys_tiling's and keys_smem's (the grid, block and dynamic shared
+    memory the runtime launches with) — NVRTC evaluates static_asserts appended to the rendered source."""
+    from compiler import nvrtc
+
+    key = attn_decode.make_key(hq, hkv, d, 2, t, "int8", 64, lookup("sm_90"))
+    cut, launch = attn_decode.keys_tiling(key), attn_decode.launch(key)
+    assert key.kw and launch.grid == (key.splits, hkv * cut.row_blocks, 2) and launch.block == (32 * cut.warps, 1, 1)
+    assert 8 * cut.row_tiles * cut.row_blocks >= hq // hkv * t > 8 * cut.row_tiles * (cut.row_blocks - 1)
+    check = (f"static_assert(NRB == {cut.row_tiles} && RB == {cut.row_blocks} && THREADS == {32 * cut.warps} && "
+             f"SMEM_BYTES == {launch.smem}, \"tiling\");\n")
+    source = codegen.render(key, "13.0").source + check
+    options = codegen.nvrtc_options() + nvrtc.include_options(codegen.TEMPLATE_DIR)
+    nvrtc.compile_source(source, key.name, key.arch, options, ptx=True)
+
+
 def test_prefill_matmul_dispatch():
     """Up to 32 rows the gemv; above, gemm_wg on sm_90 for group-64 formats, else the mma.sync gemm."""
     h200, rtx = lookup("h200"), lookup("rtx3090")

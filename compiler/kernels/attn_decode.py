@@ -11,6 +11,12 @@ INT8 keys may stage their loads instead (`stages` ≥ 2, templates/attn_decode_r
 K, V and scales `stages` − 1 chunks ahead into its own shared-memory ring — the same grid, partials and bits, more
 bytes in flight per SM (the direct-load kernel is latency-bound at long context: session 21's Nsight). `stages`
 = 0 keeps the direct loads (bf16 KV always does); `choose_stages` rings on sm_90, where it was timed.
+
+INT8 keys may instead split a block's keys over its warps (`kw` > 0 chunk lanes, templates/attn_decode_keys.cu.j2):
+each warp computes whole 16-key chunks over all D dims for 8 query rows (the m16 side is keys, the n8 side rows),
+its chunk lane's warps sharing a `stages`-deep cp.async ring, and the lanes' softmax states merge once at the end —
+no block barrier or score exchange per chunk. The same grid, splits and partials; its own bits (a decode row
+still equals its verify row). `keys_tiling` gives its warps.
 """
 from __future__ import annotations
 
@@ -25,6 +31,8 @@ from . import KernelKey, Launch, Param, ceil_div
 SMEM_LIMIT = 48 * 1024      # static shared memory
 RESERVED_SMEM = 1024        # shared memory the CUDA runtime keeps per block on sm_80+ (counts against the SM's)
 RING_TEMPLATE = "attn_decode_ring.cu.j2"
+KEYS_TEMPLATE = "attn_decode_keys.cu.j2"
+KEYS_MAX_WARPS = 12         # a `kw` block's warps at most: row tiles past it go to further blocks (row blocks)
 
 
 @dataclass(frozen=True)
@@ -60,10 +68,20 @@ class Key(KernelKey):
     gate: bool
     arch: str
     stages: int = 0        # INT8: ≥ 2 = each warp's cp.async ring of that many chunks; 0 = direct loads
+    kw: int = 0            # INT8: > 0 = the keys split over that many chunk lanes (attn_decode_keys); 0 = dims split
 
     def __post_init__(self):
         if self.kv_dtype not in ("int8", "bf16") or self.d % 64 or 256 % self.d or self.page != 64:
             raise ValueError(f"attn_decode: unsupported shape {self}")
+        if self.kw:
+            if self.kv_dtype != "int8" or not 1 <= self.kw <= KEYS_MAX_WARPS or self.stages < 2:
+                raise ValueError(f"attn_decode keys split: INT8 KV, 1 ≤ kw ≤ {KEYS_MAX_WARPS} chunk lanes and a ring "
+                                 f"of ≥ 2 stages ({self.kv_dtype}, kw {self.kw}, {self.stages} stages asked)")
+            need, limit = keys_smem(self), lookup(self.arch).smem_per_block
+            if need > limit:
+                raise ValueError(f"attn_decode keys split: {need} B of shared memory ({self.kw} lanes × {self.stages} "
+                                 f"stages), more than the {limit} B a block may have on {self.arch}")
+            return
         if smem_bytes(self) > SMEM_LIMIT:
             raise ValueError(f"attn_decode: {smem_bytes(self)} B of shared memory exceeds {SMEM_LIMIT}")
         if self.stages:
@@ -79,19 +97,53 @@ class Key(KernelKey):
 
     @property
     def template(self) -> str | None:
-        """The ring's own kernel; None: the family's, attn_decode.cu.j2 (direct loads)."""
-        return RING_TEMPLATE if self.stages else None
+        """The keys split's or the ring's own kernel; None: the family's, attn_decode.cu.j2 (direct loads)."""
+        return KEYS_TEMPLATE if self.kw else RING_TEMPLATE if self.stages else None
 
     def _name_parts(self):
         return [f"q{self.hq}", f"kv{self.hkv}", f"d{self.d}", f"b{self.b}", f"t{self.t}", self.kv_dtype,
                 f"p{self.page}x{self.max_pages}", f"s{self.splits}"] + (["gate"] if self.gate else []) + \
-            ([f"ring{self.stages}"] if self.stages else [])
+            ([f"kw{self.kw}s{self.stages}"] if self.kw else [f"ring{self.stages}"] if self.stages else [])
 
     def dynamic_smem(self) -> int:
         """Dynamic shared memory the key's template declares: none with direct loads (the score exchange is
         static, `smem_bytes`), the whole `ring_smem` with a ring; `launch` passes it on, so the loader sets the
         opt-in attribute above 48 KiB."""
-        return ring_smem(self, self.stages) if self.stages else 0
+        return keys_smem(self) if self.kw else ring_smem(self, self.stages) if self.stages else 0
+
+
+@dataclass(frozen=True)
+class KeysTiling:
+    """A `kw` key's warps (the template computes the same): `row_tiles` tiles of 8 query rows a block (each tile a
+    warp per chunk lane), `row_blocks` blocks over a kv head's rows, `warps` a block."""
+    row_tiles: int
+    row_blocks: int
+    warps: int
+
+
+def keys_tiling(key: Key) -> KeysTiling:
+    tiles = ceil_div(key.hq // key.hkv * key.t, 8)
+    nrb = min(tiles, max(1, KEYS_MAX_WARPS // key.kw))
+    return KeysTiling(nrb, ceil_div(tiles, nrb), key.kw * nrb)
+
+
+def keys_smem(key: Key, stages: int | None = None) -> int:
+    """The keys split's dynamic shared memory (the template asserts the same): the larger of its rings (per chunk
+    lane `stages` stages of a 16-key chunk's K and V codes, D bytes a key each, and their fp16 scales) and the
+    merge of the lanes' Oᵀ, m and l in fp32."""
+    stage, stages = 32 * key.d + 64 * (key.d // 64), key.stages if stages is None else stages
+    return max(key.kw * stages * stage, key.kw * 8 * keys_tiling(key).row_tiles * (key.d + 2) * 4)
+
+
+def keys_stages(key: Key) -> int:
+    """The most stages (2–4) for a `kw` key with which its blocks per SM still fit in shared memory — two a SM when
+    its row tiles are one (a decode), else one (its registers allow no more) — or 0 where not even 2 fit."""
+    target, blocks = lookup(key.arch), 2 if keys_tiling(key).row_tiles == 1 else 1
+    for stages in (4, 3, 2):
+        need = keys_smem(key, stages)
+        if need <= target.smem_per_block and blocks * (need + RESERVED_SMEM) <= target.smem_per_sm:
+            return stages
+    return 0
 
 
 def smem_bytes(key: Key) -> int:
@@ -125,7 +177,29 @@ def ring_stages(key: Key, blocks: tuple[int, ...] = (2, 1)) -> int:
     raise ValueError(f"attn_decode ring: no ring of 2 stages fits {target.name}'s shared memory ({key.name})")
 
 
+KEYS_LANES = 4              # a `kw` key's chunk lanes: the direct-load kernel's warps at one row tile
+
+
+def keys_split(key: Key, kw: int = KEYS_LANES) -> Key:
+    """`key` with its keys split over `kw` chunk lanes (templates/attn_decode_keys.cu.j2) and the most stages that
+    keep its blocks per SM (`keys_stages`; 2 where even those do not)."""
+    k = replace(key, kw=kw, stages=2)
+    return replace(k, stages=keys_stages(k) or 2)
+
+
 RING_ARCHS = ("sm_90",)     # where the ring was timed against the direct loads (H200, session 22: 1.19–1.24× at T = 1)
+
+
+KEYS_ARCHS = ("sm_90",)     # where the keys split was timed against the ring (H200, session 23)
+
+
+def choose_layout(key: Key) -> Key:
+    """The shipped division of an attn_decode key's work: INT8 KV on KEYS_ARCHS splits the keys over chunk lanes
+    (`keys_split`); elsewhere the warps split the dims, with the ring's loads where `choose_stages` says."""
+    base = replace(key, kw=0, stages=0)
+    if base.kv_dtype == "int8" and base.arch in KEYS_ARCHS:
+        return keys_split(base)
+    return replace(base, stages=choose_stages(base))
 
 
 def choose_stages(key: Key) -> int:
@@ -141,11 +215,14 @@ def choose_splits(hkv: int, max_pages: int, target: Target) -> int:
 
 
 def make_key(hq, hkv, d, b, t, kv_dtype, max_pages, target: Target, gate=True, page=64) -> Key:
-    key = Key(hq, hkv, d, b, t, kv_dtype, page, max_pages, choose_splits(hkv, max_pages, target), gate, target.arch)
-    return replace(key, stages=choose_stages(key))
+    return choose_layout(Key(hq, hkv, d, b, t, kv_dtype, page, max_pages, choose_splits(hkv, max_pages, target), gate,
+                             target.arch))
 
 
 def launch(key: Key, target: Target | None = None) -> Launch:
+    if key.kw:
+        k = keys_tiling(key)
+        return Launch((key.splits, key.hkv * k.row_blocks, key.b), (32 * k.warps, 1, 1), key.dynamic_smem())
     t = tiling(key)
     return Launch((key.splits, key.hkv * t.row_blocks, key.b), (32 * t.warps, 1, 1), key.dynamic_smem())
 

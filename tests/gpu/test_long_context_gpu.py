@@ -47,15 +47,21 @@ def test_attn_decode_past_32k(h, t, ctx):
 
 
 @pytest.mark.parametrize("ctx", [1000, 40_010, 131_000])
-def test_attn_decode_row_has_the_same_bits_in_a_decode_and_in_a_verify(h, ctx):
+@pytest.mark.parametrize("layout", ["shipped", "keys", "ring"])
+def test_attn_decode_row_has_the_same_bits_in_a_decode_and_in_a_verify(h, layout, ctx):
     """Query row tt of a verify (T = 4, ctx keys, later keys masked) and the same query alone as a decode step
     (T = 1, ctx − 3 + tt keys) give the same bits: the kernel's chunks are the online softmax's steps whatever T
     is, so a lane's greedy tokens do not depend on its K or on its cohort (ctx % 64 ≥ 4: the same pages, hence
-    the same splits)."""
+    the same splits) — with the shipped keys, the keys split over chunk lanes (attn_decode.keys_split: one row tile
+    of 4 warps for the decode, three tiles of 12 warps for the verify) and the dims split's ring."""
     from dataclasses import replace
 
     k4 = attn_decode.make_key(HQ, HKV, D, 1, 4, "int8", MAX_PAGES, TARGET)
     k1 = replace(k4, t=1)
+    if layout == "keys":
+        k4, k1 = attn_decode.keys_split(k4), attn_decode.keys_split(k1)
+    elif layout == "ring":
+        k4, k1 = (replace(k, kw=0, stages=attn_decode.ring_stages(replace(k, kw=0, stages=0))) for k in (k4, k1))
     h.build([k1, k4, attn_combine.for_decode(k1), attn_combine.for_decode(k4)])
     case = make_case(k4, "cuda", 7, ctx=ctx)
     h.run(case)
@@ -87,7 +93,7 @@ def test_attn_decode_ring_has_the_direct_loads_bits(h, t):
     from lab.attn_long import same_bits
 
     for b, ctx in ((3, None), (1, 40_010)):
-        direct = replace(attn_decode.make_key(HQ, HKV, D, b, t, "int8", MAX_PAGES, TARGET), stages=0)
+        direct = replace(attn_decode.make_key(HQ, HKV, D, b, t, "int8", MAX_PAGES, TARGET), kw=0, stages=0)
         for stages in (2, 4):
             ring = replace(direct, stages=stages)
             h.build([direct, ring, attn_combine.for_decode(direct)])
@@ -96,6 +102,19 @@ def test_attn_decode_ring_has_the_direct_loads_bits(h, t):
             assert same, f"{ring.name}, b = {b}, ctx = {ctx}"
             del case
         torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("ctx", [None, 1000, 40_010, CONTEXT])
+@pytest.mark.parametrize("t", [1, 2, 4, 8])
+def test_attn_decode_keys_split_matches_the_reference(h, t, ctx):
+    """The keys split over chunk lanes (templates/attn_decode_keys.cu.j2) against the fp32 reference: 1, 2, 4
+    (one to three row tiles a block) and 8 query rows a kv head row (two row blocks), at one row of ctx keys
+    and (None) three rows of random lengths, the last padded; and at the tiny spec's shape (d = 64, 2 query
+    rows a kv head)."""
+    _check(h, attn_decode.keys_split(attn_decode.make_key(HQ, HKV, D, 3 if ctx is None else 1, t, "int8",
+                                                           MAX_PAGES, TARGET)), ctx)
+    if ctx in (None, 1000):
+        _check(h, attn_decode.keys_split(attn_decode.make_key(4, 2, 64, 3, t, "int8", 64, TARGET)), ctx)
 
 
 @pytest.mark.parametrize("groups", [1, 2, 3, 4])
