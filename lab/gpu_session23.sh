@@ -2,8 +2,8 @@
 # Session 23's device calls (issue 31): the keys-split decode attention (templates/attn_decode_keys.cu.j2, shipped on
 # sm_90) — call 1 (PART=keys): its kernel tests (reference, decode = verify bits, the ring's bits), the long-context
 # lab with the ring timed beside it, then the engine's tests that run it (greedy with drafts = plain greedy after
-# 40K / 100K-token prompts, speculative greedy and lossless); call 2 (PART=bench): the long-context bench and the
-# cohort bench on the same tree. Logs to $OUT as it goes; lab/gpu_session14.sh does the parts it names.
+# 40K / 100K-token prompts, speculative greedy and lossless); call 2 (PART=bench): the cohort bench (C1 / C8) and the
+# long-context bench on the same tree. Logs to $OUT as it goes; lab/gpu_session14.sh does the parts it names.
 set -uo pipefail
 : "${OUT:?set OUT}"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.:/tmp/site NINFER_BUILD_DIR=${NINFER_BUILD_DIR:-/tmp/ninfer-build}
@@ -20,7 +20,7 @@ if part keys; then
   shown $OUT/engine_tests.log 12
 fi
 if part bench; then
+  PART=cohortab CAB=base COHORT_S=${COHORT_S:-200} bash lab/gpu_session14.sh
   timeout ${LONG_S:-300} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --no-vision --long-context --draft 3 \
     --accept-prob 0.8 --json $OUT/bench_long.json > $OUT/bench_long.log 2>&1; echo "long bench: rc $?"; shown $OUT/bench_long.log 30
-  PART=cohortab CAB=base COHORT_S=${COHORT_S:-200} bash lab/gpu_session14.sh
 fi
