@@ -27,9 +27,9 @@ def h():
 
 def _check(h, key, ctx):
     h.build([key] + ([attn_combine.for_decode(key)] if key.family == "attn_decode" and key.splits > 1 else []))
-    case = make_case(key, "cuda", ctx % 97, ctx=ctx)
+    case = make_case(key, "cuda", (ctx or 0) % 97, ctx=ctx)
     h.run(case)
-    h.compare(case, f"{key.name} at {ctx} tokens")
+    h.compare(case, f"{key.name} at {ctx or 'random'} tokens")
     del case
     torch.cuda.empty_cache()
 
