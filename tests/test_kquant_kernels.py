@@ -51,6 +51,21 @@ def test_kernel_model_equals_dequantisation(fmt, n, k, m):
     assert np.abs(got - want).max() <= 1e-7 * np.abs(want).max()
 
 
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k"])
+@pytest.mark.parametrize("n,k,m", [(40, 512, 1), (40, 768, 5), (24, 256, 16), (16, 512, 32), (16, 256, 9)])
+def test_lean_kernel_model_equals_dequantisation(fmt, n, k, m):
+    """The same for key `kq_lean` (common/kq_lean.j2): the activations as loaded are the A fragment of the Σ x mma
+    (rows g and g + 8 each a half of the sub-block, added in fp32), the scale byte is read under 0x43 as fp32
+    128 + sc, the codes go in as 128 + q and the 128s leave with the scales' mma."""
+    g = torch.Generator().manual_seed(n * k + m)
+    w = random_kquant(fmt, n, k, g, scale=1.0)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    got = emulate(fmt, pack_kquant_for_device(w)["lo"], x, n, lean=True)
+    want = (x.double() @ dequantize(w).double().T).numpy()
+    # S_J rounded to fp32 once more (the halves' add) before the 128s leave; a layout slip is O(1)
+    assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
+
+
 def test_kquant_gemv_keys():
     """A k-quant key: its own template, one super-block per unit (split-K in batches of WARPS units), one
     row tile per block and none of the streaming fields; the same (warps, splits) at every M."""
@@ -109,6 +124,20 @@ def test_kquant_code_bias_only_for_formats_with_mins():
     for fmt in ("q6_k", "q4g64", "bf16"):
         with pytest.raises(ValueError, match="code_bias needs a k-quant with mins"):
             replace(gemv.make_key(fmt, 1024, 5120, 1, H200), code_bias=True)
+
+
+def test_kquant_lean_needs_code_bias():
+    """`kq_lean` (the Q4_K/Q5_K unit math in fewer instructions, common/kq_lean.j2) is off in the shipped keys, needs
+    code_bias (so no Q6_K or group-64 key takes it: a process-wide rule passes them on), and names itself."""
+    key = gemv.make_key("q4_k", 34816, 5120, 1, H200, "silu_mul")
+    assert not key.kq_lean
+    lean = gemv_rules.apply_overrides(key, "kq_lean=1")
+    assert lean.kq_lean and lean.name.endswith("_sw2_cb_kl_sm90") and lean == replace(key, kq_lean=True)
+    with pytest.raises(ValueError, match="kq_lean needs code_bias"):
+        replace(key, code_bias=False, kq_lean=True)
+    for fmt in ("q6_k", "q4g64"):
+        plain = gemv.make_key(fmt, 6144, 5120, 1, H200)
+        assert gemv_rules.apply_overrides(plain, "kq_lean=1") == plain
 
 
 def test_matmul_dispatch_of_kquants():
