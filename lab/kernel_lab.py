@@ -227,13 +227,13 @@ KQUANT_GEMV = tuple((kq, g64, n, k, epi, out) for kq, g64 in (("q4_k", "q4g64"),
 # variant. Staged, the Q6_K down projection (5120 × 17408, 6 K splits: ~3 units per warp per block) reached only
 # 57 % of copy against 76–88 % at the big one-split shapes: the per-block fixed cost (stage fill, split-K reduction)
 # over few units. Next: fewer splits (a shape's choice, never per M: the summation order), a third stage, 4 blocks.
-KQUANT_VARIANTS = [{}, {"code_bias": False, "stage_w": 0}, {"stage_w": 0}, {"stage_w": 3}, {"min_blocks": 4},
-                   {"splits": 2}, {"splits": 3}, {"splits": 4}, {"kq_lean": True}]
-# `kqlean` (issue 34, not yet run): the Q4_K/Q5_K unit math in fewer instructions (key `kq_lean`, common/kq_lean.j2:
-# Σ x by one mma per sub-block, d·sc by one FFMA, no FFMA for token columns past M) beside the shipped key, M = 1 … 8.
-# SASS of the staged gate/up loop per unit (sm_90): Q4_K 474 → 319 at M = 1, 515 → 342 at M = 8; Q5_K 547 → 387,
-# 587 → 409. Prediction (session 19's issue-bound model): Q4_K gate/up 45.8 → ≤ 40 µs at M = 1.
-KQ_LEAN_VARIANTS = [{}, {"kq_lean": True}]
+KQUANT_VARIANTS = [{}, {"code_bias": False, "kq_lean": False, "stage_w": 0}, {"stage_w": 0}, {"stage_w": 3},
+                   {"min_blocks": 4}, {"splits": 2}, {"splits": 3}, {"splits": 4}, {"kq_lean": False}]
+# `kqlean` (issue 34): the Q4_K/Q5_K unit math in fewer instructions (key `kq_lean`, common/kq_lean.j2: Σ x by one mma
+# per sub-block, d·sc by one FFMA, no FFMA for token columns past M) beside code_bias alone, M = 1 … 8. SASS of the
+# staged gate/up loop per unit (sm_90): Q4_K 474 → 319 at M = 1, 515 → 342 at M = 8; Q5_K 547 → 387, 587 → 409.
+# Session 23 (H100): Q4_K gate/up 49.5 → 45.0 µs at M = 1, the GGUF step −7.4 %: shipped (the first variant).
+KQ_LEAN_VARIANTS = [{}, {"kq_lean": False}]
 
 
 def kquant_plan(target, l2, ms):

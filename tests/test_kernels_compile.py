@@ -191,41 +191,24 @@ def test_kquant_kernels_compile_without_spills(kernel_cache, arch, sample):
     assert all(m <= lookup(arch).smem_per_block for _, _, m, _, _ in rows)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("arch", ["sm_86", "sm_90"])
-def test_kquant_lean_compiles_without_spills_or_stack(build_root, arch):
-    """`kq_lean` (an experiment rule, not shipped: common/kq_lean.j2) on the Q4_K/Q5_K GEMV keys the plans make (their
-    code_bias keys: M = 1 … 32, staged and loaded, split-K, the decode folds) compiles with no spills and no stack
-    frame (its one-hot selectors and unrolled sub-blocks index no register array at run time), and with no fewer
-    blocks per SM by registers than its code_bias key (a Q5_K key past 128 registers loses a fourth block: a variant
-    of its sums' split did); registers printed. The keys of M = 1 (no second token column), 8 (staged, one token tile)
-    and 32 (loaded, four), which keeps CI's 2-core run short."""
-    base = [k for k in kquant_keys(arch) if k.family == "gemv" and k.code_bias and k.m in (1, 8, 32)]
-    assert {k.fmt for k in base} == {"q4_k", "q5_k"} and {k.stage_w for k in base} == {0, 2}
-    lean = [replace(k, kq_lean=True) for k in base]
-    summary = build_kernels(base + lean, jobs=2, root=build_root, progress=False)
-    meta = {b.key: b.meta for b in summary.built}
-    print(f"\n{arch}: {summary.table()}\n" + "\n".join(f"  {k.name}: {meta[k]['registers']} registers (code_bias alone "
-                                                      f"{meta[b]['registers']})" for k, b in zip(lean, base)))
-    bad = [k.name for k in lean if meta[k]["spill_stores"] or meta[k]["spill_loads"] or meta[k]["stack_bytes"]]
-    assert not bad, f"spills or stack frames in {bad}"
-    blocks = lambda k: 65536 // (-(-meta[k]["registers"] // 8) * 8 * 32 * k.warps)      # noqa: E731
-    fewer = [(k.name, meta[k]["registers"], meta[b]["registers"]) for k, b in zip(lean, base) if blocks(k) < blocks(b)]
-    assert not fewer, f"fewer blocks per SM than code_bias alone: {fewer}"
+def lean_loop_keys(arch: str = "sm_90") -> list:
+    """The staged gate/up GEMVs of Q4_K and Q5_K at M = 1 and 8 as shipped (kq_lean) and with code_bias alone."""
+    shipped = [gemv.make_key(fmt, 34816, 5120, m, lookup(arch), "silu_mul") for fmt in ("q4_k", "q5_k") for m in (1, 8)]
+    return shipped + [replace(k, kq_lean=False) for k in shipped]
 
 
-@pytest.mark.slow
-def test_kquant_lean_unit_loop_has_fewer_instructions(build_root):
-    """The point of `kq_lean`, in PTX (lab/kq_loop_count.py; its SASS counts need a disassembler): the staged gate/up
-    unit loop of Q4_K and Q5_K at M = 1 and 8 on sm_90 has ≥ 13 % fewer instructions than the shipped key's (PTX
-    458 → 368 for Q4_K at M = 1; SASS 474 → 319)."""
+@pytest.mark.prebuild(keys=lean_loop_keys, ptx=True)
+def test_kquant_lean_unit_loop_has_fewer_instructions(kernel_cache):
+    """The point of `kq_lean` (shipped with code_bias), in PTX (lab/kq_loop_count.py; its SASS counts need a
+    disassembler): the staged gate/up unit loop of Q4_K and Q5_K at M = 1 and 8 on sm_90 has ≥ 13 % fewer
+    instructions than code_bias alone (PTX 458 → 368 for Q4_K at M = 1; SASS 474 → 319)."""
     from lab.kq_loop_count import count
 
-    for fmt in ("q4_k", "q5_k"):
-        for m in (1, 8):
-            base = gemv.make_key(fmt, 34816, 5120, m, lookup("sm_90"), "silu_mul")
-            shipped, lean = (count(k, build_root, None) for k in (base, replace(base, kq_lean=True)))
-            assert lean["ptx_per_unit"] <= 0.87 * shipped["ptx_per_unit"], (fmt, m, shipped, lean)
+    keys = lean_loop_keys()
+    half = len(keys) // 2
+    for shipped, alone in zip(keys[:half], keys[half:]):
+        lean, base = (count(k, kernel_cache, None) for k in (shipped, alone))
+        assert shipped.kq_lean and lean["ptx_per_unit"] <= 0.87 * base["ptx_per_unit"], (shipped.name, base, lean)
 
 
 def gemm_variants(key, warps=None):

@@ -85,7 +85,8 @@ class Key(KernelKey):
                             # far a warp's loads run ahead of its mma, never the order (same bits)
     x_early: bool = False   # a load batch's activations loaded right after its weights, before its mma (same bits)
     kq_lean: bool = False   # Q4_K/Q5_K with code_bias: Σ x by one mma per sub-block (halves added in fp32), d·sc by one
-                            # FFMA, no FFMA for token columns past M (other bits than code_bias alone, the same at every M)
+                            # FFMA, no FFMA for token columns past M (other bits than code_bias alone, the same at every
+                            # M; shipped with code_bias: gemv_config.kquant_stream_config)
 
     def __post_init__(self):
         if self.fmt not in FORMATS and self.fmt not in KFORMATS:
