@@ -2,7 +2,7 @@
 # The device calls of sessions 13–14 (issues 30–34): the GPU tier's cohort, speculative, runtime and arch-path
 # files, the 27B C1 bench through the engine (K = 3, 32K draft head, accept 0.8), the cohort bench C1/C8 (fixed,
 # adaptive, plain), the sm_86 path, serve with no flags, long context, k-quants, and images (vision).
-# PART=attn,pattn,fixes,sdiag,tests,bench,fold,chain,cohort,arch,serve,long,pace,kq,gguf27,vision,agent,kqlab,kqab,vlab,kqncu,buckets,verify,cohortab,stepab,attnncu (default: all, in that order). Logs to $OUT
+# PART=attn,pattn,fixes,sdiag,tests,bench,fold,chain,cohort,arch,serve,long,pace,kq,gguf27,vision,agent,kqlab,kqab,kqlean,vlab,kqncu,buckets,verify,cohortab,stepab,attnncu (default: all, in that order). Logs to $OUT
 # as it goes. `chain` (session 15, issue 32 item 2): joined GEMV launches — their bit tests, then the same-run step
 # A/B of off / group / chain on the sm_90 path and on the sm_86 path.
 # The text benches load the 27B with --no-vision (the figures earlier sessions compare with); `vision` measures
@@ -216,6 +216,14 @@ if part kqab; then                   # session 18 (issue 34): the 27B Q4_K_M GGU
     echo "GGUF plain, NINFER_GEMV='$v': rc $?"; grep -a "decode tok/s\|decode step (graph\|bandwidth eff\|copy" $OUT/bench_gguf_ab$i.log
     i=$((i + 1))
   done
+fi
+if part kqlean; then                 # issue 34: `kq_lean` (the Q4_K/Q5_K unit math in fewer instructions, common/kq_lean.j2) — its
+                                     # GPU tests (reference, staged = loaded bits, batch invariance), then the kernel lab's
+                                     # `kqlean` group (shipped vs kq_lean, M = KQMS); the GGUF step: PART=kqab GAB="base|kq_lean=1"
+  timeout ${KQLT_S:-300} python3 -m pytest -m gpu tests/gpu/test_kquant_gpu.py -k "kl_sm or lean" -q -rf \
+    -p no:cacheprovider > $OUT/kqlean_tests.log 2>&1; echo "kq_lean tests: rc $?"; shown $OUT/kqlean_tests.log 16
+  timeout ${KQLL_S:-200} python3 -m lab.kernel_lab --only kqlean --ms ${KQMS:-1,4,8} --out $OUT/kqlean_lab.json \
+    > $OUT/kqlean_lab.log 2>&1; echo "kq_lean lab: rc $?"; grep -a "^gemv_" $OUT/kqlean_lab.log | tail -${KQROWS:-90}
 fi
 if part vlab; then                   # session 18 (issue 33's compiled encoder, 89.9 ms vs torch's 42.1): its kernels timed,
                                      # with their launch counts in the 27B one-image plan

@@ -227,13 +227,19 @@ KQUANT_GEMV = tuple((kq, g64, n, k, epi, out) for kq, g64 in (("q4_k", "q4g64"),
 # variant. Staged, the Q6_K down projection (5120 × 17408, 6 K splits: ~3 units per warp per block) reached only
 # 57 % of copy against 76–88 % at the big one-split shapes: the per-block fixed cost (stage fill, split-K reduction)
 # over few units. Next: fewer splits (a shape's choice, never per M: the summation order), a third stage, 4 blocks.
-KQUANT_VARIANTS = [{}, {"code_bias": False, "stage_w": 0}, {"stage_w": 0}, {"stage_w": 3}, {"min_blocks": 4},
-                   {"splits": 2}, {"splits": 3}, {"splits": 4}]
+KQUANT_VARIANTS = [{}, {"code_bias": False, "kq_lean": False, "stage_w": 0}, {"stage_w": 0}, {"stage_w": 3},
+                   {"min_blocks": 4}, {"splits": 2}, {"splits": 3}, {"splits": 4}, {"kq_lean": False}]
+# `kqlean` (issue 34): the Q4_K/Q5_K unit math in fewer instructions (key `kq_lean`, common/kq_lean.j2: Σ x by one mma
+# per sub-block, d·sc by one FFMA, no FFMA for token columns past M) beside code_bias alone, M = 1 … 8. SASS of the
+# staged gate/up loop per unit (sm_90): Q4_K 474 → 319 at M = 1, 515 → 342 at M = 8; Q5_K 547 → 387, 587 → 409.
+# Session 23 (H100): Q4_K gate/up 49.5 → 45.0 µs at M = 1, the GGUF step −7.4 %: shipped (the first variant).
+KQ_LEAN_VARIANTS = [{}, {"kq_lean": False}]
 
 
 def kquant_plan(target, l2, ms):
-    """`kquant`: the k-quant GEMVs beside their group-64 twins; `kquant_gemm`: a Q4_K_M-style 27B prefill
-    chunk's GEMMs (gemm_kq.cu.j2) beside the same shapes in the 27B's own formats."""
+    """`kquant`: the k-quant GEMVs beside their group-64 twins; `kqlean`: the Q4_K/Q5_K ones, shipped and with
+    `kq_lean`; `kquant_gemm`: a Q4_K_M-style 27B prefill chunk's GEMMs (gemm_kq.cu.j2) beside the same shapes in the
+    27B's own formats."""
     import sys
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from gguf_fixtures import q4_k_m_recipe
@@ -242,6 +248,9 @@ def kquant_plan(target, l2, ms):
         m_list = ms if n < 200000 else (1, 4)
         yield "kquant", gemv_runs(g64, n, k, m_list, epi, out, target, l2)
         yield "kquant", gemv_runs(kq, n, k, m_list, epi, out, target, l2, KQUANT_VARIANTS)
+    for kq, g64, n, k, epi, out in KQUANT_GEMV:
+        if kq != "q6_k":
+            yield "kqlean", gemv_runs(kq, n, k, ms if n < 200000 else (1, 4), epi, out, target, l2, KQ_LEAN_VARIANTS)
     spec = load_spec(Path(__file__).resolve().parent.parent / "model_specs/qwen3.8-27b.yaml")
     chunk = spec.runtime.prefill_chunk
     keys = [k for s in (q4_k_m_recipe(spec), spec) for k in plan_bucket(s, target, "prefill", 1, chunk).keys()
@@ -472,7 +481,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="kernel_lab.json")
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--only", default="", help="comma-separated labels: gemv9,gemv,kquant,kquant_gemm,vision,buckets,verify,gdn_step,gdn_chunk,gdn_conv,attn_decode,prefill,gemm_sweep,gemm_27b,wg_27b,wg_sweep,sweep,warps,tune,misc")
+    ap.add_argument("--only", default="", help="comma-separated labels: gemv9,gemv,kquant,kqlean,kquant_gemm,vision,buckets,verify,gdn_step,gdn_chunk,gdn_conv,attn_decode,prefill,gemm_sweep,gemm_27b,wg_27b,wg_sweep,sweep,warps,tune,misc")
     ap.add_argument("--ms", default="1,4,8,16,32", help="M values of the gemv and kquant groups")
     ap.add_argument("--arch-path", default=None, help="time another card's kernels (e.g. sm_86: the 3090's keys and "
                     "tiles, built as PTX the driver JIT-compiles, no PDL), as `run --arch-path` runs them")

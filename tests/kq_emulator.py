@@ -112,8 +112,9 @@ def _u(plane: bytes, off: int, n: int = 4) -> int:
     return int.from_bytes(plane[off:off + n], "little")
 
 
-def emulate(fmt: str, plane: torch.Tensor, x: torch.Tensor, n: int) -> np.ndarray:
-    """y [M, N] (float64) as the kernel computes it from the packed `lo` plane and bf16 activations x."""
+def emulate(fmt: str, plane: torch.Tensor, x: torch.Tensor, n: int, lean: bool = False) -> np.ndarray:
+    """y [M, N] (float64) as the kernel computes it from the packed `lo` plane and bf16 activations x; `lean`: the
+    Q4_K/Q5_K unit math of key `kq_lean` (templates/common/kq_lean.j2, codes + 128)."""
     m, k = x.shape
     qb, units = KFORMATS[fmt].block_bytes, k // QK_K
     rb = units * qb
@@ -124,7 +125,7 @@ def emulate(fmt: str, plane: torch.Tensor, x: torch.Tensor, n: int) -> np.ndarra
     y = np.zeros((m, tiles * 16))
     for tile in range(tiles):
         for u in range(units):
-            unit = _unit_q6 if fmt == "q6_k" else _unit_q45
+            unit = _unit_q6 if fmt == "q6_k" else _unit_q45_lean if lean else _unit_q45
             acc = unit(fmt, buf, xb, tile, u, rb, qb, nt, m)
             for jj in range(nt):
                 for tok in range(8):
@@ -211,6 +212,87 @@ def _unit_q45(fmt, buf, xb, tile, u, rb, qb, nt, m):
             for i, (r, col) in enumerate(c_coords(g, t)):
                 dmin = lanes[lane][i >> 1]["d"][1]
                 out[r, col] = cs[jj][r, col] - dmin * mn[r, col]
+        acc.append(out)
+    return acc
+
+
+def _unit_q45_lean(fmt, buf, xb, tile, u, rb, qb, nt, m):
+    """kq_lean.j2: codes + 128 into the product mma; d·sc = fma(d, 128 + sc, −128·d); Σ x by one mma per sub-block
+    and 8-token tile with lane (g, t)'s uint4 of activations as the A fragment and the one-hot column J as B, S_J =
+    C[g][J] + C[g + 8][J]; then the mins' and the 128s' m16n8k8 mma over the three bf16 parts of S."""
+    qs_at = 16 if fmt == "q4_k" else 48
+    lanes = []
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        rows = []
+        for h in range(2):
+            blk = ((tile * 16 + g + 8 * h) * (rb // qb) + u) * qb
+            hd = [_u(buf, blk + 4 * i) for i in range(4)]
+            qh = [_u(buf, blk + 16 + 8 * t), _u(buf, blk + 16 + 8 * t + 4)] if fmt == "q5_k" else None
+            qs = [[_u(buf, blk + qs_at + 32 * c + 8 * t), _u(buf, blk + qs_at + 32 * c + 8 * t + 4)] for c in range(4)]
+            d = np.frombuffer(buf[blk:blk + 4], dtype=np.float16).astype(np.float64)
+            sc = [hd[1] & 0x3F3F3F3F, and_or(hd[3], 0x0F0F0F0F, (hd[1] >> 2) & 0x30303030)]
+            mins = hd[2] & 0x3F3F3F3F if t < 2 else and_or(hd[3] >> 4, 0x0F0F0F0F, (hd[2] >> 2) & 0x30303030)
+            pick = ((2 * t) & 3) | ((((2 * t) & 3) + 1) << 8)
+            rows.append({"qs": qs, "qh": qh, "d": d, "sc": sc, "amin": kq_pair(mins, pick, 0),
+                         "ascl": kq_pair(sc[0] if t < 2 else sc[1], pick, 0)})
+        lanes.append(rows)
+
+    def codes(row, j, e):
+        q = row["qs"][j >> 1][e] >> (4 * (j & 1))
+        if fmt == "q5_k":
+            return and_or(q, 0x0F0F0F0F, shift_r(row["qh"][e], j - 4) & 0x10101010)
+        return q & 0x0F0F0F0F
+
+    def scale(lane, h, j):        # fma(d, fp32 128 + sc (byte j % 4 under 0x43), −128·d): d·sc exactly
+        row = lanes[lane][h]
+        f = f32(byte_perm(row["sc"][j // 4], 0x43, 0x4055 | ((j % 4) << 8)))
+        return float(np.float32(row["d"][0] * f - 128.0 * row["d"][0]))
+
+    cs = [np.zeros((16, 8)) for _ in range(nt)]
+    sums = [np.zeros((16, 8)) for _ in range(nt)]
+    for j in range(8):
+        xv = [[words_of(_xrow(xb, m, jj, lane >> 2), u * 256 + 32 * j + 8 * (lane & 3), 4) for lane in range(32)]
+              for jj in range(nt)]
+        a = []
+        for e in range(2):
+            regs = []
+            for lane in range(32):
+                r0, r1 = lanes[lane]
+                c0, c1 = codes(r0, j, e), codes(r1, j, e)
+                regs.append([kq_pair(c0, 0x0100, -128), kq_pair(c1, 0x0100, -128), kq_pair(c0, 0x0302, -128),
+                             kq_pair(c1, 0x0302, -128)])
+            a.append(place((16, 16), None, a16_coords, regs))
+        sel = place((16, 8), None, b16_coords, [[(1.0, 1.0) if (lane >> 2) == j else (0.0, 0.0)] * 2
+                                                 for lane in range(32)])
+        for jj in range(nt):
+            c = np.zeros((16, 8))
+            for e in range(2):
+                b = place((16, 8), None, b16_coords,
+                          [[bf16_halves(xv[jj][lane][2 * e]), bf16_halves(xv[jj][lane][2 * e + 1])] for lane in range(32)])
+                c += a[e] @ b
+            for lane in range(32):
+                g, t = lane >> 2, lane & 3
+                for i, (r, col) in enumerate(c_coords(g, t)):
+                    cs[jj][r, col] += scale(lane, i >> 1, j) * c[r, col]
+            xa = place((16, 16), None, a16_coords, [[bf16_halves(w) for w in xv[jj][lane]] for lane in range(32)])
+            sums[jj] += xa @ sel
+    acc = []
+    amin = place((16, 8), None, a8_coords, [[lanes[lane][0]["amin"], lanes[lane][1]["amin"]] for lane in range(32)])
+    ascl = place((16, 8), None, a8_coords, [[lanes[lane][0]["ascl"], lanes[lane][1]["ascl"]] for lane in range(32)])
+    for jj in range(nt):
+        frag = [c_coords(lane >> 2, lane & 3) for lane in range(32)]
+        s_lane = [tuple(float(np.float32(sums[jj][frag[lane][i]]) + np.float32(sums[jj][frag[lane][i + 2]]))
+                        for i in (0, 1)) for lane in range(32)]
+        parts = [split3(*s) for s in s_lane]
+        b8 = [place((8, 8), None, b8_coords, [[parts[lane][i]] for lane in range(32)]) for i in range(3)]
+        mn, ms = sum(amin @ b for b in b8), sum(ascl @ b for b in b8)
+        out = np.zeros((16, 8))
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            for i, (r, col) in enumerate(c_coords(g, t)):
+                d, dmin = lanes[lane][i >> 1]["d"]
+                out[r, col] = cs[jj][r, col] - dmin * mn[r, col] - 128.0 * d * ms[r, col]
         acc.append(out)
     return acc
 

@@ -145,9 +145,10 @@ def test_gemv_override_rules_by_rows_and_fallthrough():
     """`mR:` limits a rule to keys of at most R rows; a rule that makes no valid key for a key passes it to the
     next rule (a k-quant-only field leaves other formats to the catch-all)."""
     h200 = lookup("h200")
-    rules = "m8:code_bias=0,stage_w=3,min_blocks=4;m8:min_blocks=4;prefetch=1"
+    rules = "m8:code_bias=0,kq_lean=0,stage_w=3,min_blocks=4;m8:min_blocks=4;prefetch=1"
     q4 = [gemv.make_key("q4_k", 34816, 5120, m, h200, "silu_mul", overrides=rules) for m in (1, 8, 16)]
     assert [(k.code_bias, k.stage_w, k.min_blocks) for k in q4] == [(False, 3, 4), (False, 3, 4), (True, 0, 2)]
+    assert gemv.make_key("q4_k", 34816, 5120, 1, h200, "silu_mul", overrides="code_bias=0").code_bias  # kq_lean needs it
     q6 = gemv.make_key("q6_k", 5120, 17408, 4, h200, "residual", overrides=rules)
     assert (q6.stage_w, q6.min_blocks) == (2, 4)          # 3 stages of Q6_K rows: over STAGE_W_LIMIT, the next rule
     q4g64 = gemv.make_key("q4g64", 34816, 5120, 1, h200, "silu_mul", overrides=rules)

@@ -51,6 +51,21 @@ def test_kernel_model_equals_dequantisation(fmt, n, k, m):
     assert np.abs(got - want).max() <= 1e-7 * np.abs(want).max()
 
 
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k"])
+@pytest.mark.parametrize("n,k,m", [(40, 512, 1), (40, 768, 5), (24, 256, 16), (16, 512, 32), (16, 256, 9)])
+def test_lean_kernel_model_equals_dequantisation(fmt, n, k, m):
+    """The same for key `kq_lean` (common/kq_lean.j2): the activations as loaded are the A fragment of the Σ x mma
+    (rows g and g + 8 each a half of the sub-block, added in fp32), the scale byte is read under 0x43 as fp32
+    128 + sc, the codes go in as 128 + q and the 128s leave with the scales' mma."""
+    g = torch.Generator().manual_seed(n * k + m)
+    w = random_kquant(fmt, n, k, g, scale=1.0)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    got = emulate(fmt, pack_kquant_for_device(w)["lo"], x, n, lean=True)
+    want = (x.double() @ dequantize(w).double().T).numpy()
+    # S_J rounded to fp32 once more (the halves' add) before the 128s leave; a layout slip is O(1)
+    assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
+
+
 def test_kquant_gemv_keys():
     """A k-quant key: its own template, one super-block per unit (split-K in batches of WARPS units), one
     row tile per block and none of the streaming fields; the same (warps, splits) at every M."""
@@ -89,8 +104,9 @@ def test_kquant_weight_staging_limits():
     key = gemv.make_key("q4_k", 34816, 5120, 16, H200, "silu_mul")
     assert key.stage_w == 0 and gemv.stage_w_bytes(key) == 0
     staged = gemv_rules.apply_overrides(key, "stage_w=4")
-    assert staged.name.endswith("_sw4_cb_sm90") and gemv.stage_w_bytes(staged) == 4 * 4 * 16 * 144 <= gemv.STAGE_W_LIMIT
-    assert gemv.stage_w_bytes(replace(key, fmt="q6_k", stage_w=2, code_bias=False)) == 2 * 4 * 16 * 224
+    assert staged.name.endswith("_sw4_cb_kl_sm90")
+    assert gemv.stage_w_bytes(staged) == 4 * 4 * 16 * 144 <= gemv.STAGE_W_LIMIT
+    assert gemv.stage_w_bytes(replace(key, fmt="q6_k", stage_w=2, code_bias=False, kq_lean=False)) == 2 * 4 * 16 * 224
     for fmt, sw in (("q6_k", 3), ("q4_k", 1), ("q4_k", 7), ("q5_k", 4)):       # 4 · 4 · 16 · 176 B: too many
         with pytest.raises(ValueError, match="stage_w"):
             replace(gemv.make_key(fmt, 34816, 5120, 1, H200, "silu_mul"), stage_w=sw)
@@ -104,11 +120,28 @@ def test_kquant_weight_staging_limits():
 def test_kquant_code_bias_only_for_formats_with_mins():
     """`code_bias` (codes + 128 into the mma, the 128s out with the mins' sums): Q4_K and Q5_K only; names itself."""
     key = gemv.make_key("q5_k", 10240, 5120, 1, H200)
-    assert key.code_bias and key.name.endswith("_sw2_cb_sm90")
-    assert not replace(key, code_bias=False).name.endswith("_cb_sm90")
+    assert key.code_bias and key.name.endswith("_sw2_cb_kl_sm90")
+    assert not replace(key, code_bias=False, kq_lean=False).name.endswith("_cb_sm90")
     for fmt in ("q6_k", "q4g64", "bf16"):
         with pytest.raises(ValueError, match="code_bias needs a k-quant with mins"):
             replace(gemv.make_key(fmt, 1024, 5120, 1, H200), code_bias=True)
+
+
+def test_kquant_lean_needs_code_bias():
+    """`kq_lean` (the Q4_K/Q5_K unit math in fewer instructions, common/kq_lean.j2) is on in the shipped Q4_K and
+    Q5_K keys at every M (a row's bits never depend on M), needs code_bias (so no Q6_K or group-64 key takes it: a
+    process-wide rule passes them on), and names itself; `kq_lean=0` gives code_bias alone."""
+    for fmt in ("q4_k", "q5_k"):
+        for m in (1, 8, 9, 32):
+            assert gemv.make_key(fmt, 34816, 5120, m, H200, "silu_mul").kq_lean
+    key = gemv.make_key("q4_k", 34816, 5120, 1, H200, "silu_mul")
+    alone = gemv_rules.apply_overrides(key, "kq_lean=0")
+    assert key.name.endswith("_sw2_cb_kl_sm90") and alone == replace(key, kq_lean=False) and alone.code_bias
+    with pytest.raises(ValueError, match="kq_lean needs code_bias"):
+        replace(key, code_bias=False, kq_lean=True)
+    for fmt in ("q6_k", "q4g64"):
+        plain = gemv.make_key(fmt, 6144, 5120, 1, H200)
+        assert gemv_rules.apply_overrides(plain, "kq_lean=1") == plain
 
 
 def test_matmul_dispatch_of_kquants():

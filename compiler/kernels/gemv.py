@@ -84,6 +84,9 @@ class Key(KernelKey):
     depth: int = 0          # units per warp loaded together (PD in templates/gemv.cu.j2; 0: the order batch, OB): how
                             # far a warp's loads run ahead of its mma, never the order (same bits)
     x_early: bool = False   # a load batch's activations loaded right after its weights, before its mma (same bits)
+    kq_lean: bool = False   # Q4_K/Q5_K with code_bias: Σ x by one mma per sub-block (halves added in fp32), d·sc by one
+                            # FFMA, no FFMA for token columns past M (other bits than code_bias alone, the same at every
+                            # M; shipped with code_bias: gemv_config.kquant_stream_config)
 
     def __post_init__(self):
         if self.fmt not in FORMATS and self.fmt not in KFORMATS:
@@ -99,6 +102,8 @@ class Key(KernelKey):
                              f"shared memory, got {self.fmt}, {stage_w_bytes(self)} B")
         if self.code_bias and self.fmt not in ("q4_k", "q5_k"):
             raise ValueError(f"gemv: code_bias needs a k-quant with mins (q4_k, q5_k), not {self.fmt}")
+        if self.kq_lean and not self.code_bias:
+            raise ValueError(f"gemv: kq_lean needs code_bias (a q4_k or q5_k key), got {self.fmt} without it")
         if self.fmt in KFORMATS and (self.tiles != 1 or self.prefetch or self.interleave or self.stage_x):
             raise ValueError(f"gemv: {self.fmt} streams one row tile per block, one unit at a time (tiles 1, no "
                              f"prefetch, interleave or stage_x), got {self.tiles}/{self.prefetch}/{self.interleave}/"
@@ -147,7 +152,7 @@ class Key(KernelKey):
                 + ([f"cv{self.conv}"] if self.conv else []) + (["xs"] if self.stage_x else [])
                 + ([f"sw{self.stage_w}"] if self.stage_w else [])
                 + (["cb"] if self.code_bias else []) + ([f"d{self.depth}"] if self.depth else [])
-                + (["xe"] if self.x_early else []))
+                + (["xe"] if self.x_early else []) + (["kl"] if self.kq_lean else []))
 
 
 STATIC_SMEM = 48 * 1024      # a kernel's static shared memory

@@ -130,8 +130,11 @@ def kquant_stream_config(fmt: str, n: int, m: int, target: Target) -> dict:
     - three blocks per SM for Q5_K and Q6_K at M ≤ 8 (≤ 168 registers: 9–24 % less time at every 27B shape but
       Q6_K's grids of many waves; Q4_K gained nothing from three or four).
     Together, the GGUF's plain step 11.26 → 8.72 ms (48.2 → 63.6 % of copy; the A/B's three other rules 62.2–62.4).
+    - `kq_lean` with code_bias, at every M (session 23, H100, lab/results/s23_kqlean_lab_*, s23_gguf_plain_*): the
+      unit math in a third fewer instructions (common/kq_lean.j2): Q4_K gate/up 49.5 → 45.0 µs at M = 1, the other
+      Q4_K/Q5_K shapes 6–14 % less; the GGUF's plain step 8.42 → 7.80 ms (64.2 → 69.4 % of copy).
     Measured on sm_90, applied to every arch (the same register file per SM; no spills on sm_86 either)."""
-    fields = {"code_bias": True} if fmt in ("q4_k", "q5_k") else {}
+    fields = {"code_bias": True, "kq_lean": True} if fmt in ("q4_k", "q5_k") else {}
     if m > 8:
         return fields
     fields["stage_w"] = 2

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 
 # Fields an experiment rule may set: how units stream, row tiles per block and the registers (never the bits), and
-# `warps`, `splits` and `code_bias`, which change the summation (bits; batch invariance still holds).
+# `warps`, `splits`, `code_bias` and `kq_lean`, which change the summation (bits; batch invariance still holds).
 def _flag(v: str) -> bool:
     if v not in ("0", "1", "false", "true"):
         raise ValueError(v)
@@ -21,7 +21,7 @@ def _flag(v: str) -> bool:
 
 
 OVERRIDABLE = {"prefetch": int, "interleave": _flag, "min_blocks": int, "stage_x": _flag, "warps": int, "splits": int,
-               "stage_w": int, "code_bias": _flag, "tiles": int, "depth": int, "x_early": _flag}
+               "stage_w": int, "code_bias": _flag, "tiles": int, "depth": int, "x_early": _flag, "kq_lean": _flag}
 
 
 def _rows(text: str) -> range | None:

@@ -44,7 +44,20 @@ def _gemv_keys():
              for fmt in ("q4_k", "q5_k") for n, k, epi in ((5120, 17408, "residual"), (40, 256, "none"),
                                                            (200, 768, "residual"), (1024, 5120, "none"))
              for m in (1, 4, 32) for sw in (0, 2)]
-    return keys
+    # the kq_lean experiment (common/kq_lean.j2: Σ x by one mma per sub-block, halves added in fp32): other bits than
+    # code_bias alone, the same tolerances; the code_bias shapes above at M = 1, 2, 8, 9, 32 (M = 1 leaves out the
+    # second token column's FFMAs), gate/up in bf16 and the decode folds at M = 1 and 8
+    keys += [replace(gemv.make_key(fmt, n, k, m, TARGET, epi, "f32"), kq_lean=True)
+             for fmt in ("q4_k", "q5_k") for n, k, epi in ((5120, 17408, "residual"), (40, 256, "none"),
+                                                           (200, 768, "residual"), (1024, 5120, "none"))
+             for m in (1, 2, 8, 9, 32)]
+    for fmt in ("q4_k", "q5_k"):
+        for m in (1, 8):
+            keys += [replace(gemv.make_key(fmt, 34816, 5120, m, TARGET, "silu_mul"), kq_lean=True),
+                     replace(gemv.make_key(fmt, 5120, 6144, m, TARGET, "residual"), norm_out=True, kq_lean=True),
+                     replace(gemv.make_key(fmt, 6144, 5120, m, TARGET), scale_in=True, eps=1e-6, kq_lean=True),
+                     replace(gemv.make_key(fmt, 10240, 5120, m, TARGET), conv=4, kq_lean=True)]
+    return list(dict.fromkeys(keys))
 
 
 def _gemm_keys():
@@ -95,23 +108,27 @@ def _same_bits(h, base, variant):
     assert h.same_bits(outs[0], outs[1]), f"{variant.name}: other bits than {base.name}"
 
 
-STAGED = [(fmt, n, k, epi, out, m, sw) for fmt in FMTS
+STAGED = [(fmt, n, k, epi, out, m, sw, False) for fmt in FMTS
           for n, k, epi, out in ((1024, 5120, "none", "f32"), (200, 768, "residual", "f32"))
           for m in (1, 32) for sw in ((2,) if fmt == "q6_k" else (2, 3))] + \
-    [(f, 34816, 5120, "silu_mul", "bf16", 4, 2 if f == "q6_k" else 3) for f in FMTS]
+    [(f, 34816, 5120, "silu_mul", "bf16", 4, 2 if f == "q6_k" else 3, False) for f in FMTS] + \
+    [pytest.param(f, n, k, epi, out, m, 2, True, id=f"{f}-{n}-{k}-{epi}-{out}-{m}-2-lean") for f in ("q4_k", "q5_k")
+     for n, k, epi, out in ((200, 768, "residual", "f32"), (34816, 5120, "silu_mul", "bf16")) for m in (1, 8)]
 
 
-@pytest.mark.parametrize("fmt,n,k,epi,out,m,sw", STAGED)
-def test_weights_staged_in_shared_memory_give_the_same_bits(h, fmt, n, k, epi, out, m, sw):
+@pytest.mark.parametrize("fmt,n,k,epi,out,m,sw,lean", STAGED)
+def test_weights_staged_in_shared_memory_give_the_same_bits(h, fmt, n, k, epi, out, m, sw, lean):
     """`stage_w` moves the weights global → shared → registers instead of global → registers; the lanes read the
-    same bytes, so the same inputs give the loaded key's bits (split-K, odd unit counts, M = 1 … 32)."""
-    key = replace(gemv.make_key(fmt, n, k, m, TARGET, epi, out), stage_w=0)       # loaded (the shipped M > 8 way)
+    same bytes, so the same inputs give the loaded key's bits (split-K, odd unit counts, M = 1 … 32; `lean`: both
+    with kq_lean)."""
+    key = replace(gemv.make_key(fmt, n, k, m, TARGET, epi, out), stage_w=0, kq_lean=lean)   # loaded (as at M > 8)
     staged = replace(key, stage_w=sw)
     h.build([key, staged])
     _same_bits(h, key, staged)
 
 
 BIASED = "code_bias=1,stage_w=2"      # the code_bias experiment, staged as it would ship
+LEAN = "kq_lean=1"                    # the kq_lean experiment on the shipped keys (code_bias at every M, staged at M ≤ 8)
 
 
 @pytest.mark.parametrize("fmt,n,k,epi,rule", [
@@ -119,7 +136,10 @@ BIASED = "code_bias=1,stage_w=2"      # the code_bias experiment, staged as it w
         (34816, 5120, "silu_mul"), (5120, 17408, "residual"), (1024, 5120, "none"), (200, 768, "none"),
         (5120, 6144, "norm_out"), (6144, 5120, "scale_in"))] + [
     (fmt, n, k, epi, BIASED) for fmt in ("q4_k", "q5_k") for n, k, epi in ((34816, 5120, "silu_mul"),
-                                                                           (5120, 17408, "residual"), (200, 768, "none"))])
+                                                                           (5120, 17408, "residual"), (200, 768, "none"))] + [
+    (fmt, n, k, epi, LEAN) for fmt in ("q4_k", "q5_k") for n, k, epi in (
+        (34816, 5120, "silu_mul"), (5120, 17408, "residual"), (200, 768, "none"), (5120, 6144, "norm_out"),
+        (6144, 5120, "scale_in"))])
 def test_kquant_gemv_batch_invariance(h, fmt, n, k, epi, rule):
     """A row's bits (y; with norm_out also xn and the tile sums of squares) do not depend on M: M = 1, 4, 16
     and 32 share weights and leading rows; split-K tickets come back zero. `rule`: an experiment rule on every
@@ -139,7 +159,8 @@ def test_kquant_gemv_batch_invariance(h, fmt, n, k, epi, rule):
         else:
             keys[m] = replace(gemv.make_key(fmt, n, k, m, TARGET, "residual"), norm_out=epi == "norm_out")
         keys[m] = gemv_rules.apply_overrides(keys[m], rule) if rule else keys[m]
-    assert not rule or all(key.code_bias for key in keys.values()), f"{rule} made no key"
+    wanted = gemv_rules.parse_overrides(rule)[0][1] if rule else {}
+    assert all(getattr(key, f) == v for key in keys.values() for f, v in wanted.items()), f"{rule} made no key"
     h.build(list(keys.values()))
     outs = {}
     for m, key in keys.items():
