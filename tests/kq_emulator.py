@@ -138,9 +138,10 @@ def _xrow(xb, m, jj, g):
     return xb[min(8 * jj + g, m - 1)]
 
 
-def _unit_q45(fmt, buf, xb, tile, u, rb, qb, nt, m):
+def _lane_rows(fmt, buf, tile, u, rb, qb):
+    """Per lane (g, t), its two rows' (g, g + 8) unit header as the kernel reads it: codes, high bits (Q5_K), d, the
+    packed 6-bit scales, and the lane's pair of mins and of scales (`amin`, `ascl`)."""
     qs_at = 16 if fmt == "q4_k" else 48
-    np_ = (nt + 1) // 2
     lanes = []
     for lane in range(32):
         g, t = lane >> 2, lane & 3
@@ -153,9 +154,16 @@ def _unit_q45(fmt, buf, xb, tile, u, rb, qb, nt, m):
             d = np.frombuffer(buf[blk:blk + 4], dtype=np.float16).astype(np.float64)
             sc = [hd[1] & 0x3F3F3F3F, and_or(hd[3], 0x0F0F0F0F, (hd[1] >> 2) & 0x30303030)]
             mins = hd[2] & 0x3F3F3F3F if t < 2 else and_or(hd[3] >> 4, 0x0F0F0F0F, (hd[2] >> 2) & 0x30303030)
-            amin = kq_pair(mins, ((2 * t) & 3) | ((((2 * t) & 3) + 1) << 8), 0)
-            rows.append({"qs": qs, "qh": qh, "d": d, "sc": sc, "amin": amin})
+            pick = ((2 * t) & 3) | ((((2 * t) & 3) + 1) << 8)
+            rows.append({"qs": qs, "qh": qh, "d": d, "sc": sc, "amin": kq_pair(mins, pick, 0),
+                         "ascl": kq_pair(sc[0] if t < 2 else sc[1], pick, 0)})
         lanes.append(rows)
+    return lanes
+
+
+def _unit_q45(fmt, buf, xb, tile, u, rb, qb, nt, m):
+    np_ = (nt + 1) // 2
+    lanes = _lane_rows(fmt, buf, tile, u, rb, qb)
 
     def codes(row, j, e):
         q = row["qs"][j >> 1][e] >> (4 * (j & 1))
@@ -220,23 +228,7 @@ def _unit_q45_lean(fmt, buf, xb, tile, u, rb, qb, nt, m):
     """kq_lean.j2: codes + 128 into the product mma; d·sc = fma(d, 128 + sc, −128·d); Σ x by one mma per sub-block
     and 8-token tile with lane (g, t)'s uint4 of activations as the A fragment and the one-hot column J as B, S_J =
     C[g][J] + C[g + 8][J]; then the mins' and the 128s' m16n8k8 mma over the three bf16 parts of S."""
-    qs_at = 16 if fmt == "q4_k" else 48
-    lanes = []
-    for lane in range(32):
-        g, t = lane >> 2, lane & 3
-        rows = []
-        for h in range(2):
-            blk = ((tile * 16 + g + 8 * h) * (rb // qb) + u) * qb
-            hd = [_u(buf, blk + 4 * i) for i in range(4)]
-            qh = [_u(buf, blk + 16 + 8 * t), _u(buf, blk + 16 + 8 * t + 4)] if fmt == "q5_k" else None
-            qs = [[_u(buf, blk + qs_at + 32 * c + 8 * t), _u(buf, blk + qs_at + 32 * c + 8 * t + 4)] for c in range(4)]
-            d = np.frombuffer(buf[blk:blk + 4], dtype=np.float16).astype(np.float64)
-            sc = [hd[1] & 0x3F3F3F3F, and_or(hd[3], 0x0F0F0F0F, (hd[1] >> 2) & 0x30303030)]
-            mins = hd[2] & 0x3F3F3F3F if t < 2 else and_or(hd[3] >> 4, 0x0F0F0F0F, (hd[2] >> 2) & 0x30303030)
-            pick = ((2 * t) & 3) | ((((2 * t) & 3) + 1) << 8)
-            rows.append({"qs": qs, "qh": qh, "d": d, "sc": sc, "amin": kq_pair(mins, pick, 0),
-                         "ascl": kq_pair(sc[0] if t < 2 else sc[1], pick, 0)})
-        lanes.append(rows)
+    lanes = _lane_rows(fmt, buf, tile, u, rb, qb)
 
     def codes(row, j, e):
         q = row["qs"][j >> 1][e] >> (4 * (j & 1))
