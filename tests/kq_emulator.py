@@ -161,30 +161,37 @@ def _lane_rows(fmt, buf, tile, u, rb, qb):
     return lanes
 
 
+def _codes(fmt, row, j, e):
+    """Word e of sub-block j's 4-bit codes (Q5_K: with their fifth bit) of one lane's row, one code a byte."""
+    q = row["qs"][j >> 1][e] >> (4 * (j & 1))
+    if fmt == "q5_k":
+        return and_or(q, 0x0F0F0F0F, shift_r(row["qh"][e], j - 4) & 0x10101010)
+    return q & 0x0F0F0F0F
+
+
+def _code_frags(fmt, lanes, j, bias):
+    """Sub-block j's codes as the two 16×16 A fragments of the product mma (code + bias as fp16)."""
+    a = []
+    for e in range(2):
+        regs = []
+        for lane in range(32):
+            c0, c1 = (_codes(fmt, r, j, e) for r in lanes[lane])
+            regs.append([kq_pair(c0, 0x0100, bias), kq_pair(c1, 0x0100, bias), kq_pair(c0, 0x0302, bias),
+                         kq_pair(c1, 0x0302, bias)])
+        a.append(place((16, 16), None, a16_coords, regs))
+    return a
+
+
 def _unit_q45(fmt, buf, xb, tile, u, rb, qb, nt, m):
     np_ = (nt + 1) // 2
     lanes = _lane_rows(fmt, buf, tile, u, rb, qb)
-
-    def codes(row, j, e):
-        q = row["qs"][j >> 1][e] >> (4 * (j & 1))
-        if fmt == "q5_k":
-            return and_or(q, 0x0F0F0F0F, shift_r(row["qh"][e], j - 4) & 0x10101010)
-        return q & 0x0F0F0F0F
 
     cs = [np.zeros((16, 8)) for _ in range(nt)]
     sums = [np.zeros((16, 8)) for _ in range(np_)]
     for j in range(8):
         xv = [[words_of(_xrow(xb, m, jj, lane >> 2), u * 256 + 32 * j + 8 * (lane & 3), 4) for lane in range(32)]
               for jj in range(nt)]
-        a = []
-        for e in range(2):
-            regs = []
-            for lane in range(32):
-                r0, r1 = lanes[lane]
-                c0, c1 = codes(r0, j, e), codes(r1, j, e)
-                regs.append([kq_pair(c0, 0x0100, 0), kq_pair(c1, 0x0100, 0), kq_pair(c0, 0x0302, 0),
-                             kq_pair(c1, 0x0302, 0)])
-            a.append(place((16, 16), None, a16_coords, regs))
+        a = _code_frags(fmt, lanes, j, 0)
         scale = np.array([[np.float32(lanes[lane][h]["d"][0]) * np.float32(byte_as_f32(lanes[lane][h]["sc"][j // 4], j % 4))
                            for h in range(2)] for lane in range(32)])     # __fmul_rn(d, sc): exact
         for jj in range(nt):
@@ -230,12 +237,6 @@ def _unit_q45_lean(fmt, buf, xb, tile, u, rb, qb, nt, m):
     C[g][J] + C[g + 8][J]; then the mins' and the 128s' m16n8k8 mma over the three bf16 parts of S."""
     lanes = _lane_rows(fmt, buf, tile, u, rb, qb)
 
-    def codes(row, j, e):
-        q = row["qs"][j >> 1][e] >> (4 * (j & 1))
-        if fmt == "q5_k":
-            return and_or(q, 0x0F0F0F0F, shift_r(row["qh"][e], j - 4) & 0x10101010)
-        return q & 0x0F0F0F0F
-
     def scale(lane, h, j):        # fma(d, fp32 128 + sc (byte j % 4 under 0x43), −128·d): d·sc exactly
         row = lanes[lane][h]
         f = f32(byte_perm(row["sc"][j // 4], 0x43, 0x4055 | ((j % 4) << 8)))
@@ -246,15 +247,7 @@ def _unit_q45_lean(fmt, buf, xb, tile, u, rb, qb, nt, m):
     for j in range(8):
         xv = [[words_of(_xrow(xb, m, jj, lane >> 2), u * 256 + 32 * j + 8 * (lane & 3), 4) for lane in range(32)]
               for jj in range(nt)]
-        a = []
-        for e in range(2):
-            regs = []
-            for lane in range(32):
-                r0, r1 = lanes[lane]
-                c0, c1 = codes(r0, j, e), codes(r1, j, e)
-                regs.append([kq_pair(c0, 0x0100, -128), kq_pair(c1, 0x0100, -128), kq_pair(c0, 0x0302, -128),
-                             kq_pair(c1, 0x0302, -128)])
-            a.append(place((16, 16), None, a16_coords, regs))
+        a = _code_frags(fmt, lanes, j, -128)
         sel = place((16, 8), None, b16_coords, [[(1.0, 1.0) if (lane >> 2) == j else (0.0, 0.0)] * 2
                                                  for lane in range(32)])
         for jj in range(nt):
