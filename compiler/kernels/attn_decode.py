@@ -10,13 +10,15 @@ bf16 KV (`tiling`).
 INT8 keys may stage their loads instead (`stages` ≥ 2, templates/attn_decode_ring.cu.j2): each warp cp.asyncs its
 K, V and scales `stages` − 1 chunks ahead into its own shared-memory ring — the same grid, partials and bits, more
 bytes in flight per SM (the direct-load kernel is latency-bound at long context: session 21's Nsight). `stages`
-= 0 keeps the direct loads (bf16 KV always does); `choose_stages` rings on sm_90, where it was timed.
+= 0 keeps the direct loads (bf16 KV always does); `choose_stages` rings on RING_ARCHS (sm_90, where it was timed)
+when the keys split below is not chosen there.
 
 INT8 keys may instead split a block's keys over its warps (`kw` > 0 chunk lanes, templates/attn_decode_keys.cu.j2):
 each warp computes whole 16-key chunks over all D dims for 8 query rows (the m16 side is keys, the n8 side rows),
 its chunk lane's warps sharing a `stages`-deep cp.async ring, and the lanes' softmax states merge once at the end —
 no block barrier or score exchange per chunk. The same grid, splits and partials; its own bits (a decode row
-still equals its verify row). `keys_tiling` gives its warps.
+still equals its verify row). `keys_tiling` gives its warps. `choose_layout` (make_key) ships it on KEYS_ARCHS
+(sm_90: 1.10–1.32× the ring, session 23) and the dims split elsewhere.
 """
 from __future__ import annotations
 
@@ -190,7 +192,7 @@ def keys_split(key: Key, kw: int = KEYS_LANES) -> Key:
 RING_ARCHS = ("sm_90",)     # where the ring was timed against the direct loads (H200, session 22: 1.19–1.24× at T = 1)
 
 
-KEYS_ARCHS = ("sm_90",)     # where the keys split was timed against the ring (H200, session 23)
+KEYS_ARCHS = ("sm_90",)     # where the keys split was timed against the ring (H100, session 23: 1.10–1.32×)
 
 
 def choose_layout(key: Key) -> Key:
