@@ -182,6 +182,22 @@ def _code_frags(fmt, lanes, j, bias):
     return a
 
 
+def _x_words(xb, m, u, j, nt):
+    """Per 8-token tile and lane (g, t), the four words of activations it loads for sub-block j of unit u."""
+    return [[words_of(_xrow(xb, m, jj, lane >> 2), u * 256 + 32 * j + 8 * (lane & 3), 4) for lane in range(32)]
+            for jj in range(nt)]
+
+
+def _product(a, xv_tile):
+    """The product mma of one sub-block and token tile: the two code fragments times the activations' B fragments."""
+    c = np.zeros((16, 8))
+    for e in range(2):
+        b = place((16, 8), None, b16_coords,
+                  [[bf16_halves(xv_tile[lane][2 * e]), bf16_halves(xv_tile[lane][2 * e + 1])] for lane in range(32)])
+        c += a[e] @ b
+    return c
+
+
 def _unit_q45(fmt, buf, xb, tile, u, rb, qb, nt, m):
     np_ = (nt + 1) // 2
     lanes = _lane_rows(fmt, buf, tile, u, rb, qb)
@@ -189,17 +205,12 @@ def _unit_q45(fmt, buf, xb, tile, u, rb, qb, nt, m):
     cs = [np.zeros((16, 8)) for _ in range(nt)]
     sums = [np.zeros((16, 8)) for _ in range(np_)]
     for j in range(8):
-        xv = [[words_of(_xrow(xb, m, jj, lane >> 2), u * 256 + 32 * j + 8 * (lane & 3), 4) for lane in range(32)]
-              for jj in range(nt)]
+        xv = _x_words(xb, m, u, j, nt)
         a = _code_frags(fmt, lanes, j, 0)
         scale = np.array([[np.float32(lanes[lane][h]["d"][0]) * np.float32(byte_as_f32(lanes[lane][h]["sc"][j // 4], j % 4))
                            for h in range(2)] for lane in range(32)])     # __fmul_rn(d, sc): exact
         for jj in range(nt):
-            c = np.zeros((16, 8))
-            for e in range(2):
-                b = place((16, 8), None, b16_coords,
-                          [[bf16_halves(xv[jj][lane][2 * e]), bf16_halves(xv[jj][lane][2 * e + 1])] for lane in range(32)])
-                c += a[e] @ b
+            c = _product(a, xv[jj])
             for lane in range(32):
                 g, t = lane >> 2, lane & 3
                 for i, (r, col) in enumerate(c_coords(g, t)):
@@ -245,17 +256,12 @@ def _unit_q45_lean(fmt, buf, xb, tile, u, rb, qb, nt, m):
     cs = [np.zeros((16, 8)) for _ in range(nt)]
     sums = [np.zeros((16, 8)) for _ in range(nt)]
     for j in range(8):
-        xv = [[words_of(_xrow(xb, m, jj, lane >> 2), u * 256 + 32 * j + 8 * (lane & 3), 4) for lane in range(32)]
-              for jj in range(nt)]
+        xv = _x_words(xb, m, u, j, nt)
         a = _code_frags(fmt, lanes, j, -128)
         sel = place((16, 8), None, b16_coords, [[(1.0, 1.0) if (lane >> 2) == j else (0.0, 0.0)] * 2
                                                  for lane in range(32)])
         for jj in range(nt):
-            c = np.zeros((16, 8))
-            for e in range(2):
-                b = place((16, 8), None, b16_coords,
-                          [[bf16_halves(xv[jj][lane][2 * e]), bf16_halves(xv[jj][lane][2 * e + 1])] for lane in range(32)])
-                c += a[e] @ b
+            c = _product(a, xv[jj])
             for lane in range(32):
                 g, t = lane >> 2, lane & 3
                 for i, (r, col) in enumerate(c_coords(g, t)):

@@ -1,7 +1,7 @@
 """lab/attn_long.py's dry run on the CPU: its options, the keys it would time (the runtime's 128K profile's
 attn_decode at the 27B shape, and the split variants asked for), and its byte counts — the same as the kernel
 lab's case builder counts, with the split partials by the rule templates/common/paged.cuh applies; the ring's
-stages and shared memory per arch (attn_decode.choose_stages), and its template compiled beside the direct-load
+stages and shared memory per arch (attn_decode.ring_stages), and its template compiled beside the direct-load
 one (no spills, no stack frame, the same floating-point instructions in its PTX). The compiles use the session's
 kernel cache (tests/conftest.py)."""
 import collections

@@ -296,6 +296,15 @@ def test_image_kernels_compile_without_spills(kernel_cache, arch):
             assert built[k]["stack_bytes"] <= built[replace(k, mrope=())]["stack_bytes"], k.name
 
 
+def _compile_with_asserts(key, checks: str):
+    """NVRTC compiles `key`'s rendered source with `checks` (static_asserts on its constants) appended."""
+    from compiler import nvrtc
+
+    source = codegen.render(key, "13.0").source + checks
+    nvrtc.compile_source(source, key.name, key.arch, codegen.nvrtc_options() + nvrtc.include_options(codegen.TEMPLATE_DIR),
+                         ptx=True)
+
+
 def test_1d_rope_kernel_source_has_no_mrope_part():
     """A key made without `mrope` keeps today's name and text: no rope_pos parameter, the angle from pos."""
     one = qk_rope_kv.Key(24, 4, 256, 64, 1, 1, "int8", 64, 512, 1e-6, "sm_90")
@@ -311,14 +320,10 @@ def test_1d_rope_kernel_source_has_no_mrope_part():
 def test_template_mrope_axis_is_spec_vision_rule(d, rd, section):
     """The template's constexpr mrope_axis gives compiler.spec_vision.mrope_axis for every frequency: NVRTC
     evaluates static_asserts appended to the rendered source."""
-    from compiler import nvrtc
-
     key = qk_rope_kv.Key(4, 2, d, rd, 1, 1, "int8", 64, 8, 1e-6, "sm_86", mrope=section)
     checks = "".join(f'static_assert(mrope_axis({m}) == {mrope_axis(m, section)}, "frequency {m}");\n'
                      for m in range(rd // 2))
-    source = codegen.render(key, "13.0").source + checks
-    options = codegen.nvrtc_options() + nvrtc.include_options(codegen.TEMPLATE_DIR)
-    nvrtc.compile_source(source, key.name, key.arch, options, ptx=True)
+    _compile_with_asserts(key, checks)
 
 
 @pytest.mark.parametrize("hq,hkv,d,t,kv", [(24, 4, 256, 1, "int8"), (24, 4, 256, 4, "int8"), (24, 4, 256, 9, "int8"),
@@ -326,17 +331,13 @@ def test_template_mrope_axis_is_spec_vision_rule(d, rd, section):
 def test_attn_decode_template_cuts_the_work_as_its_launch_does(hq, hkv, d, t, kv):
     """The template's row tiles, row blocks, keys per chunk and warps are attn_decode.tiling's (the grid and
     block the runtime launches): NVRTC evaluates static_asserts appended to the rendered source."""
-    from compiler import nvrtc
-
     key = attn_decode.make_key(hq, hkv, d, 2, t, kv, 64, lookup("sm_86"))
     cut, launch = attn_decode.tiling(key), attn_decode.launch(key)
     assert launch.grid == (key.splits, hkv * cut.row_blocks, 2) and launch.block == (32 * cut.warps, 1, 1)
     assert 16 * cut.mt * cut.row_blocks >= hq // hkv * t > 16 * cut.mt * (cut.row_blocks - 1)
     check = (f"static_assert(MT == {cut.mt} && RB == {cut.row_blocks} && TOKC == {cut.chunk} && "
              f"THREADS == {32 * cut.warps}, \"tiling\");\n")
-    source = codegen.render(key, "13.0").source + check
-    options = codegen.nvrtc_options() + nvrtc.include_options(codegen.TEMPLATE_DIR)
-    nvrtc.compile_source(source, key.name, key.arch, options, ptx=True)
+    _compile_with_asserts(key, check)
 
 
 @pytest.mark.parametrize("hq,hkv,d,t", [(24, 4, 256, 1), (24, 4, 256, 4), (24, 4, 256, 9), (4, 2, 64, 3),
@@ -345,17 +346,13 @@ def test_attn_decode_keys_split_template_cuts_the_work_as_its_launch_does(hq, hk
     """The keys split (templates/attn_decode_keys.cu.j2, shipped on sm_90): its row tiles a block, row blocks,
     threads and shared memory are attn_decode.keys_tiling's and keys_smem's (the grid, block and dynamic shared
     memory the runtime launches with) — NVRTC evaluates static_asserts appended to the rendered source."""
-    from compiler import nvrtc
-
     key = attn_decode.make_key(hq, hkv, d, 2, t, "int8", 64, lookup("sm_90"))
     cut, launch = attn_decode.keys_tiling(key), attn_decode.launch(key)
     assert key.kw and launch.grid == (key.splits, hkv * cut.row_blocks, 2) and launch.block == (32 * cut.warps, 1, 1)
     assert 8 * cut.row_tiles * cut.row_blocks >= hq // hkv * t > 8 * cut.row_tiles * (cut.row_blocks - 1)
     check = (f"static_assert(NRB == {cut.row_tiles} && RB == {cut.row_blocks} && THREADS == {32 * cut.warps} && "
              f"SMEM_BYTES == {launch.smem}, \"tiling\");\n")
-    source = codegen.render(key, "13.0").source + check
-    options = codegen.nvrtc_options() + nvrtc.include_options(codegen.TEMPLATE_DIR)
-    nvrtc.compile_source(source, key.name, key.arch, options, ptx=True)
+    _compile_with_asserts(key, check)
 
 
 def test_prefill_matmul_dispatch():

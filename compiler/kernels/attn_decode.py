@@ -10,8 +10,8 @@ bf16 KV (`tiling`).
 INT8 keys may stage their loads instead (`stages` ≥ 2, templates/attn_decode_ring.cu.j2): each warp cp.asyncs its
 K, V and scales `stages` − 1 chunks ahead into its own shared-memory ring — the same grid, partials and bits, more
 bytes in flight per SM (the direct-load kernel is latency-bound at long context: session 21's Nsight). `stages`
-= 0 keeps the direct loads (bf16 KV always does); `choose_stages` rings on RING_ARCHS (sm_90, where it was timed)
-when the keys split below is not chosen there.
+= 0 keeps the direct loads (bf16 KV always does). It shipped on sm_90 in session 22 (1.19–1.24× the direct loads,
+H200) until the keys split below replaced it there; now `lab.attn_long --variant ring` times it.
 
 INT8 keys may instead split a block's keys over its warps (`kw` > 0 chunk lanes, templates/attn_decode_keys.cu.j2):
 each warp computes whole 16-key chunks over all D dims for 8 query rows (the m16 side is keys, the n8 side rows),
@@ -109,8 +109,8 @@ class Key(KernelKey):
 
     def dynamic_smem(self) -> int:
         """Dynamic shared memory the key's template declares: none with direct loads (the score exchange is
-        static, `smem_bytes`), the whole `ring_smem` with a ring; `launch` passes it on, so the loader sets the
-        opt-in attribute above 48 KiB."""
+        static, `smem_bytes`), the whole `keys_smem` with the keys split, `ring_smem` with a ring; `launch` passes
+        it on, so the loader sets the opt-in attribute above 48 KiB."""
         return keys_smem(self) if self.kw else ring_smem(self, self.stages) if self.stages else 0
 
 
@@ -189,26 +189,15 @@ def keys_split(key: Key, kw: int = KEYS_LANES) -> Key:
     return replace(k, stages=keys_stages(k) or 2)
 
 
-RING_ARCHS = ("sm_90",)     # where the ring was timed against the direct loads (H200, session 22: 1.19–1.24× at T = 1)
-
-
 KEYS_ARCHS = ("sm_90",)     # where the keys split was timed against the ring (H100, session 23: 1.10–1.32×)
 
 
 def choose_layout(key: Key) -> Key:
     """The shipped division of an attn_decode key's work: INT8 KV on KEYS_ARCHS splits the keys over chunk lanes
-    (`keys_split`); elsewhere the warps split the dims, with the ring's loads where `choose_stages` says."""
+    (`keys_split`); elsewhere (bf16 KV, and sm_80/86/89, where nothing else was timed) the warps split the dims with
+    direct loads."""
     base = replace(key, kw=0, stages=0)
-    if base.kv_dtype == "int8" and base.arch in KEYS_ARCHS:
-        return keys_split(base)
-    return replace(base, stages=choose_stages(base))
-
-
-def choose_stages(key: Key) -> int:
-    """The shipped loads: INT8 keys ring on the archs it was timed on (RING_ARCHS), with the most stages for which
-    two ring blocks still fit an SM (the direct-load kernel's occupancy); elsewhere, and for bf16 KV, direct loads
-    (sm_86/89 hold one 27B ring block an SM in 100 KB; untimed on a 3090)."""
-    return ring_stages(key, blocks=(2,)) if key.kv_dtype == "int8" and key.arch in RING_ARCHS else 0
+    return keys_split(base) if base.kv_dtype == "int8" and base.arch in KEYS_ARCHS else base
 
 
 def choose_splits(hkv: int, max_pages: int, target: Target) -> int:
@@ -222,11 +211,8 @@ def make_key(hq, hkv, d, b, t, kv_dtype, max_pages, target: Target, gate=True, p
 
 
 def launch(key: Key, target: Target | None = None) -> Launch:
-    if key.kw:
-        k = keys_tiling(key)
-        return Launch((key.splits, key.hkv * k.row_blocks, key.b), (32 * k.warps, 1, 1), key.dynamic_smem())
-    t = tiling(key)
-    return Launch((key.splits, key.hkv * t.row_blocks, key.b), (32 * t.warps, 1, 1), key.dynamic_smem())
+    cut = keys_tiling(key) if key.kw else tiling(key)
+    return Launch((key.splits, key.hkv * cut.row_blocks, key.b), (32 * cut.warps, 1, 1), key.dynamic_smem())
 
 
 def params(key: Key) -> list[Param]:
