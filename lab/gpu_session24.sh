@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Session 24's device calls. PART=valid: the merged tree of session 23 (keys-split decode attention + kq_lean
+# shipped together) through its GPU tests — the attention kernels and the engine's long-context / speculative tests
+# (lab/gpu_session23.sh PART=keys, with the lab beside the ring), the k-quant and GGUF tests, the GPU tier.
+# PART=fold: the decode attention with its combine folded in (attn_decode.fold) — its tests, then the lab.
+# PART=bench: the cohort bench and the long-context bench (lab/gpu_session23.sh PART=bench). Logs to $OUT as it goes.
+set -uo pipefail
+: "${OUT:?set OUT}"
+export PYTHONUNBUFFERED=1 PYTHONPATH=.:/tmp/site NINFER_BUILD_DIR=${NINFER_BUILD_DIR:-/tmp/ninfer-build}
+part() { [ -z "${PART:-}" ] || [[ ",$PART," == *",$1,"* ]]; }
+shown() { tr '\r' '\n' < "$1" | grep -v "it/s\]" | grep -v "kernel/s" | grep -v "^\s*$" | tail -"$2"; }
+t0=$SECONDS; stamp() { echo "[$((SECONDS - t0)) s] $*"; }
+if part valid; then
+  PART=keys bash lab/gpu_session23.sh; stamp "keys done"
+  PART=kq,tests bash lab/gpu_session14.sh; stamp "kq, tier done"
+fi
+if part fold; then
+  timeout ${FOLDT_S:-200} python3 -m pytest -m gpu tests/gpu/test_kernels_gpu.py tests/gpu/test_long_context_gpu.py \
+    -k "attn_decode or attn_combine" -v -rf -p no:cacheprovider > $OUT/fold_tests.log 2>&1
+  echo "fold tests: rc $?"; grep -a "FAILED\|ERROR\|passed\|failed" $OUT/fold_tests.log | tail -12
+  timeout ${FOLDL_S:-150} python3 -m lab.attn_long --out $OUT/attn_long_fold.json --splits ${ASPLITS:-66} \
+    --contexts ${ACTX:-4096,32768,131072} ${AVAR:+--variant $AVAR} > $OUT/attn_long_fold.log 2>&1
+  echo "fold lab: rc $?"; shown $OUT/attn_long_fold.log 30; stamp "fold done"
+fi
+if part bench; then
+  PART=bench bash lab/gpu_session23.sh; stamp "bench done"
+fi
