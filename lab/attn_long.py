@@ -13,7 +13,9 @@ cp.asyncs its K, V and scales S − 1 chunks ahead into its own shared-memory ri
 the shipped key on the same inputs (the `bits` column); `keys` (templates/attn_decode_keys.cu.j2: the keys split
 over 4 chunk lanes of whole-dim warps, attn_decode.keys_split; shipped on sm_90) has its own arithmetic, so where
 one of the pair splits the keys and the other the dims, column `diff` gives the largest |output − the shipped
-output| instead (both within bf16 of the reference: the GPU tier checks it). Writes JSON (--out), prints a table last. `--dry-run` (any
+output| instead (both within bf16 of the reference: the GPU tier checks it). `early`, `fold`, `foldearly`: the keys
+split with its ring's first stages copied before the PDL wait, with attn_combine folded into it (no second launch;
+attn_combine's bits), or both (attn_decode's `early` / `fold` fields). Writes JSON (--out), prints a table last. `--dry-run` (any
 machine, no GPU): the keys, launch grids, shared memory and byte counts only.
 
   python -m lab.attn_long --out attn_long.json [--contexts 4096,32768,131072] [--t 1,4] [--splits 66,132,264]
@@ -46,14 +48,17 @@ class VaheadKey(attn_decode.Key):
 
 
 def _dims(key: attn_decode.Key, stages: int = 0) -> attn_decode.Key:
-    return replace(key, kw=0, stages=stages)
+    return replace(key, kw=0, stages=stages, early=False, fold=False)
 
 
 VARIANTS = {"vahead": lambda key: VaheadKey(**_dims(key).fields()),
             "direct": lambda key: _dims(key),
             "ring": lambda key: _dims(key, attn_decode.ring_stages(_dims(key))),
             "ring3": lambda key: _dims(key, 3),
-            "keys": lambda key: attn_decode.keys_split(_dims(key))}
+            "keys": lambda key: attn_decode.keys_split(_dims(key)),
+            "early": lambda key: replace(attn_decode.keys_split(_dims(key)), early=True),
+            "fold": lambda key: replace(attn_decode.keys_split(_dims(key)), fold=key.splits > 1),
+            "foldearly": lambda key: replace(attn_decode.keys_split(_dims(key)), fold=key.splits > 1, early=True)}
 
 
 def shipped_of(key: attn_decode.Key) -> attn_decode.Key:
@@ -67,7 +72,7 @@ def variant_of(key) -> str:
     if key == shipped_of(key):
         return "shipped"
     if key.kw:
-        return "keys"
+        return "foldearly" if key.fold and key.early else "fold" if key.fold else "early" if key.early else "keys"
     if not key.stages:
         return "direct"
     return "ring" if key.stages == attn_decode.ring_stages(key) else f"ring{key.stages}"
@@ -126,42 +131,37 @@ def dry_run(args) -> list[dict]:
         launch = attn_decode.launch(key)
         rows.append({"name": key.name, "context": ctx, "t": key.t, "splits": key.splits, "grid": launch.grid,
                      "smem": block_smem(key), "variant": variant_of(key),
-                     "combine": attn_combine.for_decode(key).name if key.splits > 1 else None, **moved})
+                     "combine": attn_combine.for_decode(key).name if key.splits > 1 and not key.fold else None,
+                     **moved})
     return rows
 
 
-def same_bits(key: attn_decode.Key, ref: attn_decode.Key, case, bind) -> bool:
-    """Whether `key` (a variant) writes `ref`'s partials and, through the combine, output bit for bit on `case`'s
-    inputs: each run starts from the same NaN-filled buffers (the entries of inactive splits stay so in both),
-    compared as bytes."""
+def written(case, bind) -> list:
+    """A case's output, partials and (m, l) after its launches (its decode and, unless folded, the combine), each
+    run from NaN-filled buffers (the entries of inactive splits stay so)."""
     import torch
 
-    (_, args), *rest = case.launches
-    written = [t for t in args[:3] if t is not None]           # out, part_o, part_ml
-    results = []
-    for k in (ref, key):
-        for t in written:
-            t.fill_(float("nan"))
-        for launcher in [bind(k, args)] + [bind(kc, a) for kc, a in rest]:
-            launcher.launch()
-        torch.cuda.synchronize()
-        results.append([t.clone().view(torch.uint8) for t in written])
-    return all(torch.equal(a, b) for a, b in zip(*results))
+    outs = [t for t in case.launches[0][1][:3] if t is not None]      # out, part_o, part_ml
+    for t in outs:
+        t.fill_(float("nan"))
+    for k, a in case.launches:
+        bind(k, a).launch()
+    torch.cuda.synchronize()
+    return [t.clone() for t in outs]
 
 
-def max_diff(key: attn_decode.Key, ref: attn_decode.Key, case, bind) -> float:
-    """The largest |output of `key` − output of `ref`| (both through the combine) on `case`'s inputs."""
+def same_bits(case, ref_case, bind) -> bool:
+    """Whether a variant's case writes the shipped key's partials and output bit for bit (the two cases are built
+    from one seed: the same inputs), compared as bytes."""
     import torch
 
-    (_, args), *rest = case.launches
-    outs = []
-    for k in (ref, key):
-        args[0].fill_(float("nan"))
-        for launcher in [bind(k, args)] + [bind(kc, a) for kc, a in rest]:
-            launcher.launch()
-        torch.cuda.synchronize()
-        outs.append(args[0].float().clone())
-    return (outs[0] - outs[1]).abs().max().item()
+    return all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+               for a, b in zip(written(case, bind), written(ref_case, bind)))
+
+
+def max_diff(case, ref_case, bind) -> float:
+    """The largest |output of a variant − output of the shipped key| on the same inputs."""
+    return (written(case, bind)[0].float() - written(ref_case, bind)[0].float()).abs().max().item()
 
 
 def measure(args) -> dict:
@@ -180,26 +180,30 @@ def measure(args) -> dict:
 
     def combine(k, g):
         return replace(k, groups=g) if g and k.family == "attn_combine" else k
-    KERNELS.build([combine(k, g) for key, _ in cases for g in groups
-                   for k in ([key, attn_combine.for_decode(key)] if key.splits > 1 else [key])] +
-                  [shipped_of(key) for key, _ in cases])
+    def launched(key):                                 # the kernels a key's case launches
+        return [key, attn_combine.for_decode(key)] if key.splits > 1 and not key.fold else [key]
+    KERNELS.build([combine(k, g) for key, _ in cases for g in groups for k in launched(key)] +
+                  [k for key, _ in cases for k in launched(shipped_of(key))])
     rows = []
     for (key, ctx), g in ((case, g) for case in cases for g in groups):
         moved = attn_bytes(key, ctx)
         row = {"name": key.name, "context": ctx, "t": key.t, "splits": key.splits, "variant": variant_of(key),
                "combine_groups": g or (attn_combine.for_decode(key).groups if key.splits > 1 else 0), **moved}
+        if key.fold:                                   # no combine launch: its groups are the fold's
+            row["combine_groups"] = attn_decode.fold_groups(key)[0]
         try:
             first = make_case(key, DEVICE, 0, ctx=ctx)
             assert first.bytes == moved["useful"], (first.bytes, moved["useful"])
             if row["variant"] != "shipped":          # at ctx keys and with a ragged last chunk (ctx − 37)
-                ragged = make_case(key, DEVICE, 1, ctx=max(key.t, ctx - 37))
+                ref = shipped_of(key)
+                pairs = [(first, make_case(ref, DEVICE, 0, ctx=ctx))] + \
+                    [tuple(make_case(k, DEVICE, 1, ctx=max(key.t, ctx - 37)) for k in (key, ref))]
                 bind = lambda k, a: KERNELS.bind(combine(k, g), a)      # noqa: E731
-                if bool(key.kw) != bool(shipped_of(key).kw):       # the keys split beside the dims split
-                    row["max_diff"] = max(max_diff(key, shipped_of(key), c, bind) for c in (first, ragged))
+                if bool(key.kw) != bool(ref.kw):       # the keys split beside the dims split
+                    row["max_diff"] = max(max_diff(c, rc, bind) for c, rc in pairs)
                 else:
-                    same = all(same_bits(key, shipped_of(key), c, bind) for c in (first, ragged))
-                    row["bits"] = "same" if same else "DIFF"
-                del ragged
+                    row["bits"] = "same" if all(same_bits(c, rc, bind) for c, rc in pairs) else "DIFF"
+                del pairs
             copies = max(1, min(32, -(-2 * target.l2_bytes // first.bytes)))
             built = [first] + [make_case(key, DEVICE, i, ctx=ctx) for i in range(1, copies)]
             runs = [[KERNELS.bind(combine(k, g), a) for k, a in c.launches] for c in built]

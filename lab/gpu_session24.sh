@@ -2,7 +2,8 @@
 # Session 24's device calls. PART=valid: the merged tree of session 23 (keys-split decode attention + kq_lean
 # shipped together) through its GPU tests — the attention kernels and the engine's long-context / speculative tests
 # (lab/gpu_session23.sh PART=keys, with the lab beside the ring), the k-quant and GGUF tests, the GPU tier.
-# PART=fold: the decode attention with its combine folded in (attn_decode.fold) — its tests, then the lab.
+# PART=fold: the decode attention with its combine folded in and its first copies early (attn_decode's `fold`,
+# `early`) — its tests, the lab beside the keys split without them, the engine's tests. PART=tier: the GPU tier.
 # PART=bench: the cohort bench and the long-context bench (lab/gpu_session23.sh PART=bench). Logs to $OUT as it goes.
 set -uo pipefail
 : "${OUT:?set OUT}"
@@ -14,13 +15,21 @@ if part valid; then
   PART=keys bash lab/gpu_session23.sh; stamp "keys done"
   PART=kq,tests bash lab/gpu_session14.sh; stamp "kq, tier done"
 fi
-if part fold; then
+if part fold; then                   # the keys split with its combine folded in and its first copies early (shipped on
+                                     # sm_90): the attention kernel tests, the lab beside the split without them (keys)
+                                     # and with one of the two, then the engine's long-context / speculative tests
   timeout ${FOLDT_S:-200} python3 -m pytest -m gpu tests/gpu/test_kernels_gpu.py tests/gpu/test_long_context_gpu.py \
-    -k "attn_decode or attn_combine" -v -rf -p no:cacheprovider > $OUT/fold_tests.log 2>&1
+    -k "attn_decode or attn_combine" -v -rf -p no:cacheprovider --durations=6 > $OUT/fold_tests.log 2>&1
   echo "fold tests: rc $?"; grep -a "FAILED\|ERROR\|passed\|failed" $OUT/fold_tests.log | tail -12
-  timeout ${FOLDL_S:-150} python3 -m lab.attn_long --out $OUT/attn_long_fold.json --splits ${ASPLITS:-66} \
-    --contexts ${ACTX:-4096,32768,131072} ${AVAR:+--variant $AVAR} > $OUT/attn_long_fold.log 2>&1
-  echo "fold lab: rc $?"; shown $OUT/attn_long_fold.log 30; stamp "fold done"
+  timeout ${FOLDL_S:-200} python3 -m lab.attn_long --out $OUT/attn_long_fold.json --splits ${ASPLITS:-66} \
+    --contexts ${ACTX:-4096,32768,131072} --variant ${AVAR:-keys,early,fold} > $OUT/attn_long_fold.log 2>&1
+  echo "fold lab: rc $?"; shown $OUT/attn_long_fold.log 30; stamp "fold lab done"
+  timeout ${ENGT_S:-200} python3 -m pytest -m gpu tests/gpu/test_long_context_gpu.py tests/gpu/test_speculative_gpu.py \
+    -k "not attn_decode and not attn_combine and not rope_kv and not attn_prefill" -q -rf -p no:cacheprovider \
+    > $OUT/engine_tests.log 2>&1; echo "engine tests: rc $?"; shown $OUT/engine_tests.log 6; stamp "fold done"
+fi
+if part tier; then
+  PART=tests bash lab/gpu_session14.sh; stamp "tier done"
 fi
 if part bench; then
   PART=bench bash lab/gpu_session23.sh; stamp "bench done"

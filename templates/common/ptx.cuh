@@ -111,9 +111,22 @@ __device__ __forceinline__ void prefetch_l2(const void* p, int bytes) {
 // was −1.1 % per decode step against after it (H200 tree A/B). Several grids may then be
 // waiting at once, so a plan launches the first kernel of every bucket run without
 // programmatic serialisation: a run begins once all earlier work is done, which keeps those reads safe.
-__device__ __forceinline__ void pdl_entry() {
+// A kernel with work the contract allows before the wait (e.g. attn_decode's `early` ring prologue: KV pages
+// of keys written before the run) calls pdl_release() first and pdl_wait() after that work, in every thread
+// that then reads or writes what its predecessor wrote.
+__device__ __forceinline__ void pdl_release() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
+}
+
+__device__ __forceinline__ void pdl_entry() {
+  pdl_release();
+  pdl_wait();
 }
