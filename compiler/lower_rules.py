@@ -196,9 +196,7 @@ def _attention(gate: bool):
         common["seq_lens"] = Input("seq_lens")
         if dec.splits == 1:
             return Lowered([(dec, common | {"out": out, "part_o": NULL, "part_ml": NULL})])
-        parts = ctx.workspace(dec)        # the split partials attn_combine (or the fold) reduces, in the same lane
-        if dec.fold:                      # attn_combine inside attn_decode: one launch
-            return Lowered([(dec, common | parts | {"out": out})])
+        parts = ctx.workspace(dec)        # the split partials attn_combine reduces, in the same lane
         combine = {"out": out, "part_o": parts["part_o"], "part_ml": parts["part_ml"], "gate_src": common["gate_src"],
                    "seq_lens": common["seq_lens"]}
         return Lowered([(dec, common | parts | {"out": NULL}), (attn_combine.for_decode(dec), combine)])

@@ -13,9 +13,8 @@ cp.asyncs its K, V and scales S − 1 chunks ahead into its own shared-memory ri
 the shipped key on the same inputs (the `bits` column); `keys` (templates/attn_decode_keys.cu.j2: the keys split
 over 4 chunk lanes of whole-dim warps, attn_decode.keys_split; shipped on sm_90) has its own arithmetic, so where
 one of the pair splits the keys and the other the dims, column `diff` gives the largest |output − the shipped
-output| instead (both within bf16 of the reference: the GPU tier checks it). `early`, `fold`, `foldearly`: the keys
-split with its ring's first stages copied before the PDL wait, with attn_combine folded into it (no second launch;
-attn_combine's bits), or both (attn_decode's `early` / `fold` fields). Writes JSON (--out), prints a table last. `--dry-run` (any
+output| instead (both within bf16 of the reference: the GPU tier checks it); `keys` is the split without its `early`
+first copies (shipped with them on sm_90), `early` the split with them. Writes JSON (--out), prints a table last. `--dry-run` (any
 machine, no GPU): the keys, launch grids, shared memory and byte counts only.
 
   python -m lab.attn_long --out attn_long.json [--contexts 4096,32768,131072] [--t 1,4] [--splits 66,132,264]
@@ -48,7 +47,7 @@ class VaheadKey(attn_decode.Key):
 
 
 def _dims(key: attn_decode.Key, stages: int = 0) -> attn_decode.Key:
-    return replace(key, kw=0, stages=stages, early=False, fold=False)
+    return replace(key, kw=0, stages=stages, early=False)
 
 
 VARIANTS = {"vahead": lambda key: VaheadKey(**_dims(key).fields()),
@@ -56,9 +55,7 @@ VARIANTS = {"vahead": lambda key: VaheadKey(**_dims(key).fields()),
             "ring": lambda key: _dims(key, attn_decode.ring_stages(_dims(key))),
             "ring3": lambda key: _dims(key, 3),
             "keys": lambda key: attn_decode.keys_split(_dims(key)),
-            "early": lambda key: replace(attn_decode.keys_split(_dims(key)), early=True),
-            "fold": lambda key: replace(attn_decode.keys_split(_dims(key)), fold=key.splits > 1),
-            "foldearly": lambda key: replace(attn_decode.keys_split(_dims(key)), fold=key.splits > 1, early=True)}
+            "early": lambda key: replace(attn_decode.keys_split(_dims(key)), early=True)}
 
 
 def shipped_of(key: attn_decode.Key) -> attn_decode.Key:
@@ -72,7 +69,7 @@ def variant_of(key) -> str:
     if key == shipped_of(key):
         return "shipped"
     if key.kw:
-        return "foldearly" if key.fold and key.early else "fold" if key.fold else "early" if key.early else "keys"
+        return "early" if key.early else "keys"
     if not key.stages:
         return "direct"
     return "ring" if key.stages == attn_decode.ring_stages(key) else f"ring{key.stages}"
@@ -131,37 +128,42 @@ def dry_run(args) -> list[dict]:
         launch = attn_decode.launch(key)
         rows.append({"name": key.name, "context": ctx, "t": key.t, "splits": key.splits, "grid": launch.grid,
                      "smem": block_smem(key), "variant": variant_of(key),
-                     "combine": attn_combine.for_decode(key).name if key.splits > 1 and not key.fold else None,
-                     **moved})
+                     "combine": attn_combine.for_decode(key).name if key.splits > 1 else None, **moved})
     return rows
 
 
-def written(case, bind) -> list:
-    """A case's output, partials and (m, l) after its launches (its decode and, unless folded, the combine), each
-    run from NaN-filled buffers (the entries of inactive splits stay so)."""
+def same_bits(key: attn_decode.Key, ref: attn_decode.Key, case, bind) -> bool:
+    """Whether `key` (a variant) writes `ref`'s partials and, through the combine, output bit for bit on `case`'s
+    inputs: each run starts from the same NaN-filled buffers (the entries of inactive splits stay so in both),
+    compared as bytes."""
     import torch
 
-    outs = [t for t in case.launches[0][1][:3] if t is not None]      # out, part_o, part_ml
-    for t in outs:
-        t.fill_(float("nan"))
-    for k, a in case.launches:
-        bind(k, a).launch()
-    torch.cuda.synchronize()
-    return [t.clone() for t in outs]
+    (_, args), *rest = case.launches
+    written = [t for t in args[:3] if t is not None]           # out, part_o, part_ml
+    results = []
+    for k in (ref, key):
+        for t in written:
+            t.fill_(float("nan"))
+        for launcher in [bind(k, args)] + [bind(kc, a) for kc, a in rest]:
+            launcher.launch()
+        torch.cuda.synchronize()
+        results.append([t.clone().view(torch.uint8) for t in written])
+    return all(torch.equal(a, b) for a, b in zip(*results))
 
 
-def same_bits(case, ref_case, bind) -> bool:
-    """Whether a variant's case writes the shipped key's partials and output bit for bit (the two cases are built
-    from one seed: the same inputs), compared as bytes."""
+def max_diff(key: attn_decode.Key, ref: attn_decode.Key, case, bind) -> float:
+    """The largest |output of `key` − output of `ref`| (both through the combine) on `case`'s inputs."""
     import torch
 
-    return all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-               for a, b in zip(written(case, bind), written(ref_case, bind)))
-
-
-def max_diff(case, ref_case, bind) -> float:
-    """The largest |output of a variant − output of the shipped key| on the same inputs."""
-    return (written(case, bind)[0].float() - written(ref_case, bind)[0].float()).abs().max().item()
+    (_, args), *rest = case.launches
+    outs = []
+    for k in (ref, key):
+        args[0].fill_(float("nan"))
+        for launcher in [bind(k, args)] + [bind(kc, a) for kc, a in rest]:
+            launcher.launch()
+        torch.cuda.synchronize()
+        outs.append(args[0].float().clone())
+    return (outs[0] - outs[1]).abs().max().item()
 
 
 def measure(args) -> dict:
@@ -176,34 +178,34 @@ def measure(args) -> dict:
     target = lookup(args.arch or f"sm_{major}{minor}")
     read_gbs, copy_gbs = read_bandwidth(args.iters), copy_bandwidth(args.iters)
     cases = keys(args, target)
-    groups = args.combine_groups or [0]                # 0: the combine key the case builds (attn_combine.for_decode)
+    groups = [(g, None) for g in args.combine_groups or [0]]   # 0: the combine key the case builds (for_decode)
+    groups += [(g, 0) for g, _ in groups] if args.combine_whole else []   # ds 0: a block over all dims (session 23's)
 
     def combine(k, g):
-        return replace(k, groups=g) if g and k.family == "attn_combine" else k
-    def launched(key):                                 # the kernels a key's case launches
-        return [key, attn_combine.for_decode(key)] if key.splits > 1 and not key.fold else [key]
-    KERNELS.build([combine(k, g) for key, _ in cases for g in groups for k in launched(key)] +
-                  [k for key, _ in cases for k in launched(shipped_of(key))])
+        if k.family != "attn_combine":
+            return k
+        return replace(k, groups=g[0] or k.groups, ds=k.ds if g[1] is None else g[1])
+    KERNELS.build([combine(k, g) for key, _ in cases for g in groups
+                   for k in ([key, attn_combine.for_decode(key)] if key.splits > 1 else [key])] +
+                  [shipped_of(key) for key, _ in cases])
     rows = []
     for (key, ctx), g in ((case, g) for case in cases for g in groups):
         moved = attn_bytes(key, ctx)
         row = {"name": key.name, "context": ctx, "t": key.t, "splits": key.splits, "variant": variant_of(key),
-               "combine_groups": g or (attn_combine.for_decode(key).groups if key.splits > 1 else 0), **moved}
-        if key.fold:                                   # no combine launch: its groups are the fold's
-            row["combine_groups"] = attn_decode.fold_groups(key)[0]
+               "combine_groups": f"{g[0] or (attn_combine.for_decode(key).groups if key.splits > 1 else 0)}"
+                                 f"{'w' if g[1] == 0 else ''}", **moved}
         try:
             first = make_case(key, DEVICE, 0, ctx=ctx)
             assert first.bytes == moved["useful"], (first.bytes, moved["useful"])
             if row["variant"] != "shipped":          # at ctx keys and with a ragged last chunk (ctx − 37)
-                ref = shipped_of(key)
-                pairs = [(first, make_case(ref, DEVICE, 0, ctx=ctx))] + \
-                    [tuple(make_case(k, DEVICE, 1, ctx=max(key.t, ctx - 37)) for k in (key, ref))]
+                ragged = make_case(key, DEVICE, 1, ctx=max(key.t, ctx - 37))
                 bind = lambda k, a: KERNELS.bind(combine(k, g), a)      # noqa: E731
-                if bool(key.kw) != bool(ref.kw):       # the keys split beside the dims split
-                    row["max_diff"] = max(max_diff(c, rc, bind) for c, rc in pairs)
+                if bool(key.kw) != bool(shipped_of(key).kw):       # the keys split beside the dims split
+                    row["max_diff"] = max(max_diff(key, shipped_of(key), c, bind) for c in (first, ragged))
                 else:
-                    row["bits"] = "same" if all(same_bits(c, rc, bind) for c, rc in pairs) else "DIFF"
-                del pairs
+                    same = all(same_bits(key, shipped_of(key), c, bind) for c in (first, ragged))
+                    row["bits"] = "same" if same else "DIFF"
+                del ragged
             copies = max(1, min(32, -(-2 * target.l2_bytes // first.bytes)))
             built = [first] + [make_case(key, DEVICE, i, ctx=ctx) for i in range(1, copies)]
             runs = [[KERNELS.bind(combine(k, g), a) for k, a in c.launches] for c in built]
@@ -269,6 +271,8 @@ def parse(argv=None):
     ap.add_argument("--arch", default=None, help="sm_XX of the keys (default: the GPU's; sm_90 for --dry-run)")
     ap.add_argument("--combine-groups", default="", help="attn_combine split groups to time each case with, e.g. 1,4 "
                     "(default: the shipped choice, attn_combine.split_groups)")
+    ap.add_argument("--combine-whole", action="store_true", help="also time each case with attn_combine's blocks over "
+                    "all dims (session 23's 1,024-thread blocks; `groups` column: 4w)")
     ap.add_argument("--iters", type=int, default=50, help="timings per case (median)")
     ap.add_argument("--out", default="attn_long.json", help="JSON results")
     ap.add_argument("--dry-run", action="store_true", help="keys, launches and byte counts only: no GPU")

@@ -190,12 +190,8 @@ def _attn(key: attn_decode.Key, g, ctx: int | None = None) -> Case:
     part_ml = torch.empty(b * t, key.hq, key.splits, 2, device=dev) if key.splits > 1 else None
     args = [out, part_o, part_ml, q, gate, pages["k"], pages["v"], pages.get("k_scales"), pages.get("v_scales"),
             table, lens]
-    if key.fold:                      # the combine inside: zeroed tickets (left zero), the groups' results
-        ws = attn_decode.workspace(key)
-        args += [torch.zeros(ws["tickets"] // 4, device=dev, dtype=torch.int32),
-                 torch.empty(ws["group_o"] // 4, device=dev), torch.empty(ws["group_ml"] // 4, device=dev)]
     launches = [(key, args)]
-    if key.splits > 1 and not key.fold:
+    if key.splits > 1:
         launches.append((attn_combine.for_decode(key), [out, part_o, part_ml, gate, lens]))
     per_token = key.hkv * key.d * 2 * (2 if key.kv_dtype == "bf16" else 1 + 2 / 64)
     moved = int(lens.sum().item() * per_token + q.numel() * 2 * 3)

@@ -2,8 +2,9 @@
 # Session 24's device calls. PART=valid: the merged tree of session 23 (keys-split decode attention + kq_lean
 # shipped together) through its GPU tests — the attention kernels and the engine's long-context / speculative tests
 # (lab/gpu_session23.sh PART=keys, with the lab beside the ring), the k-quant and GGUF tests, the GPU tier.
-# PART=fold: the decode attention with its combine folded in and its first copies early (attn_decode's `fold`,
-# `early`) — its tests, the lab beside the keys split without them, the engine's tests. PART=tier: the GPU tier.
+# PART=early: the decode attention's first copies before the PDL wait (attn_decode `early`) and the combine in
+# 256-thread blocks — their tests, the lab beside the keys split without them, the engine's tests (a first version
+# also folded attn_combine into the decode: PART=fold of commit 316e830, refuted). PART=tier: the GPU tier.
 # PART=bench: the cohort bench and the long-context bench (lab/gpu_session23.sh PART=bench). Logs to $OUT as it goes.
 set -uo pipefail
 : "${OUT:?set OUT}"
@@ -15,18 +16,19 @@ if part valid; then
   PART=keys bash lab/gpu_session23.sh; stamp "keys done"
   PART=kq,tests bash lab/gpu_session14.sh; stamp "kq, tier done"
 fi
-if part fold; then                   # the keys split with its combine folded in and its first copies early (shipped on
-                                     # sm_90): the attention kernel tests, the lab beside the split without them (keys)
-                                     # and with one of the two, then the engine's long-context / speculative tests
-  timeout ${FOLDT_S:-200} python3 -m pytest -m gpu tests/gpu/test_kernels_gpu.py tests/gpu/test_long_context_gpu.py \
-    -k "attn_decode or attn_combine" -v -rf -p no:cacheprovider --durations=6 > $OUT/fold_tests.log 2>&1
-  echo "fold tests: rc $?"; grep -a "FAILED\|ERROR\|passed\|failed" $OUT/fold_tests.log | tail -12
-  timeout ${FOLDL_S:-200} python3 -m lab.attn_long --out $OUT/attn_long_fold.json --splits ${ASPLITS:-66} \
-    --contexts ${ACTX:-4096,32768,131072} --variant ${AVAR:-keys,early,fold} > $OUT/attn_long_fold.log 2>&1
-  echo "fold lab: rc $?"; shown $OUT/attn_long_fold.log 30; stamp "fold lab done"
+if part early; then                  # the keys split's first copies before the PDL wait (attn_decode `early`, shipped on sm_90)
+                                     # and attn_combine in 256-thread blocks (room beside the decode's blocks): the attention
+                                     # kernel tests, the lab beside the split without early copies and the 1,024-thread
+                                     # combine (4w), then the engine's long-context / speculative tests
+  timeout ${EARLYT_S:-200} python3 -m pytest -m gpu tests/gpu/test_kernels_gpu.py tests/gpu/test_long_context_gpu.py \
+    -k "attn_decode or attn_combine" -q -rf -p no:cacheprovider > $OUT/early_tests.log 2>&1
+  echo "early tests: rc $?"; grep -a "FAILED\|ERROR\|passed\|failed" $OUT/early_tests.log | tail -12
+  timeout ${EARLYL_S:-200} python3 -m lab.attn_long --out $OUT/attn_long_early.json --splits ${ASPLITS:-66} \
+    --contexts ${ACTX:-4096,32768,131072} --variant ${AVAR:-keys} --combine-whole > $OUT/attn_long_early.log 2>&1
+  echo "early lab: rc $?"; shown $OUT/attn_long_early.log 30; stamp "early lab done"
   timeout ${ENGT_S:-200} python3 -m pytest -m gpu tests/gpu/test_long_context_gpu.py tests/gpu/test_speculative_gpu.py \
     -k "not attn_decode and not attn_combine and not rope_kv and not attn_prefill" -q -rf -p no:cacheprovider \
-    > $OUT/engine_tests.log 2>&1; echo "engine tests: rc $?"; shown $OUT/engine_tests.log 6; stamp "fold done"
+    > $OUT/engine_tests.log 2>&1; echo "engine tests: rc $?"; shown $OUT/engine_tests.log 6; stamp "early done"
 fi
 if part tier; then
   PART=tests bash lab/gpu_session14.sh; stamp "tier done"

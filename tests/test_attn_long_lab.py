@@ -144,10 +144,9 @@ def test_ring_compiles_without_spills_with_the_direct_loads_arithmetic(kernel_ca
 def test_keys_split_tiling():
     """attn_decode.keys_split: 4 chunk lanes; a decode (6 query rows: one row tile) is 4 warps with 3 stages on sm_90
     (99 KB a block, two blocks an SM), a verify of 4 tokens (24 rows) 12 warps in one block with 4 stages, 8 tokens
-    (48 rows, six tiles) two row blocks; sm_86 keeps 2 stages where two blocks do not fit. make_key ships it on
-    sm_90 only (KEYS_ARCHS), with its first copies early and attn_combine folded in (the lab's `foldearly`; `keys` is
-    the split without either). bf16 KV, a 1-stage ring, 13 lanes, `early` / `fold` without the keys split and a fold
-    of one split are refused."""
+    (48 rows, six tiles) two row blocks; sm_86 keeps 2 stages where two blocks do not fit. The lab's `keys` variant is
+    the same key; make_key ships it on sm_90 only (KEYS_ARCHS), with its first copies `early` (the lab's `early`).
+    bf16 KV, a 1-stage ring, 13 lanes and `early` without the keys split are refused."""
     from dataclasses import replace
 
     from compiler.kernels.attn_decode import Key, keys_smem, keys_split, keys_tiling
@@ -155,32 +154,23 @@ def test_keys_split_tiling():
     for arch, t, stages, warps, grid_y, smem in [("sm_90", 1, 3, 4, 4, 101_376), ("sm_90", 4, 4, 12, 4, 135_168),
                                                   ("sm_90", 8, 4, 12, 8, 135_168), ("sm_86", 1, 2, 4, 4, 67_584)]:
         base = attn_decode.make_key(24, 4, 256, 1, t, "int8", 2048, lookup(arch))
-        key = attn_long.VARIANTS["keys"](base)
+        key = keys_split(replace(base, kw=0, stages=0, early=False))
         assert (key.kw, key.stages, keys_tiling(key).warps) == (4, stages, warps), key
         assert key.template == "attn_decode_keys.cu.j2" and f"_kw4s{stages}_" in key.name
-        assert not (key.early or key.fold) and key == keys_split(replace(base, kw=0, stages=0, early=False, fold=False))
         launch = attn_decode.launch(key)
         assert launch.grid == (key.splits, grid_y, 1) and launch.block == (32 * warps, 1, 1)
         assert launch.smem == keys_smem(key) == smem
-        both = attn_long.VARIANTS["foldearly"](base)
+        lab, early = attn_long.VARIANTS["keys"](base), attn_long.VARIANTS["early"](base)
         shipped = arch in attn_decode.KEYS_ARCHS                # make_key's own layout there
-        assert both == replace(key, early=True, fold=True) and (base == both) == shipped
-        assert attn_long.shipped_of(key) == base and "_early_fold_" in both.name
-        assert attn_long.variant_of(key) == "keys" and attn_long.variant_of(both) == ("shipped" if shipped else "foldearly")
-        assert attn_decode.launch(both) == launch                # the same grid, block and shared memory
-    ok = attn_long.VARIANTS["keys"](attn_decode.make_key(24, 4, 256, 1, 1, "int8", 2048, lookup("sm_90")))
+        assert lab == key and early == replace(key, early=True) and "_kw4s" in early.name and early.name.endswith("_early_" + arch.replace("_", ""))
+        assert (base == early) == shipped and attn_long.shipped_of(lab) == base and attn_long.variant_of(lab) == "keys"
+        assert attn_long.variant_of(early) == ("shipped" if shipped else "early") and attn_decode.launch(early) == launch
+    ok = attn_decode.make_key(24, 4, 256, 1, 1, "int8", 2048, lookup("sm_90"))
     for bad in (dict(kv_dtype="bf16", kw=4, stages=3), dict(kw=4, stages=1), dict(kw=13, stages=2)):
         with pytest.raises(ValueError, match="keys split"):
-            Key(**(ok.fields() | {"stages": 0} | bad))
-    for bad in (dict(kw=0, stages=0, early=True), dict(kw=0, stages=0, fold=True)):
-        with pytest.raises(ValueError, match="fields of the keys split"):
-            Key(**(ok.fields() | bad))
-    with pytest.raises(ValueError, match="one split has no partials"):
-        replace(ok, splits=1, fold=True)
-    ws = attn_decode.workspace(replace(ok, fold=True))          # 4 groups of ≤ 17 splits: attn_combine's
-    assert attn_decode.fold_groups(replace(ok, fold=True)) == (4, 17)
-    assert ws["tickets"] == 4 * 1 * 4 * (4 + 1) and ws["group_o"] == 24 * 4 * 256 * 4 and ws["group_ml"] == 24 * 4 * 8
-    assert attn_decode.workspace(ok).keys() == {"part_o", "part_ml"}
+            Key(**(ok.fields() | {"stages": 0, "early": False} | bad))
+    with pytest.raises(ValueError, match="`early` is a field of the keys split"):
+        Key(**(ok.fields() | {"kw": 0, "stages": 0}))
 
 
 def keys_split_keys(arch: str) -> list:

@@ -1,7 +1,10 @@
 """attn_combine: reduces attn_decode split partials (m, l, unnormalised o) and applies the gate.
 
 Its key mirrors the attn_decode key it follows (same splits and page): make it with `for_decode`, which also picks
-`groups`, the split groups a block's threads reduce side by side (templates/attn_combine.cu.j2).
+`groups`, the split groups a block's threads reduce side by side (templates/attn_combine.cu.j2), and `ds`, the dims a
+block covers: a block of ds × groups threads (256 at the 27B's shape) so that, launched programmatically, its blocks
+fit beside the attn_decode blocks still running (a 1,024-thread block wants a whole SM's registers) and wait there
+instead of launching after the last one leaves. The same arithmetic per (row, dim): the same bits at any ds.
 """
 from __future__ import annotations
 
@@ -23,16 +26,21 @@ class Key(KernelKey):
     splits: int
     gate: bool
     arch: str
-    groups: int = 1      # split groups per block (D threads each), reduced side by side, then added in group order
+    groups: int = 1      # split groups per block (ds threads each), reduced side by side, then added in group order
+    ds: int = 0          # dims a block covers (0: all d); d / ds blocks a row
 
     def __post_init__(self):
-        if not 1 <= self.groups <= self.splits or self.d * self.groups > 1024:
-            raise ValueError(f"attn_combine: {self.groups} groups of {self.d} threads over {self.splits} splits "
-                             "(1 ≤ groups ≤ splits, d · groups ≤ 1024 threads)")
+        ds = self.ds or self.d
+        if not 1 <= self.groups <= self.splits or ds * self.groups > 1024:
+            raise ValueError(f"attn_combine: {self.groups} groups of {ds} threads over {self.splits} splits "
+                             "(1 ≤ groups ≤ splits, ds · groups ≤ 1024 threads)")
+        if self.d % ds or ds % 32:
+            raise ValueError(f"attn_combine: {ds} dims a block must divide d = {self.d} in whole warps")
 
     def _name_parts(self):
         return [f"q{self.hq}", f"d{self.d}", f"b{self.b}", f"t{self.t}", f"p{self.page}", f"s{self.splits}"] + \
-            (["gate"] if self.gate else []) + ([f"g{self.groups}"] if self.groups > 1 else [])
+            (["gate"] if self.gate else []) + ([f"g{self.groups}"] if self.groups > 1 else []) + \
+            ([f"x{self.ds}"] if self.ds and self.ds != self.d else [])
 
 
 def split_groups(d: int, splits: int) -> int:
@@ -41,12 +49,18 @@ def split_groups(d: int, splits: int) -> int:
     return max(1, min(4, 1024 // d, splits // 8))
 
 
+BLOCK_THREADS = 256     # a combine block's threads at most (for_decode): room beside two attn_decode blocks an SM
+
+
 def for_decode(dk) -> Key:
-    return Key(dk.hq, dk.d, dk.b, dk.t, dk.page, dk.splits, dk.gate, dk.arch, split_groups(dk.d, dk.splits))
+    groups = split_groups(dk.d, dk.splits)
+    ds = min(dk.d, max(32, BLOCK_THREADS // groups))
+    return Key(dk.hq, dk.d, dk.b, dk.t, dk.page, dk.splits, dk.gate, dk.arch, groups, 0 if ds == dk.d else ds)
 
 
 def launch(key: Key, target: Target | None = None) -> Launch:
-    return Launch((key.hq, key.b * key.t, 1), (key.d * key.groups, 1, 1), 0)
+    ds = key.ds or key.d
+    return Launch((key.hq, key.b * key.t, key.d // ds), (ds * key.groups, 1, 1), 0)
 
 
 def params(key: Key) -> list[Param]:

@@ -18,13 +18,9 @@ each warp computes whole 16-key chunks over all D dims for 8 query rows (the m16
 its chunk lane's warps sharing a `stages`-deep cp.async ring, and the lanes' softmax states merge once at the end —
 no block barrier or score exchange per chunk. The same grid, splits and partials; its own bits (a decode row
 still equals its verify row). `keys_tiling` gives its warps. `choose_layout` (make_key) ships it on KEYS_ARCHS
-(sm_90: 1.10–1.32× the ring, session 23) and the dims split elsewhere.
-
-Two more fields of the keys split: `early` copies a chunk lane's first ring stages before the PDL wait (the KV pages
-of keys written before the run; only Q waits for the predecessor), and `fold` reduces the split partials inside
-the kernel (the last block of each attn_combine split group, then the last group: tickets in the zeroed workspace)
-with attn_combine's arithmetic and order — the same bits without the second launch. A `fold` key's plan has no
-attn_combine call (compiler/lower_rules.py).
+(sm_90: 1.10–1.32× the ring, session 23) and the dims split elsewhere. Its `early` field (shipped with it) copies a
+chunk lane's first ring stages before the PDL wait — the KV pages of keys written before the run — so only Q waits
+for the predecessor: the same bits, 32K decode 31.5 → 27.7 µs chained (H100, session 24).
 """
 from __future__ import annotations
 
@@ -35,7 +31,6 @@ from .._torch import torch
 
 from ..targets import Target, lookup
 from . import KernelKey, Launch, Param, ceil_div
-from .attn_combine import split_groups
 
 SMEM_LIMIT = 48 * 1024      # static shared memory
 RESERVED_SMEM = 1024        # shared memory the CUDA runtime keeps per block on sm_80+ (counts against the SM's)
@@ -78,16 +73,13 @@ class Key(KernelKey):
     arch: str
     stages: int = 0        # INT8: ≥ 2 = each warp's cp.async ring of that many chunks; 0 = direct loads
     kw: int = 0            # INT8: > 0 = the keys split over that many chunk lanes (attn_decode_keys); 0 = dims split
-    early: bool = False    # keys split: the ring's first stages copied before the PDL wait
-    fold: bool = False     # keys split, splits > 1: attn_combine inside (the last blocks reduce the partials)
+    early: bool = False    # keys split: the ring's first stages copied before the PDL wait (the same bits)
 
     def __post_init__(self):
         if self.kv_dtype not in ("int8", "bf16") or self.d % 64 or 256 % self.d or self.page != 64:
             raise ValueError(f"attn_decode: unsupported shape {self}")
-        if (self.early or self.fold) and not self.kw:
-            raise ValueError(f"attn_decode: `early` and `fold` are fields of the keys split (kw > 0), not of {self}")
-        if self.fold and self.splits == 1:
-            raise ValueError(f"attn_decode fold: one split has no partials to reduce ({self.name})")
+        if self.early and not self.kw:
+            raise ValueError(f"attn_decode: `early` is a field of the keys split (kw > 0), not of {self.name}")
         if self.kw:
             if self.kv_dtype != "int8" or not 1 <= self.kw <= KEYS_MAX_WARPS or self.stages < 2:
                 raise ValueError(f"attn_decode keys split: INT8 KV, 1 ≤ kw ≤ {KEYS_MAX_WARPS} chunk lanes and a ring "
@@ -119,7 +111,7 @@ class Key(KernelKey):
         return [f"q{self.hq}", f"kv{self.hkv}", f"d{self.d}", f"b{self.b}", f"t{self.t}", self.kv_dtype,
                 f"p{self.page}x{self.max_pages}", f"s{self.splits}"] + (["gate"] if self.gate else []) + \
             ([f"kw{self.kw}s{self.stages}"] if self.kw else [f"ring{self.stages}"] if self.stages else []) + \
-            (["early"] if self.early else []) + (["fold"] if self.fold else [])
+            (["early"] if self.early else [])
 
     def dynamic_smem(self) -> int:
         """Dynamic shared memory the key's template declares: none with direct loads (the score exchange is
@@ -193,13 +185,6 @@ def ring_stages(key: Key, blocks: tuple[int, ...] = (2, 1)) -> int:
     raise ValueError(f"attn_decode ring: no ring of 2 stages fits {target.name}'s shared memory ({key.name})")
 
 
-def fold_groups(key: Key) -> tuple[int, int]:
-    """(groups, splits per group) of a fold key's reduction: attn_combine's (split_groups), which the template
-    computes the same way — so its output has attn_combine's bits."""
-    groups = split_groups(key.d, key.splits)
-    return groups, ceil_div(key.splits, groups)
-
-
 KEYS_LANES = 4              # a `kw` key's chunk lanes: the direct-load kernel's warps at one row tile
 
 
@@ -215,12 +200,10 @@ KEYS_ARCHS = ("sm_90",)     # where the keys split was timed against the ring (H
 
 def choose_layout(key: Key) -> Key:
     """The shipped division of an attn_decode key's work: INT8 KV on KEYS_ARCHS splits the keys over chunk lanes
-    (`keys_split`), its first copies `early` and its combine folded in (`fold`, where there are splits); elsewhere
-    (bf16 KV, and sm_80/86/89, where nothing else was timed) the warps split the dims with direct loads."""
-    base = replace(key, kw=0, stages=0, early=False, fold=False)
-    if base.kv_dtype != "int8" or base.arch not in KEYS_ARCHS:
-        return base
-    return replace(keys_split(base), early=True, fold=base.splits > 1)
+    (`keys_split`) with its first copies `early`; elsewhere (bf16 KV, and sm_80/86/89, where nothing else was timed)
+    the warps split the dims with direct loads."""
+    base = replace(key, kw=0, stages=0, early=False)
+    return replace(keys_split(base), early=True) if base.kv_dtype == "int8" and base.arch in KEYS_ARCHS else base
 
 
 def choose_splits(hkv: int, max_pages: int, target: Target) -> int:
@@ -239,32 +222,22 @@ def launch(key: Key, target: Target | None = None) -> Launch:
 
 
 def params(key: Key) -> list[Param]:
-    fold = [Param("tickets", "ptr", "u32 [b, hkv · row blocks, groups + 1] arrival counters: zero before the first "
-                  "launch, left zero"),
-            Param("group_o", "ptr", "[b·t, hq, groups, d] f32"), Param("group_ml", "ptr", "[b·t, hq, groups] float2")]
-    return [Param("out", "ptr", "[b, t, hq, d] bf16 (splits == 1, or fold)"),
+    return [Param("out", "ptr", "[b, t, hq, d] bf16 (splits == 1)"),
             Param("part_o", "ptr", "[b·t, hq, splits, d] f32 (splits > 1)"),
             Param("part_ml", "ptr", "[b·t, hq, splits] float2 (m, l)"),
             Param("q", "ptr", "[b, t, hq, d] bf16 (normed, roped)"),
             Param("gate_src", "ptr", "[b·t, hq, 2d] bf16, gate in the second half"),
             Param("k_pages", "ptr", ""), Param("v_pages", "ptr", ""), Param("k_scales", "ptr", "int8"),
             Param("v_scales", "ptr", "int8"), Param("block_table", "ptr", "[b, max_pages] int32"),
-            Param("seq_lens", "ptr", "[b] int32 keys incl. the t new tokens; 0 = padded row")] + \
-        (fold if key.fold else [])
+            Param("seq_lens", "ptr", "[b] int32 keys incl. the t new tokens; 0 = padded row")]
 
 
 def workspace(key: Key) -> dict[str, int]:
-    """Bytes of the split partials attn_combine (or the fold) reduces (none when splits == 1); a fold key's group
-    results and its tickets (compiler/lower_ctx.ZEROED_WORKSPACE: zero before the first launch, left zero)."""
+    """Bytes of the split partials attn_combine reduces (none when splits == 1)."""
     if key.splits == 1:
         return {}
     rows = key.b * key.t * key.hq * key.splits
-    out = {"part_o": rows * key.d * 4, "part_ml": rows * 8}
-    if key.fold:
-        groups, heads = fold_groups(key)[0], key.b * key.t * key.hq
-        out |= {"group_o": heads * groups * key.d * 4, "group_ml": heads * groups * 8,
-                "tickets": 4 * key.b * key.hkv * keys_tiling(key).row_blocks * (groups + 1)}
-    return out
+    return {"part_o": rows * key.d * 4, "part_ml": rows * 8}
 
 
 def gather_kv(pages: dict, name: str, table_row, length: int, hkv: int, d: int, page: int) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """GPU tier at long context (issue 31): the paged kernels keyed as the 128K profile builds them (a 2,048-page
 block table) against their references at positions past 32,768 and 100,000 — qk_rope_kv (RoPE + the INT8
 append), attn_decode + attn_combine for a decode row and a verify's 4 rows (and the shared-memory ring against
-the direct loads, the keys split's fold and early copies against the keys split + attn_combine, bit for bit), attn_prefill for a chunk at the end of 128K — at the 27B's attention shape; and greedy
+the direct loads, the keys split's early first copies against none, bit for bit), attn_prefill for a chunk at the end of 128K — at the 27B's attention shape; and greedy
 decoding with K = 3 drafts equal to plain greedy token for token after real random-token prompts of 40,000 and
 100,000 tokens (the tiny spec made to hold 131,072 positions; the one-graph fused rounds).
 Run: pytest -m gpu tests/gpu/test_long_context_gpu.py -q -s"""
@@ -26,8 +26,7 @@ def h():
 
 
 def _check(h, key, ctx):
-    h.build([key] + ([attn_combine.for_decode(key)] if key.family == "attn_decode" and key.splits > 1
-                     and not key.fold else []))
+    h.build([key] + ([attn_combine.for_decode(key)] if key.family == "attn_decode" and key.splits > 1 else []))
     case = make_case(key, "cuda", (ctx or 0) % 97, ctx=ctx)
     h.run(case)
     h.compare(case, f"{key.name} at {ctx or 'random'} tokens")
@@ -48,26 +47,23 @@ def test_attn_decode_past_32k(h, t, ctx):
 
 
 @pytest.mark.parametrize("ctx", [1000, 40_010, 131_000])
-@pytest.mark.parametrize("layout", ["shipped", "keys", "ring", "foldearly"])
+@pytest.mark.parametrize("layout", ["shipped", "keys", "ring"])
 def test_attn_decode_row_has_the_same_bits_in_a_decode_and_in_a_verify(h, layout, ctx):
     """Query row tt of a verify (T = 4, ctx keys, later keys masked) and the same query alone as a decode step
     (T = 1, ctx − 3 + tt keys) give the same bits: the kernel's chunks are the online softmax's steps whatever T
     is, so a lane's greedy tokens do not depend on its K or on its cohort (ctx % 64 ≥ 4: the same pages, hence
     the same splits) — with the shipped keys, the keys split over chunk lanes (attn_decode.keys_split: one row tile
-    of 4 warps for the decode, three tiles of 12 warps for the verify), the dims split's ring, and the keys split
-    with its combine folded in and its first copies early."""
+    of 4 warps for the decode, three tiles of 12 warps for the verify) and the dims split's ring."""
     from dataclasses import replace
 
     k4 = attn_decode.make_key(HQ, HKV, D, 1, 4, "int8", MAX_PAGES, TARGET)
     k1 = replace(k4, t=1)
-    if layout == "keys":
-        k4, k1 = (replace(attn_decode.keys_split(k), early=False, fold=False) for k in (k4, k1))
+    if layout == "keys":                              # without its early first copies (shipped with them on sm_90)
+        k4, k1 = (replace(attn_decode.keys_split(k), early=False) for k in (k4, k1))
     elif layout == "ring":
         k4, k1 = (replace(k, kw=0, stages=attn_decode.ring_stages(replace(k, kw=0, stages=0)))
-                  for k in (replace(k, kw=0, stages=0, early=False, fold=False) for k in (k4, k1)))
-    elif layout == "foldearly":
-        k4, k1 = (replace(attn_decode.keys_split(k), fold=True, early=True) for k in (k4, k1))
-    h.build([k1, k4] + [attn_combine.for_decode(k) for k in (k1, k4) if not k.fold])
+                  for k in (replace(k, kw=0, stages=0, early=False) for k in (k4, k1)))
+    h.build([k1, k4, attn_combine.for_decode(k1), attn_combine.for_decode(k4)])
     case = make_case(k4, "cuda", 7, ctx=ctx)
     h.run(case)
     _, (out4, _, _, q, gate, *pages, table, _) = case.launches[0]
@@ -78,12 +74,8 @@ def test_attn_decode_row_has_the_same_bits_in_a_decode_and_in_a_verify(h, layout
         out1 = torch.full((1, 1, HQ, D), float("nan"), dtype=torch.bfloat16, device="cuda")
         part_o = torch.empty(1, HQ, k1.splits, D, device="cuda")
         part_ml = torch.empty(1, HQ, k1.splits, 2, device="cuda")
-        ws = attn_decode.workspace(k1)
-        fold = [torch.zeros(ws["tickets"] // 4, dtype=torch.int32, device="cuda"),
-                torch.empty(ws["group_o"] // 4, device="cuda"), torch.empty(ws["group_ml"] // 4, device="cuda")]
-        h.launch_key(k1, attn_decode, [out1, part_o, part_ml, q1, gate1, *pages, table, lens] + (fold if k1.fold else []))
-        if not k1.fold:
-            h.launch_key(attn_combine.for_decode(k1), attn_combine, [out1, part_o, part_ml, gate1, lens])
+        h.launch_key(k1, attn_decode, [out1, part_o, part_ml, q1, gate1, *pages, table, lens])
+        h.launch_key(attn_combine.for_decode(k1), attn_combine, [out1, part_o, part_ml, gate1, lens])
         torch.cuda.synchronize()
         assert torch.equal(out1[0, 0], out4[0, tt]), \
             f"row {tt}: differs in {(out1[0, 0] != out4[0, tt]).sum().item()} of {HQ * D} values"
@@ -103,13 +95,14 @@ def test_attn_decode_ring_has_the_direct_loads_bits(h, t):
 
     for b, ctx in ((3, None), (1, 40_010)):
         direct = replace(attn_decode.make_key(HQ, HKV, D, b, t, "int8", MAX_PAGES, TARGET), kw=0, stages=0,
-                         early=False, fold=False)
+                         early=False)
         for stages in (2, 4):
             ring = replace(direct, stages=stages)
             h.build([direct, ring, attn_combine.for_decode(direct)])
-            case, ref = (make_case(k, "cuda", 11 + b, ctx=ctx) for k in (ring, direct))
-            assert same_bits(case, ref, lambda k, a: h.KERNELS.bind(k, a)), f"{ring.name}, b = {b}, ctx = {ctx}"
-            del case, ref
+            case = make_case(ring, "cuda", 11 + b, ctx=ctx)
+            same = same_bits(ring, direct, case, lambda k, a: h.KERNELS.bind(k, a))
+            assert same, f"{ring.name}, b = {b}, ctx = {ctx}"
+            del case
         torch.cuda.empty_cache()
 
 
@@ -127,30 +120,22 @@ def test_attn_decode_keys_split_matches_the_reference(h, t, ctx):
 
 
 @pytest.mark.parametrize("t", [1, 2, 4, 8])
-def test_attn_decode_fold_and_early_copies_have_the_keys_splits_bits(h, t):
-    """attn_combine folded into the keys split (`fold`: the last block of each split group reduces it, the last of
-    the groups the row) and the ring's first stages copied before the PDL wait (`early`), alone and together, write
-    the partials and output of the keys split + attn_combine bit for bit: three rows of random lengths (the last
-    padded), one row of 40,010 keys (3 split groups, the last shorter), one of 131,072, and the tiny spec's d = 64
-    at 132 splits (groups of 33: the batched loads); run twice on one case (the tickets left zero re-arm it)."""
+def test_attn_decode_early_copies_keep_the_keys_splits_bits(h, t):
+    """The keys split with its ring's first stages copied before the PDL wait (`early`, shipped on sm_90) writes the
+    split's partials and output without them bit for bit: three rows of random lengths (the last padded), one row of
+    40,010 keys (a ragged last chunk), and the tiny spec's d = 64."""
     from dataclasses import replace
 
     from lab.attn_long import same_bits
 
-    bind = lambda k, a: h.KERNELS.bind(k, a)      # noqa: E731
-    for hq, hkv, d, b, ctx in ((HQ, HKV, D, 3, None), (HQ, HKV, D, 1, 40_010), (HQ, HKV, D, 1, CONTEXT),
-                               (4, 2, 64, 3, None)):
-        keys = replace(attn_decode.keys_split(attn_decode.make_key(hq, hkv, d, b, t, "int8", MAX_PAGES, TARGET)),
-                       early=False, fold=False)
-        for variant in (replace(keys, fold=True), replace(keys, early=True), replace(keys, fold=True, early=True)):
-            h.build([keys, attn_combine.for_decode(keys), variant])
-            case, ref = (make_case(k, "cuda", 13 + b, ctx=ctx) for k in (variant, keys))
-            for run in range(2):
-                assert same_bits(case, ref, bind), f"{variant.name}, b = {b}, ctx = {ctx}, run {run}"
-            if variant.fold:
-                tickets = case.launches[0][1][11]
-                assert not tickets.any(), f"{variant.name}: tickets left {tickets.nonzero().numel()} non-zero"
-            del case, ref
+    for hq, hkv, d, b, ctx in ((HQ, HKV, D, 3, None), (HQ, HKV, D, 1, 40_010), (4, 2, 64, 3, None)):
+        plain = replace(attn_decode.keys_split(attn_decode.make_key(hq, hkv, d, b, t, "int8", MAX_PAGES, TARGET)),
+                        early=False)
+        early = replace(plain, early=True)
+        h.build([plain, early, attn_combine.for_decode(plain)])
+        case = make_case(early, "cuda", 13 + b, ctx=ctx)
+        assert same_bits(early, plain, case, lambda k, a: h.KERNELS.bind(k, a)), f"{early.name}, b = {b}, ctx = {ctx}"
+        del case
         torch.cuda.empty_cache()
 
 
