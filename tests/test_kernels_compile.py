@@ -450,7 +450,9 @@ def test_every_key_has_matching_params_and_args():
 
 def test_every_kernel_body_waits_for_its_predecessor():
     """The runtime launches sm_90+ kernels programmatically (Call.programmatic): each kernel may
-    start before its predecessor ends, so every kernel body must call pdl_entry() (common/ptx.cuh)."""
+    start before its predecessor ends, so every kernel body must call pdl_entry() (common/ptx.cuh) — or, where the
+    contract allows work before the wait (attn_decode's `early` ring copies), pdl_release() first and pdl_wait()
+    on every path after it."""
     for key in dict.fromkeys(_spec_keys("sm_90")):
         source = codegen.render(key, "13.0").source
         body = source.split("KERNEL_NAME(", 1)[1]
@@ -458,6 +460,13 @@ def test_every_kernel_body_waits_for_its_predecessor():
             members = source.split("KERNEL_NAME(", 1)[0].split("struct Block {")[1:]
             assert len(members) == len(key.members) and all(m.count("pdl_entry();") == 1 for m in members), key.name
             assert "pdl_entry();" not in body, key.name
+            continue
+        if getattr(key, "early", False):
+            assert "pdl_entry();" not in body and body.count("pdl_release();") == 1, key.name
+            release = body.index("pdl_release();")
+            assert body.count("if (EARLY && !pre) pdl_wait();") == body.count("if (EARLY && pre) pdl_wait();") == 1
+            waits = [body.index(w) for w in ("if (EARLY && !pre) pdl_wait();", "if (EARLY && pre) pdl_wait();")]
+            assert release < waits[0] < waits[1] < body.index("qb[G][s][0] = f.x;"), key.name   # before Q's loads
             continue
         assert body.count("pdl_entry();") == 1, key.name
 
