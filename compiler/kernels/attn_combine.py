@@ -2,7 +2,7 @@
 
 Its key mirrors the attn_decode key it follows (same splits and page): make it with `for_decode`, which also picks
 `groups`, the split groups a block's threads reduce side by side (templates/attn_combine.cu.j2), and `ds`, the dims a
-block covers: a block of ds × groups threads (256 at the 27B's shape) so that, launched programmatically, its blocks
+block covers: a block of ds × groups threads (128 at the 27B's shape) so that, launched programmatically, its blocks
 fit beside the attn_decode blocks still running (a 1,024-thread block wants a whole SM's registers) and wait there
 instead of launching after the last one leaves. The same arithmetic per (row, dim): the same bits at any ds.
 """
@@ -49,7 +49,7 @@ def split_groups(d: int, splits: int) -> int:
     return max(1, min(4, 1024 // d, splits // 8))
 
 
-BLOCK_THREADS = 256     # a combine block's threads at most (for_decode): room beside two attn_decode blocks an SM
+BLOCK_THREADS = 128     # a combine block's threads at most (for_decode): room beside two attn_decode blocks an SM
 
 
 def for_decode(dk) -> Key:
