@@ -14,7 +14,8 @@ the shipped key on the same inputs (the `bits` column); `keys` (templates/attn_d
 over 4 chunk lanes of whole-dim warps, attn_decode.keys_split; shipped on sm_90) has its own arithmetic, so where
 one of the pair splits the keys and the other the dims, column `diff` gives the largest |output − the shipped
 output| instead (both within bf16 of the reference: the GPU tier checks it); `keys` is the split without its `early`
-first copies (shipped with them on sm_90), `early` the split with them. Writes JSON (--out), prints a table last. `--dry-run` (any
+first copies (shipped with them on sm_90), `early` the split with them. `--combine-whole` also times attn_combine in
+blocks over all dims (session 23's). Writes JSON (--out), prints a table last. `--dry-run` (any
 machine, no GPU): the keys, launch grids, shared memory and byte counts only.
 
   python -m lab.attn_long --out attn_long.json [--contexts 4096,32768,131072] [--t 1,4] [--splits 66,132,264]

@@ -1,8 +1,8 @@
 """GPU tier at long context (issue 31): the paged kernels keyed as the 128K profile builds them (a 2,048-page
 block table) against their references at positions past 32,768 and 100,000 — qk_rope_kv (RoPE + the INT8
 append), attn_decode + attn_combine for a decode row and a verify's 4 rows (and the shared-memory ring against
-the direct loads, the keys split's early first copies against none, bit for bit), attn_prefill for a chunk at the end of 128K — at the 27B's attention shape; and greedy
-decoding with K = 3 drafts equal to plain greedy token for token after real random-token prompts of 40,000 and
+the direct loads, the keys split's early first copies against none, bit for bit), attn_prefill for a chunk at the
+end of 128K — at the 27B's attention shape; and greedy decoding with K = 3 drafts equal to plain greedy token for token after real random-token prompts of 40,000 and
 100,000 tokens (the tiny spec made to hold 131,072 positions; the one-graph fused rounds).
 Run: pytest -m gpu tests/gpu/test_long_context_gpu.py -q -s"""
 import pytest
