@@ -94,6 +94,18 @@ _PREBUILD: dict = {}        # "root": the session's kernel cache; "proc": the ba
 
 
 @pytest.fixture(scope="session")
+def nvrtc():
+    """NVRTC with the CUDA headers, or the test skips (no cuda-bindings / NVRTC / headers on this machine)."""
+    try:
+        from compiler import nvrtc as module
+        module.version()
+        module.cuda_include_dir()
+    except Exception as err:
+        pytest.skip(f"NVRTC unavailable: {err}")
+    return module
+
+
+@pytest.fixture(scope="session")
 def kernel_cache(tmp_path_factory) -> Path:
     """The session's kernel build root (a key compiles once per session; the background build fills it)."""
     if "root" not in _PREBUILD:

@@ -106,15 +106,6 @@ def test_ring_keys_fit_two_blocks_where_the_card_allows():
 _FP = re.compile(r"^\s*\{?\s*(?:@%p\d+\s+)?((?:fma|mul|add|sub|ex2|max|min|neg|cvt|mma)\.[\w.]*f(?:16|32)[\w.]*)", re.M)
 
 
-def _nvrtc_or_skip():
-    try:
-        from compiler import nvrtc
-        nvrtc.version()
-        nvrtc.cuda_include_dir()
-    except Exception as err:                     # no cuda-bindings / NVRTC / headers on this machine
-        pytest.skip(f"NVRTC unavailable: {err}")
-
-
 def ring_keys(arch: str) -> list:
     """attn_decode at one row tile (T = 1) and two (T = 4) with direct loads, then the same with the ring."""
     made = [attn_decode.make_key(24, 4, 256, 1, t, "int8", 2048, lookup(arch)) for t in (1, 4)]
@@ -123,11 +114,10 @@ def ring_keys(arch: str) -> list:
 
 @pytest.mark.prebuild(keys=ring_keys, ptx=True)
 @pytest.mark.parametrize("arch", ["sm_86", "sm_90"])
-def test_ring_compiles_without_spills_with_the_direct_loads_arithmetic(kernel_cache, arch):
+def test_ring_compiles_without_spills_with_the_direct_loads_arithmetic(nvrtc, kernel_cache, arch):
     """The ring template at one row tile (T = 1) and two (T = 4): no spills and no stack frame, and its PTX has the
     direct-load kernel's floating-point instructions kind by kind (a necessary condition for its bits, which the GPU
     checks: lab.attn_long's `bits` column, tests/gpu/test_long_context_gpu.py). Registers are printed."""
-    _nvrtc_or_skip()
     from compiler.build_cache import build_kernels
 
     keys = ring_keys(arch)
@@ -183,11 +173,10 @@ def keys_split_keys(arch: str) -> list:
 
 @pytest.mark.prebuild(keys=keys_split_keys)
 @pytest.mark.parametrize("arch", ["sm_90"])
-def test_keys_split_compiles_without_spills(kernel_cache, arch):
+def test_keys_split_compiles_without_spills(nvrtc, kernel_cache, arch):
     """templates/attn_decode_keys.cu.j2 where it ships (sm_90) at one row tile (a decode) and three (a verify of 4
     tokens): no spills, no stack frame, and registers that let the blocks an SM it was sized for run (two of 4
     warps; one of 12). (sm_80/86 spill 4 registers at 12 warps: not shipped there.)"""
-    _nvrtc_or_skip()
     from compiler.build_cache import build_kernels
     from compiler.kernels.attn_decode import keys_tiling
 

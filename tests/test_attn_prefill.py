@@ -25,15 +25,6 @@ def _tiny(arch):
     return attn_prefill.make_key(4, 2, 64, 64, "int8", 64, lookup(arch))
 
 
-def _nvrtc():
-    try:
-        from compiler import nvrtc
-        nvrtc.version()
-        nvrtc.cuda_include_dir()
-    except Exception as err:                     # no cuda-bindings / NVRTC / headers on this machine
-        pytest.skip(f"NVRTC unavailable: {err}")
-
-
 def test_int8_keys_compile_their_own_template_and_bf16_keys_the_familys():
     assert codegen.template_path(_key("sm_86")) == "templates/attn_prefill_int8.cu.j2"
     assert codegen.template_path(_key()) == "templates/attn_prefill_wg.cu.j2" and _key().compile_arch == "sm_90a"
@@ -55,8 +46,7 @@ def bf16_keys(arch: str) -> list:
 
 @pytest.mark.prebuild(keys=int8_keys)
 @pytest.mark.parametrize("arch, tiling", TILINGS.items())
-def test_int8_compiles_without_spills_and_fits(kernel_cache, arch, tiling):
-    _nvrtc()
+def test_int8_compiles_without_spills_and_fits(nvrtc, kernel_cache, arch, tiling):
     from compiler import nvrtc
     from compiler.build_cache import build_kernels
 
@@ -81,9 +71,8 @@ def test_int8_compiles_without_spills_and_fits(kernel_cache, arch, tiling):
 
 @pytest.mark.prebuild(keys=bf16_keys)
 @pytest.mark.parametrize("arch", ["sm_86", "sm_90"])
-def test_bf16_compiles_without_spills(kernel_cache, arch):
+def test_bf16_compiles_without_spills(nvrtc, kernel_cache, arch):
     """bf16 KV (no shipped spec uses it; the case keys never reach it) at the 27B's and the tiny spec's shapes."""
-    _nvrtc()
     from compiler.build_cache import build_kernels
 
     for built in build_kernels(bf16_keys(arch), root=kernel_cache, jobs=2, progress=False).built:
