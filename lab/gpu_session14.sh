@@ -12,8 +12,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.:/tmp/site NINFER_BUILD_DIR=${NINFER_BUILD_DIR:-/tmp/ninfer-build}
 shown() { tr '\r' '\n' < "$1" | grep -v "it/s\]" | grep -v "kernel/s" | grep -v "^\s*$" | tail -"$2"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-python3 -m pip install -q --no-index --no-deps --target /tmp/site --find-links .whl \
-  $(ls .whl | sed 's/-[0-9].*//' | sort -u) 2>&1 | grep -v 'already exists' | tail -2   # the wheel of this python
+source lab/device_wheels.sh
 part() { [ -z "${PART:-}" ] || [[ ",$PART," == *",$1,"* ]]; }
 if part attn; then                   # session 16 (issue 31 item 2): the tensor-core decode attention — its kernel tests
                                      # (every case key, past 32K), then the long-context lab at 4K / 32K / 128K

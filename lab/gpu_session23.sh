@@ -8,8 +8,7 @@ set -uo pipefail
 : "${OUT:?set OUT}"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.:/tmp/site NINFER_BUILD_DIR=${NINFER_BUILD_DIR:-/tmp/ninfer-build}
 part() { [ -z "${PART:-}" ] || [[ ",$PART," == *",$1,"* ]]; }
-python3 -m pip install -q --no-index --no-deps --target /tmp/site --find-links .whl \
-  $(ls .whl | sed 's/-[0-9].*//' | sort -u) 2>&1 | grep -v 'already exists' | tail -2   # the wheel of this python
+source lab/device_wheels.sh
 shown() { tr '\r' '\n' < "$1" | grep -v "it/s\]" | grep -v "kernel/s" | grep -v "^\s*$" | tail -"$2"; }
 if part keys; then
   PART=attn ATTNT_S=${ATTNT_S:-200} ATTNL_S=${ATTNL_S:-150} ACTX=${ACTX:-4096,32768,131072} ASPLITS=66 AVAR=ring \

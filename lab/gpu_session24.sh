@@ -12,6 +12,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.:/tmp/site NINFER_BUILD_DIR=${NINFER_BUILD
 part() { [ -z "${PART:-}" ] || [[ ",$PART," == *",$1,"* ]]; }
 shown() { tr '\r' '\n' < "$1" | grep -v "it/s\]" | grep -v "kernel/s" | grep -v "^\s*$" | tail -"$2"; }
 t0=$SECONDS; stamp() { echo "[$((SECONDS - t0)) s] $*"; }
+source lab/device_wheels.sh           # once per machine: the scripts below skip it
 if part valid; then
   PART=keys bash lab/gpu_session23.sh; stamp "keys done"
   PART=kq,tests bash lab/gpu_session14.sh; stamp "kq, tier done"

@@ -557,7 +557,8 @@ def test_attn_combine_split_groups(kernel_cache, arch):
         assert b.meta["registers"] <= cap and not b.meta["spill_stores"], (b.key.name, b.meta["registers"])
     with pytest.raises(ValueError, match="ds · groups ≤ 1024"):
         replace(key, groups=5, ds=0)
-    with pytest.raises(ValueError, match="whole warps"):
-        replace(key, ds=48)
+    for ds in (48, 256):                                       # not whole warps; all dims spelt as 256 (0 is)
+        with pytest.raises(ValueError, match="whole warps"):
+            replace(key, ds=ds)
     with pytest.raises(ValueError, match="1 ≤ groups ≤ splits"):
         attn_combine.Key(24, 256, 1, 1, 64, 2, True, arch, 3)

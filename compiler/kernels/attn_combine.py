@@ -34,13 +34,14 @@ class Key(KernelKey):
         if not 1 <= self.groups <= self.splits or ds * self.groups > 1024:
             raise ValueError(f"attn_combine: {self.groups} groups of {ds} threads over {self.splits} splits "
                              "(1 ≤ groups ≤ splits, ds · groups ≤ 1024 threads)")
-        if self.d % ds or ds % 32:
-            raise ValueError(f"attn_combine: {ds} dims a block must divide d = {self.d} in whole warps")
+        if self.d % ds or ds % 32 or self.ds == self.d:
+            raise ValueError(f"attn_combine: {ds} dims a block must divide d = {self.d} in whole warps "
+                             "(0 for all of them: one key per kernel)")
 
     def _name_parts(self):
         return [f"q{self.hq}", f"d{self.d}", f"b{self.b}", f"t{self.t}", f"p{self.page}", f"s{self.splits}"] + \
             (["gate"] if self.gate else []) + ([f"g{self.groups}"] if self.groups > 1 else []) + \
-            ([f"x{self.ds}"] if self.ds and self.ds != self.d else [])
+            ([f"x{self.ds}"] if self.ds else [])
 
 
 def split_groups(d: int, splits: int) -> int:
@@ -54,8 +55,8 @@ BLOCK_THREADS = 128     # a combine block's threads at most (for_decode): room b
 
 def for_decode(dk) -> Key:
     groups = split_groups(dk.d, dk.splits)
-    ds = min(dk.d, max(32, BLOCK_THREADS // groups))
-    return Key(dk.hq, dk.d, dk.b, dk.t, dk.page, dk.splits, dk.gate, dk.arch, groups, 0 if ds == dk.d else ds)
+    ds = max(32, BLOCK_THREADS // groups)
+    return Key(dk.hq, dk.d, dk.b, dk.t, dk.page, dk.splits, dk.gate, dk.arch, groups, 0 if ds >= dk.d else ds)
 
 
 def launch(key: Key, target: Target | None = None) -> Launch:
