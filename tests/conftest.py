@@ -1,6 +1,8 @@
 """Shared pytest setup: the `gpu` marker skips cleanly on machines without a usable CUDA driver; the
 `slow_gpu` marker (statistical GPU cases, minutes each) skips unless `-m` names it or NINFER_SLOW_GPU=1, so
-`pytest -m gpu` stays within its 5-minute budget; torch's OpenMP threads sleep instead of spinning when idle
+`pytest -m gpu` stays within its 5-minute budget; the `sweep` marker (exhaustive NVRTC compile sweeps, minutes of CPU:
+CI compiles a sample of the same keys) skips unless `-m` names it or NINFER_SWEEP=1 — the GPU session scripts run
+them on the device machine's cores; torch's OpenMP threads sleep instead of spinning when idle
 (OMP_WAIT_POLICY=PASSIVE, set before torch loads: on a busy 2-core machine spinning threads stall each
 other — the same bits, up to 10× slower decode); after each module that used CUDA, unreachable objects are
 collected and the allocator's cache emptied, so a module's models (a backend's graphs and buffers hold reference
@@ -69,19 +71,21 @@ def release_gpu_memory_after_module():
         torch.cuda.empty_cache()
 
 
-def _slow_gpu_asked(config) -> bool:
-    return "slow_gpu" in (config.getoption("markexpr") or "") or os.environ.get("NINFER_SLOW_GPU") == "1"
+def _asked(config, marker: str, env: str) -> bool:
+    return marker in (config.getoption("markexpr") or "") or os.environ.get(env) == "1"
 
 
 def pytest_collection_modifyitems(config, items):
     # compile tests last (order otherwise kept), so that the background build has the other tests' time to work in
     items[:] = [i for i in items if not i.get_closest_marker("prebuild")] + \
                [i for i in items if i.get_closest_marker("prebuild")]
-    if not _slow_gpu_asked(config):
-        slow = pytest.mark.skip(reason="slow statistical GPU case: run with -m slow_gpu or NINFER_SLOW_GPU=1")
-        for item in items:
-            if "slow_gpu" in item.keywords:
-                item.add_marker(slow)
+    for marker, env, what in (("slow_gpu", "NINFER_SLOW_GPU", "slow statistical GPU case"),
+                              ("sweep", "NINFER_SWEEP", "exhaustive compile sweep (CI compiles a sample)")):
+        if not _asked(config, marker, env):
+            skip = pytest.mark.skip(reason=f"{what}: run with -m {marker} or {env}=1")
+            for item in items:
+                if marker in item.keywords:
+                    item.add_marker(skip)
     if _gpu_available():
         return
     skip = pytest.mark.skip(reason="no CUDA GPU on this machine")

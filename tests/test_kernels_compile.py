@@ -5,6 +5,7 @@ embed_images), the joined GEMV launches (gemv_chain); a warm rebuild compiles no
 The compile tests build into the session's kernel cache (tests/conftest.py), their keys from the `*_keys` functions
 their `prebuild` marks name, which the session's background build compiles ahead."""
 import json
+import os
 from dataclasses import replace
 from functools import cache
 from pathlib import Path
@@ -74,26 +75,45 @@ def chain_keys(arch: str) -> list:
             for c in plan_bucket(SPECS["27b"], lookup(arch), entry, b, t, profile).calls if c.key.family == "gemv_chain"]
 
 
-def every_kernel_keys(arch: str) -> list:
+def every_kernel_keys(arch: str, sample: bool = False) -> list:
     """sm_86 (the target, compiled nowhere else): the 27B's and the tiny spec's keys; sm_90: the 27B's (the
-    GPU tier compiles the tiny spec's there) — every family either way."""
+    GPU tier compiles the tiny spec's there, the 27B bench every 27B key, refusing spills at load) — every family
+    either way; with `sample`, `sampled` of them."""
     keys = _spec_keys(arch, tiny=arch == "sm_86")
     if arch == "sm_90":       # the tiny spec's 32-row residual GEMVs too: unsplit, they take the norm fold (the 27B's
         keys += [k for k in case_keys(SPECS["tiny"], lookup(arch))     # are split-K), which spilled under a register cap
                  if k.family == "gemv" and k.m == 32 and k.epilogue == "residual"]
-    return keys
+    return sampled(keys) if sample else keys
+
+
+def sampled(keys: list, by_m: bool = False) -> list:
+    """The first and last key of each family and weight format (with `by_m`, also of each row count M of a GEMV
+    family: the registers a kernel needs grow with M and the format, the shapes change grids): CI's sample of a
+    sweep."""
+    groups: dict = {}
+    for k in keys:
+        m = getattr(k, "m", None) if by_m and "gemv" in k.family else None
+        groups.setdefault((k.family, getattr(k, "fmt", None), m), []).append(k)
+    return list(dict.fromkeys(k for g in groups.values() for k in (g[0], g[-1])))
+
+
+# A sweep's compiles use the machine's cores (the device machine's 16 when a GPU session script runs them; CI's 2).
+SWEEP_JOBS = max(2, min(16, os.cpu_count() or 2))
+SWEEP = pytest.mark.sweep
 
 
 @pytest.mark.slow
 @pytest.mark.prebuild(keys=every_kernel_keys)
-@pytest.mark.parametrize("arch", ["sm_86", "sm_90"])
-def test_every_kernel_compiles_without_spills(kernel_cache, arch):
-    """Every key of `every_kernel_keys` compiles without spills within the card's limits; a warm rebuild compiles
-    nothing. (The background build may have compiled some already: `cold` is this test's first look.)"""
+@pytest.mark.parametrize("arch, sample", [("sm_86", False), ("sm_90", True), pytest.param("sm_90", False, marks=SWEEP)])
+def test_every_kernel_compiles_without_spills(kernel_cache, arch, sample):
+    """Every key of `every_kernel_keys` (sm_90 in CI: its sample; all of them in the sweep) compiles without spills
+    within the card's limits; a warm rebuild compiles nothing. (The background build may have compiled some already:
+    `cold` is this test's first look.)"""
     keys = every_kernel_keys(arch)
     assert {k.family for k in keys} == set(FAMILY_MODULES) - ({"gemm_wg", "xperm"} if arch != "sm_90" else set())
     assert {k.m for k in keys if k.family == "gemv"} == {1, 2, 4, 8, 16, 32}
-    cold = build_kernels(keys, jobs=2, root=kernel_cache, progress=False)
+    keys = every_kernel_keys(arch, sample)
+    cold = build_kernels(keys, jobs=SWEEP_JOBS, root=kernel_cache, progress=False)
     spilled = [b.key.name for b in cold.built if b.meta["spill_stores"] or b.meta["spill_loads"]]
     assert not spilled and cold.spills == 0, f"spills in {spilled}"
     print(f"\n{arch} cold: {cold.table()}")
@@ -158,29 +178,24 @@ def _planned_kquant_keys(arch: str) -> tuple:
 
 
 def kquant_built_keys(arch: str, sample: bool) -> list:
-    """`kquant_keys`, or with `sample` the first and last key of each family and format."""
-    keys = kquant_keys(arch)
-    if sample:
-        groups: dict = {}
-        for k in keys:
-            groups.setdefault((k.family, getattr(k, "fmt", None)), []).append(k)
-        keys = list(dict.fromkeys(k for g in groups.values() for k in (g[0], g[-1])))
-    return keys
+    """`kquant_keys`, or with `sample` their `sampled` keys (on sm_86, the target, those of every M)."""
+    return sampled(kquant_keys(arch), by_m=arch == "sm_86") if sample else kquant_keys(arch)
 
 
 @pytest.mark.slow
 @pytest.mark.prebuild(keys=kquant_built_keys)
-@pytest.mark.parametrize("arch, sample", [("sm_86", False), ("sm_80", True), ("sm_90", True)])
+@pytest.mark.parametrize("arch, sample", [("sm_86", True), ("sm_80", True), ("sm_90", True),
+                                          pytest.param("sm_86", False, marks=SWEEP)])
 def test_kquant_kernels_compile_without_spills(kernel_cache, arch, sample):
-    """Every k-quant key renders (gemv_kq.cu.j2, gemm_kq.cu.j2, the embed and norm variants) and compiles
-    with no spills on sm_86 (the target, compiled nowhere else); on sm_80 and sm_90 (the GPU tier compiles
-    the rest there) the first and last key of each family and format, which keeps CI's 2-core run short;
-    registers and shared memory per kernel are printed."""
+    """The k-quant keys render (gemv_kq.cu.j2, gemm_kq.cu.j2, the embed and norm variants) and compile with no spills:
+    in CI a sample on sm_86 (the target), sm_80 and sm_90 (the GPU tier compiles sm_90's others there), which keeps
+    CI's 2-core run short (the whole sm_86 set, 275 keys, is ~280 CPU-seconds); every sm_86 key in the sweep.
+    Registers and shared memory per kernel are printed."""
     keys = kquant_keys(arch)
     fmts = {(k.family, k.fmt) for k in keys if hasattr(k, "fmt")}
     assert {(f, q) for f in ("gemv", "gemm", "embed") for q in ("q4_k", "q5_k", "q6_k")} <= fmts
     assert {k.m for k in keys if k.family == "gemv"} == {1, 2, 4, 8, 16, 32}
-    summary = build_kernels(kquant_built_keys(arch, sample), jobs=2, root=kernel_cache, progress=False)
+    summary = build_kernels(kquant_built_keys(arch, sample), jobs=SWEEP_JOBS, root=kernel_cache, progress=False)
     rows = sorted((b.key.name, b.meta["registers"], b.meta["smem_bytes"] + module_of(b.key).launch(b.key).smem,
                    b.meta["spill_stores"] + b.meta["spill_loads"], b.meta["stack_bytes"]) for b in summary.built)
     print(f"\n{arch}: {summary.table()}\n" + "\n".join(f"  {n}: {r} registers, {m} B shared, {sp} B spilled, "
