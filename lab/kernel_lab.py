@@ -234,11 +234,17 @@ KQUANT_VARIANTS = [{}, {"code_bias": False, "kq_lean": False, "stage_w": 0}, {"s
 # staged gate/up loop per unit (sm_90): Q4_K 474 → 319 at M = 1, 515 → 342 at M = 8; Q5_K 547 → 387, 587 → 409.
 # Session 23 (H100): Q4_K gate/up 49.5 → 45.0 µs at M = 1, the GGUF step −7.4 %: shipped (the first variant).
 KQ_LEAN_VARIANTS = [{}, {"kq_lean": False}]
+# `q6lean` (issue 34, session 25): Q6_K's unit math in fewer instructions, the same bits (key `q6_lean`,
+# common/kq_units.j2: staged rows of 16 chunks copied at one offset a unit, aligned words read without a shift, the
+# PRMT constants in registers, d·sc by one FFMA, no FFMA past M). SASS per staged unit (sm_90, M = 1): down 779 → 566,
+# gate/up 799 → 565; registers 168 → 108–111 (so 4 blocks an SM fit under the 3-block cap). Variants: shipped
+# (q6_lean), without it, and the register caps of 4 and 2 blocks.
+Q6_LEAN_VARIANTS = [{}, {"q6_lean": False}, {"min_blocks": 4}, {"min_blocks": 2}]
 
 
 def kquant_plan(target, l2, ms):
     """`kquant`: the k-quant GEMVs beside their group-64 twins; `kqlean`: the Q4_K/Q5_K ones, shipped and with
-    `kq_lean`; `kquant_gemm`: a Q4_K_M-style 27B prefill chunk's GEMMs (gemm_kq.cu.j2) beside the same shapes in the
+    `kq_lean`; `q6lean`: the Q6_K ones with and without `q6_lean` and under other register caps; `kquant_gemm`: a Q4_K_M-style 27B prefill chunk's GEMMs (gemm_kq.cu.j2) beside the same shapes in the
     27B's own formats."""
     import sys
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -251,6 +257,8 @@ def kquant_plan(target, l2, ms):
     for kq, g64, n, k, epi, out in KQUANT_GEMV:
         if kq != "q6_k":
             yield "kqlean", gemv_runs(kq, n, k, ms if n < 200000 else (1, 4), epi, out, target, l2, KQ_LEAN_VARIANTS)
+        else:
+            yield "q6lean", gemv_runs(kq, n, k, ms if n < 200000 else (1, 4), epi, out, target, l2, Q6_LEAN_VARIANTS)
     spec = load_spec(Path(__file__).resolve().parent.parent / "model_specs/qwen3.8-27b.yaml")
     chunk = spec.runtime.prefill_chunk
     keys = [k for s in (q4_k_m_recipe(spec), spec) for k in plan_bucket(s, target, "prefill", 1, chunk).keys()
@@ -481,7 +489,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="kernel_lab.json")
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--only", default="", help="comma-separated labels: gemv9,gemv,kquant,kqlean,kquant_gemm,vision,buckets,verify,gdn_step,gdn_chunk,gdn_conv,attn_decode,prefill,gemm_sweep,gemm_27b,wg_27b,wg_sweep,sweep,warps,tune,misc")
+    ap.add_argument("--only", default="", help="comma-separated labels: gemv9,gemv,kquant,kqlean,q6lean,kquant_gemm,vision,buckets,verify,gdn_step,gdn_chunk,gdn_conv,attn_decode,prefill,gemm_sweep,gemm_27b,wg_27b,wg_sweep,sweep,warps,tune,misc")
     ap.add_argument("--ms", default="1,4,8,16,32", help="M values of the gemv and kquant groups")
     ap.add_argument("--arch-path", default=None, help="time another card's kernels (e.g. sm_86: the 3090's keys and "
                     "tiles, built as PTX the driver JIT-compiles, no PDL), as `run --arch-path` runs them")

@@ -21,7 +21,8 @@ from compiler.build_cache import build_kernels
 from compiler.kernels import gemv, gemv_rules
 from compiler.targets import lookup
 
-SHAPES = {"gate_up": (34816, 5120, "silu_mul"), "qkv": (10240, 5120, "none"), "out": (5120, 6144, "residual")}
+SHAPES = {"gate_up": (34816, 5120, "silu_mul"), "qkv": (10240, 5120, "none"), "out": (5120, 6144, "residual"),
+          "down": (5120, 17408, "residual")}
 
 
 def disassembler(explicit: str | None = None) -> list[str] | None:

@@ -144,6 +144,23 @@ def test_kquant_lean_needs_code_bias():
         assert gemv_rules.apply_overrides(plain, "kq_lean=1") == plain
 
 
+def test_q6_lean_is_q6_k_only_and_shipped_at_every_m():
+    """`q6_lean` (Q6_K's unit math in fewer instructions, the same bits: tests/gpu/test_kquant_gpu.py) is on in the
+    shipped Q6_K keys at every M, names itself, stages block rows of 16 chunks (256 bytes), and no other format takes
+    it (a process-wide rule passes them on)."""
+    for m in (1, 8, 9, 32):
+        key = gemv.make_key("q6_k", 5120, 17408, m, H200, "residual")
+        assert key.q6_lean and "_ql" in key.name
+    staged = gemv.make_key("q6_k", 34816, 5120, 1, H200, "silu_mul")
+    assert staged.stage_w == 2 and gemv.stage_w_bytes(staged) == 2 * 4 * 16 * 256 <= gemv.STAGE_W_LIMIT
+    assert gemv_rules.apply_overrides(staged, "q6_lean=0") == replace(staged, q6_lean=False)
+    for fmt in ("q4_k", "q5_k", "q4g64"):
+        plain = gemv.make_key(fmt, 6144, 5120, 1, H200)
+        assert not plain.q6_lean and gemv_rules.apply_overrides(plain, "q6_lean=1") == plain
+        with pytest.raises(ValueError, match="q6_lean is Q6_K's"):
+            replace(plain, q6_lean=True)
+
+
 def test_matmul_dispatch_of_kquants():
     """Up to 32 rows the k-quant GEMV, above the mma.sync GEMM on the blocks as stored (gemm_kq.cu.j2; never
     the Hopper warpgroup GEMM), whose warp tiles stay within 4 token tiles and whose ring fits the card."""

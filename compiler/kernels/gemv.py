@@ -87,6 +87,9 @@ class Key(KernelKey):
     kq_lean: bool = False   # Q4_K/Q5_K with code_bias: Σ x by one mma per sub-block (halves added in fp32), d·sc by one
                             # FFMA, no FFMA for token columns past M (other bits than code_bias alone, the same at every
                             # M; shipped with code_bias: gemv_config.kquant_stream_config)
+    q6_lean: bool = False   # Q6_K: the same bits in fewer instructions — staged rows of 16 chunks whose copies share
+                            # one offset a unit, aligned words read without a shift, the PRMT constants in registers,
+                            # d·sc by one FFMA, no FFMA for token columns past M (common/kq_units.j2)
 
     def __post_init__(self):
         if self.fmt not in FORMATS and self.fmt not in KFORMATS:
@@ -102,6 +105,8 @@ class Key(KernelKey):
                              f"shared memory, got {self.fmt}, {stage_w_bytes(self)} B")
         if self.code_bias and self.fmt not in ("q4_k", "q5_k"):
             raise ValueError(f"gemv: code_bias needs a k-quant with mins (q4_k, q5_k), not {self.fmt}")
+        if self.q6_lean and self.fmt != "q6_k":
+            raise ValueError(f"gemv: q6_lean is Q6_K's unit math, not {self.fmt}'s")
         if self.kq_lean and not self.code_bias:
             raise ValueError(f"gemv: kq_lean needs code_bias (a q4_k or q5_k key), got {self.fmt} without it")
         if self.fmt in KFORMATS and (self.tiles != 1 or self.prefetch or self.interleave or self.stage_x):
@@ -152,7 +157,8 @@ class Key(KernelKey):
                 + ([f"cv{self.conv}"] if self.conv else []) + (["xs"] if self.stage_x else [])
                 + ([f"sw{self.stage_w}"] if self.stage_w else [])
                 + (["cb"] if self.code_bias else []) + ([f"d{self.depth}"] if self.depth else [])
-                + (["xe"] if self.x_early else []) + (["kl"] if self.kq_lean else []))
+                + (["xe"] if self.x_early else []) + (["kl"] if self.kq_lean else [])
+                + (["ql"] if self.q6_lean else []))
 
 
 STATIC_SMEM = 48 * 1024      # a kernel's static shared memory
@@ -186,7 +192,8 @@ STAGE_W_ROW = {"q4_k": 144, "q5_k": 176, "q6_k": 224}     # bytes a staged block
 
 def stage_w_bytes(key: Key) -> int:
     """Shared memory a `stage_w` key stages weights in: per warp, stage_w units of 16 block rows."""
-    return key.warps * key.stage_w * 16 * STAGE_W_ROW[key.fmt] if key.stage_w and key.fmt in STAGE_W_ROW else 0
+    row = 256 if key.q6_lean else STAGE_W_ROW.get(key.fmt, 0)        # q6_lean: 16 chunks a row
+    return key.warps * key.stage_w * 16 * row if key.stage_w else 0
 
 
 def stage_x_bytes(key: Key) -> int:

@@ -127,6 +127,23 @@ def test_weights_staged_in_shared_memory_give_the_same_bits(h, fmt, n, k, epi, o
     _same_bits(h, key, staged)
 
 
+Q6_LEAN = [(n, k, epi, out, m, sw) for n, k, epi, out in ((5120, 17408, "residual", "f32"), (200, 768, "residual", "f32"),
+                                                        (40, 256, "none", "f32"), (1024, 5120, "none", "f32"))
+           for m in (1, 2, 8, 9, 32) for sw in (0, 2)] + [(34816, 5120, "silu_mul", "bf16", m, 2) for m in (1, 8)]
+
+
+@pytest.mark.parametrize("n,k,epi,out,m,sw", Q6_LEAN)
+def test_q6_lean_gives_the_same_bits(h, n, k, epi, out, m, sw):
+    """`q6_lean` (Q6_K's unit math in fewer instructions, shipped) reads the same words and computes the same values
+    (d·sc by an exact FFMA instead of an exact FMUL): the bits of the key without it — staged (rows of 16 chunks; one
+    copy offset a unit where 2·RB ≡ 0 mod 16, K = 5120 / 17408, else one a row: K = 256, 768) and loaded, M = 1 … 32
+    (M = 1 leaves out the second token column's FFMAs)."""
+    key = replace(gemv.make_key("q6_k", n, k, m, TARGET, epi, out), stage_w=sw, q6_lean=False)
+    lean = replace(key, q6_lean=True)
+    h.build([key, lean])
+    _same_bits(h, key, lean)
+
+
 BIASED = "code_bias=1,kq_lean=0,stage_w=2"     # code_bias alone, staged (the shipped keys, "", take kq_lean too)
 
 

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Session 25's device calls (logs to $OUT as it goes).
+# PART=q6: `q6_lean` (issue 34: Q6_K's unit math in fewer instructions, the same bits) — the k-quant and GGUF GPU tests
+#   (every Q6_K case against the reference, q6_lean = without it bit for bit), the kernel lab's `q6lean` group
+#   (shipped / without / 4- and 2-block caps, M = 1, 4, 8), then issue 34's 27B line on a Q4_K_M-style GGUF: Q4G64 and
+#   GGUF plain decode as fractions of the same-run copy and MTP3 (lab/gpu_session14.sh PART=gguf27, the file kept).
+# PART=gguf2 (the next call, on the same warm machine: the GGUF is kept in /tmp): the GGUF step without q6_lean
+#   (PART=kqab GAB="q6_lean=0") and its C1/C8 bench with drafts.
+# PART=sweep: the exhaustive compile sweeps CI samples (pytest -m sweep: every sm_90 key, every sm_86 k-quant key) on
+#   the device's cores. PART=tier: the GPU tier (lab/gpu_session14.sh PART=tests).
+# PART=long: on an H200, issue 31's figures (lab/gpu_session24.sh PART=early,bench).
+set -uo pipefail
+: "${OUT:?set OUT}"
+export PYTHONUNBUFFERED=1 PYTHONPATH=.:/tmp/site NINFER_BUILD_DIR=${NINFER_BUILD_DIR:-/tmp/ninfer-build}
+part() { [ -z "${PART:-}" ] || [[ ",$PART," == *",$1,"* ]]; }
+shown() { tr '\r' '\n' < "$1" | grep -v "it/s\]" | grep -v "kernel/s" | grep -v "^\s*$" | tail -"$2"; }
+t0=$SECONDS; stamp() { echo "[$((SECONDS - t0)) s] $*"; }
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+source lab/device_wheels.sh           # once per machine: the scripts below skip it
+if part q6; then
+  PART=kq bash lab/gpu_session14.sh; stamp "k-quant tests done"
+  timeout ${Q6L_S:-200} python3 -m lab.kernel_lab --only q6lean --ms ${KQMS:-1,4,8} --out $OUT/q6lean_lab.json \
+    > $OUT/q6lean_lab.log 2>&1; echo "q6lean lab: rc $?"; grep -a "^gemv_" $OUT/q6lean_lab.log | tail -${KQROWS:-60}
+  stamp "q6lean lab done"
+  KEEP_GGUF=1 GGUF_RSS=${GGUF_RSS:-0} GGUF_C8=0 PART=gguf27 bash lab/gpu_session14.sh; stamp "gguf27 done"
+fi
+if part gguf2; then
+  G=/tmp/qwen3.8-27b-q4_k_m.gguf
+  GAB="${GAB:-q6_lean=0}" PART=kqab bash lab/gpu_session14.sh; stamp "kqab done"
+  timeout ${GGUFC_S:-300} python3 -m ninfer_gen.cli bench --weights $G --concurrency 1,8 --draft 3 --accept-prob 0.8 \
+    --draft-vocab 32768 --output-tokens 256 --json $OUT/bench_gguf_c8.json > $OUT/bench_gguf_c8.log 2>&1
+  echo "GGUF C1/C8: rc $?"; shown $OUT/bench_gguf_c8.log 16; stamp "gguf C8 done"
+fi
+if part sweep; then
+  NINFER_SWEEP=1 timeout ${SWEEP_S:-300} python3 -m pytest tests/test_kernels_compile.py -m sweep -q -rf \
+    -p no:cacheprovider --durations=5 > $OUT/sweep.log 2>&1; echo "sweep: rc $?"; shown $OUT/sweep.log 12
+  stamp "sweep done"
+fi
+if part tier; then
+  PART=tests bash lab/gpu_session14.sh; stamp "tier done"
+fi
+if part long; then
+  PART=early,bench bash lab/gpu_session24.sh; stamp "long done"
+fi
