@@ -2,7 +2,8 @@
 # Session 25's device calls (logs to $OUT as it goes).
 # PART=q6: `q6_lean` (issue 34: Q6_K's unit math in fewer instructions, the same bits) — the k-quant and GGUF GPU tests
 #   (every Q6_K case against the reference, q6_lean = without it bit for bit), the kernel lab's `q6lean` group
-#   (shipped / without / 4- and 2-block caps, M = 1, 4, 8), then issue 34's 27B line on a Q4_K_M-style GGUF: Q4G64 and
+#   (shipped / without / 4-, 5- and 2-block caps) and `kqlean` group (Q4_K/Q5_K: shipped / code_bias alone / 5- and
+#   6-block caps), M = 1 and 8, then issue 34's 27B line on a Q4_K_M-style GGUF: Q4G64 and
 #   GGUF plain decode as fractions of the same-run copy and MTP3 (lab/gpu_session14.sh PART=gguf27, the file kept).
 # PART=gguf2 (the next call, on the same warm machine: the GGUF is kept in /tmp): the GGUF step without q6_lean
 #   (PART=kqab GAB="q6_lean=0") and its C1/C8 bench with drafts.
@@ -19,9 +20,9 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 source lab/device_wheels.sh           # once per machine: the scripts below skip it
 if part q6; then
   PART=kq bash lab/gpu_session14.sh; stamp "k-quant tests done"
-  timeout ${Q6L_S:-200} python3 -m lab.kernel_lab --only q6lean --ms ${KQMS:-1,4,8} --out $OUT/q6lean_lab.json \
-    > $OUT/q6lean_lab.log 2>&1; echo "q6lean lab: rc $?"; grep -a "^gemv_" $OUT/q6lean_lab.log | tail -${KQROWS:-60}
-  stamp "q6lean lab done"
+  timeout ${Q6L_S:-240} python3 -m lab.kernel_lab --only ${KQLAB:-q6lean,kqlean} --ms ${KQMS:-1,8} --out $OUT/q6lean_lab.json \
+    > $OUT/q6lean_lab.log 2>&1; echo "q6lean lab: rc $?"; grep -a "^gemv_" $OUT/q6lean_lab.log | tail -${KQROWS:-20}
+  stamp "q6lean, kqlean lab done"
   KEEP_GGUF=1 GGUF_RSS=${GGUF_RSS:-0} GGUF_C8=0 PART=gguf27 bash lab/gpu_session14.sh; stamp "gguf27 done"
 fi
 if part gguf2; then
