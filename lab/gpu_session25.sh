@@ -25,6 +25,26 @@ if part q6; then
   stamp "q6lean, kqlean lab done"
   KEEP_GGUF=1 GGUF_RSS=${GGUF_RSS:-0} GGUF_C8=0 PART=gguf27 bash lab/gpu_session14.sh; stamp "gguf27 done"
 fi
+if part q6b; then                    # q6_lean with conflict-free rows (272 B): its same-bits and Q6_K tests, the q6lean lab,
+                                     # the GGUF step with and without it (≤ 8 files under $OUT: what a call brings back)
+  timeout ${KQ_S:-200} python3 -m pytest -m gpu tests/gpu/test_kquant_gpu.py -k "q6" -q -rf -p no:cacheprovider \
+    > $OUT/q6_tests.log 2>&1; echo "q6 tests: rc $?"; shown $OUT/q6_tests.log 4; stamp "q6 tests done"
+  timeout ${Q6L_S:-240} python3 -m lab.kernel_lab --only ${KQLAB:-q6lean} --ms ${KQMS:-1,8} --out /tmp/q6lean_lab.json \
+    > $OUT/q6lean_lab.log 2>&1; echo "q6lean lab: rc $?"; grep -a "^gemv_" $OUT/q6lean_lab.log | tail -${KQROWS:-40}
+  stamp "q6lean lab done"
+  G=/tmp/qwen3.8-27b-q4_k_m.gguf
+  [ -f $G ] || { timeout 300 python3 -m tools.synth_gguf $G --device cuda > /tmp/gguf_write.json 2> /tmp/gguf_write.log
+                 echo "GGUF write: rc $?"; }
+  IFS='|' read -ra VS <<< "${GAB:-base|q6_lean=0}"; i=0
+  for v in "${VS[@]}"; do
+    [ "$v" = base ] && v=""
+    NINFER_GEMV="$v" timeout 150 python3 -m ninfer_gen.cli bench --weights $G --output-tokens 256 --repeats 1 \
+      --prefill '' --json $OUT/bench_gguf_ab$i.json > /tmp/bench_gguf_ab$i.log 2>&1
+    echo "GGUF plain, NINFER_GEMV='$v': rc $?"; grep -a "decode tok/s\|decode step\|bandwidth eff\|copy\|saved by" /tmp/bench_gguf_ab$i.log
+    i=$((i + 1))
+  done
+  stamp "q6b done"
+fi
 if part gguf2; then
   G=/tmp/qwen3.8-27b-q4_k_m.gguf
   GAB="${GAB:-q6_lean=0}" PART=kqab bash lab/gpu_session14.sh; stamp "kqab done"

@@ -146,13 +146,13 @@ def test_kquant_lean_needs_code_bias():
 
 def test_q6_lean_is_q6_k_only_and_shipped_at_every_m():
     """`q6_lean` (Q6_K's unit math in fewer instructions, the same bits: tests/gpu/test_kquant_gpu.py) is on in the
-    shipped Q6_K keys at every M, names itself, stages block rows of 16 chunks (256 bytes), and no other format takes
+    shipped Q6_K keys at every M, names itself, stages block rows of 17 chunks (272 bytes: conflict-free reads), and no other format takes
     it (a process-wide rule passes them on)."""
     for m in (1, 8, 9, 32):
         key = gemv.make_key("q6_k", 5120, 17408, m, H200, "residual")
         assert key.q6_lean and "_ql" in key.name
     staged = gemv.make_key("q6_k", 34816, 5120, 1, H200, "silu_mul")
-    assert staged.stage_w == 2 and gemv.stage_w_bytes(staged) == 2 * 4 * 16 * 256 <= gemv.STAGE_W_LIMIT
+    assert staged.stage_w == 2 and gemv.stage_w_bytes(staged) == 2 * 4 * 16 * 272 <= gemv.STAGE_W_LIMIT
     assert gemv_rules.apply_overrides(staged, "q6_lean=0") == replace(staged, q6_lean=False)
     for fmt in ("q4_k", "q5_k", "q4g64"):
         plain = gemv.make_key(fmt, 6144, 5120, 1, H200)

@@ -192,7 +192,7 @@ STAGE_W_ROW = {"q4_k": 144, "q5_k": 176, "q6_k": 224}     # bytes a staged block
 
 def stage_w_bytes(key: Key) -> int:
     """Shared memory a `stage_w` key stages weights in: per warp, stage_w units of 16 block rows."""
-    row = 256 if key.q6_lean else STAGE_W_ROW.get(key.fmt, 0)        # q6_lean: 16 chunks a row
+    row = 272 if key.q6_lean else STAGE_W_ROW.get(key.fmt, 0)        # q6_lean: 17 chunks a row (banks)
     return key.warps * key.stage_w * 16 * row if key.stage_w else 0
 
 
