@@ -45,6 +45,26 @@ if part q6b; then                    # q6_lean with conflict-free rows (272 B): 
   done
   stamp "q6b done"
 fi
+if part b5; then                     # five blocks an SM for 10,240-row k-quant GEMVs (one wave): their GPU cases, then the
+                                     # GGUF step as shipped, without the rule, without it and q6_lean (session 23's kernels),
+                                     # and the Q4G64 path's step in the same call (issue 34's line)
+  timeout 200 python3 -m pytest -m gpu tests/gpu/test_kquant_gpu.py -k "10240" -q -rf -p no:cacheprovider \
+    > $OUT/b5_tests.log 2>&1; echo "b5 tests: rc $?"; shown $OUT/b5_tests.log 3; stamp "b5 tests done"
+  G=/tmp/qwen3.8-27b-q4_k_m.gguf
+  [ -f $G ] || { timeout 300 python3 -m tools.synth_gguf $G --device cuda > /tmp/gguf_write.json 2> /tmp/gguf_write.log
+                 echo "GGUF write: rc $?"; }
+  IFS='|' read -ra VS <<< "${GAB:-base|10240x5120:min_blocks=3|10240x5120:min_blocks=3,q6_lean=0;q6_lean=0}"; i=0
+  for v in "${VS[@]}"; do
+    [ "$v" = base ] && v=""
+    NINFER_GEMV="$v" timeout 150 python3 -m ninfer_gen.cli bench --weights $G --output-tokens 256 --repeats 1 \
+      --prefill '' --json $OUT/bench_b5_ab$i.json > /tmp/bench_b5_ab$i.log 2>&1
+    echo "GGUF plain, NINFER_GEMV='$v': rc $?"; grep -a "decode step (graph\|bandwidth eff\|copy" /tmp/bench_b5_ab$i.log
+    i=$((i + 1))
+  done
+  timeout 200 python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --no-vision --output-tokens 256 \
+    --repeats 1 --prefill '' --json $OUT/bench_b5_q4g64.json > /tmp/bench_b5_q4g64.log 2>&1
+  echo "Q4G64 plain: rc $?"; grep -a "decode step (graph\|bandwidth eff\|copy" /tmp/bench_b5_q4g64.log; stamp "b5 done"
+fi
 if part gguf2; then
   G=/tmp/qwen3.8-27b-q4_k_m.gguf
   GAB="${GAB:-q6_lean=0}" PART=kqab bash lab/gpu_session14.sh; stamp "kqab done"

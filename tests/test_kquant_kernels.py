@@ -86,9 +86,14 @@ def test_kquant_gemv_keys():
 def test_kquant_stream_config():
     """The shipped k-quant fields (kernel lab and the GGUF step, sessions 18–19): Q5_K and Q6_K at M ≤ 8 ask for 3
     blocks per SM, except Q6_K's grids of 16+ blocks per SM; Q4_K and M > 8 keep 2. Every k-quant stages its
-    weights (`stage_w` 2) at M ≤ 8; Q4_K and Q5_K take `code_bias` at every M (a row's bits never depend on M)."""
-    cap = lambda fmt, n, m: gemv.make_key(fmt, n, 5120, m, H200).min_blocks     # noqa: E731
-    assert [cap("q5_k", 10240, m) for m in (1, 4, 8, 16, 32)] == [3, 3, 3, 2, 2]
+    weights (`stage_w` 2) at M ≤ 8; Q4_K and Q5_K take `code_bias` at every M (a row's bits never depend on M).
+    An unsplit grid of 4–5 blocks an SM at M ≤ 8 asks for 5 (one wave; session 25) where five blocks' shared memory fits
+    the SM: 10,240 rows on the H200's 132 SMs, not on the 3090 (100 KB an SM)."""
+    cap = lambda fmt, n, m, t=H200: gemv.make_key(fmt, n, 5120, m, t).min_blocks     # noqa: E731
+    assert [cap("q5_k", 10240, m) for m in (1, 4, 8, 16, 32)] == [5, 5, 5, 2, 2]
+    assert [cap(f, 10240, 1) for f in ("q4_k", "q5_k", "q6_k")] == [5, 5, 5]
+    assert [cap(f, n, 1, lookup("sm_86")) for f in ("q4_k", "q5_k", "q6_k") for n in (10240, 6144)] == [2, 2, 3, 3, 3, 3]
+    assert cap("q5_k", 12288, 1) == 3 and cap("q5_k", 1024, 1) == 3         # 5.8 blocks an SM; split (1,024 rows)
     assert cap("q5_k", 248320, 1) == 3 and cap("q6_k", 6144, 1) == 3
     assert cap("q6_k", 34816, 1) == 2 and cap("q6_k", 248320, 1) == 2 and cap("q4_k", 6144, 1) == 2
     for fmt in ("q4_k", "q5_k", "q6_k"):

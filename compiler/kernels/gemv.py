@@ -27,7 +27,7 @@ from ..kquant import KFORMATS
 from ..reference_fused import inverse_rms, norm_tile_sums
 from ..targets import Target
 from . import KernelKey, Launch, Param, ceil_div
-from .gemv_config import STAGE_X_LIMIT, config, load_batches, order_depth, stream_config, unit_of
+from .gemv_config import STAGE_X_LIMIT, config, load_batches, order_depth, staged_row_bytes, stream_config, unit_of
 from .gemv_rules import apply_overrides
 from .weight_layout import FORMATS, dequantize, group_of
 
@@ -187,13 +187,9 @@ def static_smem_bytes(key: Key) -> int:
 STAGE_W_LIMIT = 36 * 1024    # bytes of weight stages a `stage_w` block may hold (beside its reduction buffer)
 
 
-STAGE_W_ROW = {"q4_k": 144, "q5_k": 176, "q6_k": 224}     # bytes a staged block row takes (Q6_K: its 16-byte chunks)
-
-
 def stage_w_bytes(key: Key) -> int:
     """Shared memory a `stage_w` key stages weights in: per warp, stage_w units of 16 block rows."""
-    row = 272 if key.q6_lean else STAGE_W_ROW.get(key.fmt, 0)        # q6_lean: 17 chunks a row (banks)
-    return key.warps * key.stage_w * 16 * row if key.stage_w else 0
+    return key.warps * key.stage_w * 16 * staged_row_bytes(key.fmt, key.q6_lean) if key.stage_w else 0
 
 
 def stage_x_bytes(key: Key) -> int:

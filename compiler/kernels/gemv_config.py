@@ -90,7 +90,7 @@ def stream_config(fmt: str, n: int, k: int, m: int, warps: int, target: Target, 
     −0.3 %, and the same cap on the ≈ one-wave qkv and q projections ±0)."""
     waves = ceil_div(n, 16) / (target.sms * 9)
     if fmt in KFORMATS:           # gemv_kq.cu.j2 has its own fields (min_blocks, code_bias, stage_w)
-        return kquant_stream_config(fmt, n, m, target)
+        return kquant_stream_config(fmt, n, m, target, splits)
     if m > 8:   # one batch ahead in L2; 4-warp blocks load a batch's activations right after its weights
                 # (`x_early`), and but for the LM heads one unit per batch under a 4-block register cap (16 warps
                 # per SM: the C8 verify's GEMVs 14.99 → 14.41 ms, C8 MTP / plain end to end 1.56 → 1.60×, H100,
@@ -118,7 +118,14 @@ def stream_config(fmt: str, n: int, k: int, m: int, warps: int, target: Target, 
     return fields
 
 
-def kquant_stream_config(fmt: str, n: int, m: int, target: Target) -> dict:
+def staged_row_bytes(fmt: str, q6_lean: bool = False) -> int:
+    """Shared memory one block row of a k-quant unit takes when staged (`stage_w`): its block (Q6_K's 210-byte blocks: the
+    14 16-byte chunks from its start rounded down, 17 with `q6_lean` so that the rows a lane group reads sit in distinct
+    banks)."""
+    return {"q4_k": 144, "q5_k": 176, "q6_k": 272 if q6_lean else 224}.get(fmt, 0)
+
+
+def kquant_stream_config(fmt: str, n: int, m: int, target: Target, splits: int = 1) -> dict:
     """How the k-quant GEMVs stream (kernel lab and the 27B Q4_K_M GGUF's step, H100, sm_90; lab/NOTES.md sessions
     18–19, lab/results/kquant_lab_h100_*_s18, gguf_ab*_h100_*_s19):
     - `code_bias` for Q4_K and Q5_K at every M (so a row's bits never depend on M): the mma takes the codes + 128
@@ -134,7 +141,11 @@ def kquant_stream_config(fmt: str, n: int, m: int, target: Target) -> dict:
       unit math in a third fewer instructions (common/kq_lean.j2): Q4_K gate/up 49.5 → 45.0 µs at M = 1, the other
       Q4_K/Q5_K shapes 6–14 % less; the GGUF's plain step 8.42 → 7.80 ms (64.2 → 69.4 % of copy).
     - `q6_lean` for Q6_K at every M (session 25): the same bits in fewer instructions (SASS per staged unit 779 → 566 at
-      the down projection, M = 1) and 108 registers instead of 168; measured in the kernel lab's `q6lean` group.
+      the down projection, M = 1) and 108 registers instead of 168; H100 kernel lab (`q6lean`, chained): down
+      38.3 → 34.7 µs, the LM head 384 → 355 µs (91 → 99 % of copy), gate/up 59.1 → 55.9; the GGUF step 7.67 → 7.52 ms.
+    - five blocks an SM at M ≤ 8 when an unsplit grid is 4–5 blocks an SM (10,240 rows on 132 SMs: one wave instead of
+      1.2 of four; session 25, H100 kernel lab, chained, M = 1): Q4_K 16.2 → 12.7 µs, Q5_K 18.7 → 15.6, Q6_K 24.4 →
+      18.6 (M = 8 alike); at 6,144 rows (one wave already) or 34,816 (many) five blocks lost or tied.
     Measured on sm_90, applied to every arch (the same register file per SM; no spills on sm_86 either)."""
     fields = {"code_bias": True, "kq_lean": True} if fmt in ("q4_k", "q5_k") else {"q6_lean": True}
     if m > 8:
@@ -142,4 +153,8 @@ def kquant_stream_config(fmt: str, n: int, m: int, target: Target) -> dict:
     fields["stage_w"] = 2
     if fmt != "q4_k" and not (fmt == "q6_k" and ceil_div(n, 16) >= 16 * target.sms):
         fields["min_blocks"] = 3
+    # 4 warps: stages and reduction, and the 1 KB the driver reserves a block
+    block_smem = 4 * (2 * 16 * staged_row_bytes(fmt, fmt == "q6_k") + 512) + 1024
+    if splits == 1 and 4 * target.sms < ceil_div(n, 16) <= 5 * target.sms and 5 * block_smem <= target.smem_per_sm:
+        fields["min_blocks"] = 5    # one wave of five blocks an SM instead of 1.2 waves of four
     return fields
