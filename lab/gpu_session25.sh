@@ -53,7 +53,7 @@ if part b5; then                     # five blocks an SM for 10,240-row k-quant 
   G=/tmp/qwen3.8-27b-q4_k_m.gguf
   [ -f $G ] || { timeout 300 python3 -m tools.synth_gguf $G --device cuda > /tmp/gguf_write.json 2> /tmp/gguf_write.log
                  echo "GGUF write: rc $?"; }
-  IFS='|' read -ra VS <<< "${GAB:-base|10240x5120:min_blocks=3|10240x5120:min_blocks=3,q6_lean=0;q6_lean=0}"; i=0
+  IFS='|' read -ra VS <<< "${GAB:-base|10240x5120/m8:min_blocks=3|10240x5120/m8:min_blocks=3,q6_lean=0;q6_lean=0}"; i=0
   for v in "${VS[@]}"; do
     [ "$v" = base ] && v=""
     NINFER_GEMV="$v" timeout 150 python3 -m ninfer_gen.cli bench --weights $G --output-tokens 256 --repeats 1 \

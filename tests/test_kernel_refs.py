@@ -139,6 +139,12 @@ def test_gemv_override_rules_by_shape():
     assert gemv.make_key("q4g64", 34816, 5120, 1, h200, "silu_mul", overrides=rules).prefetch == 1  # the catch-all
     with pytest.raises(ValueError, match="is not a shape NxK"):
         CompileOptions(gemv="5120by6144:prefetch=1")
+    both = "10240x5120/m8:min_blocks=3"         # a shape and rows together: each must hold
+    got = {m: gemv.make_key("q5_k", 10240, 5120, m, h200, overrides=both).min_blocks for m in (1, 8, 16)}
+    assert got == {1: 3, 8: 3, 16: 2} and gemv.make_key("q5_k", 6144, 5120, 1, h200, overrides=both).min_blocks == 3
+    assert gemv.make_key("q4_k", 6144, 5120, 1, h200, overrides=both).min_blocks == 2
+    with pytest.raises(ValueError, match="is not a shape NxK"):
+        CompileOptions(gemv="10240x5120/n8:prefetch=1")
 
 
 def test_gemv_override_rules_by_rows_and_fallthrough():

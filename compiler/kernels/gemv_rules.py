@@ -6,6 +6,7 @@ where the result is a valid key (the key's own checks decide); `gemv.make_key` a
     "5120x6144:min_blocks=3;prefetch=1"        the first rule that applies and gives a valid key wins
     "m8:code_bias=1,stage_w=2;m8:stage_w=2"    keys of at most 8 rows; a k-quant field passes other formats on
     "m9-32:tiles=2,depth=2"                     keys of 9 to 32 rows
+    "10240x5120/m8:min_blocks=3"                both: that shape at most 8 rows
 """
 from __future__ import annotations
 
@@ -39,19 +40,21 @@ def parse_overrides(rules: str) -> list[tuple[tuple[int, int] | range | None, di
     """"prefetch=2,interleave=0" → [(None, fields)]. Rules are separated by ';', and a rule may start
     with a shape `NxK:` that limits it to keys of that shape (e.g. "5120x6144:min_blocks=3;prefetch=1"),
     or with `mR:` / `mA-B:`, which limit it to keys of at most R rows / of A to B rows (e.g.
-    "m8:min_blocks=4;stage_w=2", "m9-32:tiles=2"). A malformed rule raises ValueError naming it."""
+    "m8:min_blocks=4;stage_w=2", "m9-32:tiles=2"), or with both joined by '/' ("10240x5120/m8:min_blocks=3"). A
+    malformed rule raises ValueError naming it."""
     out = []
     for rule in (r.strip() for r in rules.split(";") if r.strip()):
-        shape, _, body = rule.rpartition(":")
-        where = None
-        if rows := _rows(shape.strip()):
-            where = rows
-        elif shape:
-            n, _, k = shape.partition("x")
+        selector, _, body = rule.rpartition(":")
+        where = []
+        for part in (p.strip() for p in selector.split("/") if p.strip()):
+            if rows := _rows(part):
+                where.append(rows)
+                continue
+            n, _, k = part.partition("x")
             if not (n.strip().isdigit() and k.strip().isdigit()):
-                raise ValueError(f"gemv override {rule!r}: {shape!r} is not a shape NxK (e.g. 5120x6144) "
+                raise ValueError(f"gemv override {rule!r}: {part!r} is not a shape NxK (e.g. 5120x6144) "
                                  "or rows mR / mA-B (e.g. m8, m9-32)")
-            where = (int(n), int(k))
+            where.append((int(n), int(k)))
         fields = {}
         for item in body.split(","):
             name, _, value = (part.strip() for part in item.partition("="))
@@ -68,7 +71,7 @@ def parse_overrides(rules: str) -> list[tuple[tuple[int, int] | range | None, di
 def apply_overrides(key, rules: str):
     """The first rule that applies to the key's shape and gives a valid key wins; else the key as it is."""
     for where, fields in parse_overrides(rules):
-        if isinstance(where, range) and key.m not in where or isinstance(where, tuple) and where != (key.n, key.k):
+        if any(isinstance(w, range) and key.m not in w or isinstance(w, tuple) and w != (key.n, key.k) for w in where):
             continue
         try:
             return replace(key, **fields)
