@@ -6,13 +6,7 @@
 # 256-thread blocks — their tests, the lab beside the keys split without them, the engine's tests (a first version
 # also folded attn_combine into the decode: PART=fold of commit 316e830, refuted). PART=tier: the GPU tier.
 # PART=bench: the cohort bench and the long-context bench (lab/gpu_session23.sh PART=bench). Logs to $OUT as it goes.
-set -uo pipefail
-: "${OUT:?set OUT}"
-export PYTHONUNBUFFERED=1 PYTHONPATH=.:/tmp/site NINFER_BUILD_DIR=${NINFER_BUILD_DIR:-/tmp/ninfer-build}
-part() { [ -z "${PART:-}" ] || [[ ",$PART," == *",$1,"* ]]; }
-shown() { tr '\r' '\n' < "$1" | grep -v "it/s\]" | grep -v "kernel/s" | grep -v "^\s*$" | tail -"$2"; }
-t0=$SECONDS; stamp() { echo "[$((SECONDS - t0)) s] $*"; }
-source lab/device_wheels.sh           # once per machine: the scripts below skip it
+source lab/gpu_script_env.sh          # OUT, PYTHONPATH, part / shown / stamp, the carried wheels
 if part valid; then
   PART=keys bash lab/gpu_session23.sh; stamp "keys done"
   PART=kq,tests bash lab/gpu_session14.sh; stamp "kq, tier done"

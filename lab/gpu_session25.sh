@@ -5,19 +5,29 @@
 #   (shipped / without / 4-, 5- and 2-block caps) and `kqlean` group (Q4_K/Q5_K: shipped / code_bias alone / 5- and
 #   6-block caps), M = 1 and 8, then issue 34's 27B line on a Q4_K_M-style GGUF: Q4G64 and
 #   GGUF plain decode as fractions of the same-run copy and MTP3 (lab/gpu_session14.sh PART=gguf27, the file kept).
-# PART=gguf2 (the next call, on the same warm machine: the GGUF is kept in /tmp): the GGUF step without q6_lean
-#   (PART=kqab GAB="q6_lean=0") and its C1/C8 bench with drafts.
+# PART=q6b: the same with rows of 272 bytes (the 256-byte rows of the first version had 8-way bank conflicts): the Q6_K
+#   cases, the q6lean lab, the GGUF step with and without q6_lean. PART=b5: five blocks an SM at 10,240 rows — its
+#   cases, the GGUF step with and without it (and without q6_lean), the Q4G64 step in the same call.
 # PART=sweep: the exhaustive compile sweeps CI samples (pytest -m sweep: every sm_90 key, every sm_86 k-quant key) on
 #   the device's cores. PART=tier: the GPU tier (lab/gpu_session14.sh PART=tests).
 # PART=long: on an H200, issue 31's figures (lab/gpu_session24.sh PART=early,bench).
-set -uo pipefail
-: "${OUT:?set OUT}"
-export PYTHONUNBUFFERED=1 PYTHONPATH=.:/tmp/site NINFER_BUILD_DIR=${NINFER_BUILD_DIR:-/tmp/ninfer-build}
-part() { [ -z "${PART:-}" ] || [[ ",$PART," == *",$1,"* ]]; }
-shown() { tr '\r' '\n' < "$1" | grep -v "it/s\]" | grep -v "kernel/s" | grep -v "^\s*$" | tail -"$2"; }
-t0=$SECONDS; stamp() { echo "[$((SECONDS - t0)) s] $*"; }
+source lab/gpu_script_env.sh          # OUT, PYTHONPATH, part / shown / stamp, the carried wheels
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-source lab/device_wheels.sh           # once per machine: the scripts below skip it
+# gguf_ab TAG VARIANTS: the 27B Q4_K_M GGUF's plain step under each '|'-separated NINFER_GEMV rule set (base: none),
+# written to /tmp/qwen3.8-27b-q4_k_m.gguf first if missing; the reports under $OUT as bench_TAG_ab<i>.json.
+gguf_ab() {
+  local G=/tmp/qwen3.8-27b-q4_k_m.gguf i=0 v
+  [ -f $G ] || { timeout 300 python3 -m tools.synth_gguf $G --device cuda > /tmp/gguf_write.json 2> /tmp/gguf_write.log
+                 echo "GGUF write: rc $?"; }
+  IFS='|' read -ra VS <<< "$2"
+  for v in "${VS[@]}"; do
+    [ "$v" = base ] && v=""
+    NINFER_GEMV="$v" timeout 150 python3 -m ninfer_gen.cli bench --weights $G --output-tokens 256 --repeats 1 \
+      --prefill '' --json $OUT/bench_$1_ab$i.json > /tmp/bench_$1_ab$i.log 2>&1
+    echo "GGUF plain, NINFER_GEMV='$v': rc $?"; grep -a "decode step (graph\|bandwidth eff\|copy\|saved by" /tmp/bench_$1_ab$i.log
+    i=$((i + 1))
+  done
+}
 if part q6; then
   PART=kq bash lab/gpu_session14.sh; stamp "k-quant tests done"
   timeout ${Q6L_S:-240} python3 -m lab.kernel_lab --only ${KQLAB:-q6lean,kqlean} --ms ${KQMS:-1,8} --out $OUT/q6lean_lab.json \
@@ -32,17 +42,7 @@ if part q6b; then                    # q6_lean with conflict-free rows (272 B): 
   timeout ${Q6L_S:-240} python3 -m lab.kernel_lab --only ${KQLAB:-q6lean} --ms ${KQMS:-1,8} --out /tmp/q6lean_lab.json \
     > $OUT/q6lean_lab.log 2>&1; echo "q6lean lab: rc $?"; grep -a "^gemv_" $OUT/q6lean_lab.log | tail -${KQROWS:-40}
   stamp "q6lean lab done"
-  G=/tmp/qwen3.8-27b-q4_k_m.gguf
-  [ -f $G ] || { timeout 300 python3 -m tools.synth_gguf $G --device cuda > /tmp/gguf_write.json 2> /tmp/gguf_write.log
-                 echo "GGUF write: rc $?"; }
-  IFS='|' read -ra VS <<< "${GAB:-base|q6_lean=0}"; i=0
-  for v in "${VS[@]}"; do
-    [ "$v" = base ] && v=""
-    NINFER_GEMV="$v" timeout 150 python3 -m ninfer_gen.cli bench --weights $G --output-tokens 256 --repeats 1 \
-      --prefill '' --json $OUT/bench_gguf_ab$i.json > /tmp/bench_gguf_ab$i.log 2>&1
-    echo "GGUF plain, NINFER_GEMV='$v': rc $?"; grep -a "decode tok/s\|decode step\|bandwidth eff\|copy\|saved by" /tmp/bench_gguf_ab$i.log
-    i=$((i + 1))
-  done
+  gguf_ab gguf "${GAB:-base|q6_lean=0}"
   stamp "q6b done"
 fi
 if part b5; then                     # five blocks an SM for 10,240-row k-quant GEMVs (one wave): their GPU cases, then the
@@ -50,27 +50,10 @@ if part b5; then                     # five blocks an SM for 10,240-row k-quant 
                                      # and the Q4G64 path's step in the same call (issue 34's line)
   timeout 200 python3 -m pytest -m gpu tests/gpu/test_kquant_gpu.py -k "10240" -q -rf -p no:cacheprovider \
     > $OUT/b5_tests.log 2>&1; echo "b5 tests: rc $?"; shown $OUT/b5_tests.log 3; stamp "b5 tests done"
-  G=/tmp/qwen3.8-27b-q4_k_m.gguf
-  [ -f $G ] || { timeout 300 python3 -m tools.synth_gguf $G --device cuda > /tmp/gguf_write.json 2> /tmp/gguf_write.log
-                 echo "GGUF write: rc $?"; }
-  IFS='|' read -ra VS <<< "${GAB:-base|10240x5120/m8:min_blocks=3|10240x5120/m8:min_blocks=3,q6_lean=0;q6_lean=0}"; i=0
-  for v in "${VS[@]}"; do
-    [ "$v" = base ] && v=""
-    NINFER_GEMV="$v" timeout 150 python3 -m ninfer_gen.cli bench --weights $G --output-tokens 256 --repeats 1 \
-      --prefill '' --json $OUT/bench_b5_ab$i.json > /tmp/bench_b5_ab$i.log 2>&1
-    echo "GGUF plain, NINFER_GEMV='$v': rc $?"; grep -a "decode step (graph\|bandwidth eff\|copy" /tmp/bench_b5_ab$i.log
-    i=$((i + 1))
-  done
+  gguf_ab b5 "${GAB:-base|10240x5120/m8:min_blocks=3|10240x5120/m8:min_blocks=3,q6_lean=0;q6_lean=0}"
   timeout 200 python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --no-vision --output-tokens 256 \
     --repeats 1 --prefill '' --json $OUT/bench_b5_q4g64.json > /tmp/bench_b5_q4g64.log 2>&1
   echo "Q4G64 plain: rc $?"; grep -a "decode step (graph\|bandwidth eff\|copy" /tmp/bench_b5_q4g64.log; stamp "b5 done"
-fi
-if part gguf2; then
-  G=/tmp/qwen3.8-27b-q4_k_m.gguf
-  GAB="${GAB:-q6_lean=0}" PART=kqab bash lab/gpu_session14.sh; stamp "kqab done"
-  timeout ${GGUFC_S:-300} python3 -m ninfer_gen.cli bench --weights $G --concurrency 1,8 --draft 3 --accept-prob 0.8 \
-    --draft-vocab 32768 --output-tokens 256 --json $OUT/bench_gguf_c8.json > $OUT/bench_gguf_c8.log 2>&1
-  echo "GGUF C1/C8: rc $?"; shown $OUT/bench_gguf_c8.log 16; stamp "gguf C8 done"
 fi
 if part sweep; then
   NINFER_SWEEP=1 timeout ${SWEEP_S:-300} python3 -m pytest tests/test_kernels_compile.py -m sweep -q -rf \
