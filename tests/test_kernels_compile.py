@@ -3,8 +3,8 @@
 sm_90, the tiny spec's on sm_86, a sample on sm_80 and sm_89, the image kernels (M-RoPE qk_rope_kv,
 embed_images), the joined GEMV launches (gemv_chain); a warm rebuild compiles nothing; NVRTC errors name the rendered file; the cache layout.
 CI compiles a sample of the largest key sets (`sampled`: the first and last key of each family and format, and on
-sm_86 of each GEMV row count); the whole sets are the `sweep` tests (`pytest -m sweep`, ~600 CPU-seconds), which the
-GPU session scripts run on the device machine's cores.
+sm_86 of each GEMV row count); the whole sets, the NINFER_GEMV experiment variants and the other cards' GEMM tilings are
+the `sweep` tests (`pytest -m sweep`, ~700 CPU-seconds), which the GPU session scripts run on the device machine's cores.
 The compile tests build into the session's kernel cache (tests/conftest.py), their keys from the `*_keys` functions
 their `prebuild` marks name, which the session's background build compiles ahead."""
 import json
@@ -150,12 +150,13 @@ def gemv_experiment_keys(arch: str) -> list:
     return keys
 
 
-@pytest.mark.slow
+@SWEEP
 @pytest.mark.prebuild(keys=gemv_experiment_keys)
 @pytest.mark.parametrize("arch", ["sm_86", "sm_90"])
 def test_gemv_experiment_variants_compile_without_spills(kernel_cache, arch):
-    """`gemv_experiment_keys` compile without spills, so an experiment never trips the executable's spill check."""
-    summary = build_kernels(gemv_experiment_keys(arch), jobs=2, root=kernel_cache, progress=False)
+    """`gemv_experiment_keys` compile without spills, so an experiment never trips the executable's spill check (a
+    sweep: experiments run on the device, where the GPU session scripts run the sweeps)."""
+    summary = build_kernels(gemv_experiment_keys(arch), jobs=SWEEP_JOBS, root=kernel_cache, progress=False)
     spilled = [b.key.name for b in summary.built if b.meta["spill_stores"] or b.meta["spill_loads"]]
     assert not spilled and summary.spills == 0, f"spills in {spilled}"
 
@@ -257,10 +258,12 @@ def gemm_tiling_keys(arch: str) -> list:
 
 @pytest.mark.slow
 @pytest.mark.prebuild(keys=gemm_tiling_keys)
-@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_90"])
+@pytest.mark.parametrize("arch", ["sm_86", pytest.param("sm_80", marks=SWEEP), pytest.param("sm_89", marks=SWEEP),
+                                  pytest.param("sm_90", marks=SWEEP)])
 def test_every_gemm_tiling_compiles_without_spills(kernel_cache, arch):
-    """No tiling the prefill GEMM config may pick spills (`gemm_tiling_keys`)."""
-    summary = build_kernels(gemm_tiling_keys(arch), jobs=2, root=kernel_cache, progress=False)
+    """No tiling the prefill GEMM config may pick spills (`gemm_tiling_keys`): the target's in CI, the other cards' in
+    the sweep."""
+    summary = build_kernels(gemm_tiling_keys(arch), jobs=SWEEP_JOBS, root=kernel_cache, progress=False)
     spilled = [b.key.name for b in summary.built if b.meta["spill_stores"] or b.meta["spill_loads"]]
     assert not spilled and summary.spills == 0, f"spills in {spilled}"
 
