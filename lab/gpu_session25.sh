@@ -24,19 +24,22 @@ gguf_ab() {
     [ "$v" = base ] && v=""
     NINFER_GEMV="$v" timeout 150 python3 -m ninfer_gen.cli bench --weights $G --output-tokens 256 --repeats 1 \
       --prefill '' --json $OUT/bench_$1_ab$i.json > /tmp/bench_$1_ab$i.log 2>&1
-    echo "GGUF plain, NINFER_GEMV='$v': rc $?"; grep -a "decode step (graph\|bandwidth eff\|copy\|saved by" /tmp/bench_$1_ab$i.log
+    echo "GGUF plain, NINFER_GEMV='$v': rc $?"
+    grep -a "decode step (graph\|bandwidth eff\|copy\|saved by" /tmp/bench_$1_ab$i.log
     i=$((i + 1))
   done
 }
 if part q6; then
   PART=kq bash lab/gpu_session14.sh; stamp "k-quant tests done"
-  timeout ${Q6L_S:-240} python3 -m lab.kernel_lab --only ${KQLAB:-q6lean,kqlean} --ms ${KQMS:-1,8} --out $OUT/q6lean_lab.json \
+  timeout ${Q6L_S:-240} python3 -m lab.kernel_lab --only ${KQLAB:-q6lean,kqlean} --ms ${KQMS:-1,8} \
+    --out $OUT/q6lean_lab.json \
     > $OUT/q6lean_lab.log 2>&1; echo "q6lean lab: rc $?"; grep -a "^gemv_" $OUT/q6lean_lab.log | tail -${KQROWS:-20}
   stamp "q6lean, kqlean lab done"
   KEEP_GGUF=1 GGUF_RSS=${GGUF_RSS:-0} GGUF_C8=0 PART=gguf27 bash lab/gpu_session14.sh; stamp "gguf27 done"
 fi
-if part q6b; then                    # q6_lean with conflict-free rows (272 B): its same-bits and Q6_K tests, the q6lean lab,
-                                     # the GGUF step with and without it (≤ 8 files under $OUT: what a call brings back)
+if part q6b; then                    # q6_lean with conflict-free rows (272 B): its same-bits and Q6_K tests, the q6lean
+                                     # lab, the GGUF step with and without it (≤ 8 files under $OUT: what a call brings
+                                     # back)
   timeout ${KQ_S:-200} python3 -m pytest -m gpu tests/gpu/test_kquant_gpu.py -k "q6" -q -rf -p no:cacheprovider \
     > $OUT/q6_tests.log 2>&1; echo "q6 tests: rc $?"; shown $OUT/q6_tests.log 4; stamp "q6 tests done"
   timeout ${Q6L_S:-240} python3 -m lab.kernel_lab --only ${KQLAB:-q6lean} --ms ${KQMS:-1,8} --out /tmp/q6lean_lab.json \
@@ -45,9 +48,9 @@ if part q6b; then                    # q6_lean with conflict-free rows (272 B): 
   gguf_ab gguf "${GAB:-base|q6_lean=0}"
   stamp "q6b done"
 fi
-if part b5; then                     # five blocks an SM for 10,240-row k-quant GEMVs (one wave): their GPU cases, then the
-                                     # GGUF step as shipped, without the rule, without it and q6_lean (session 23's kernels),
-                                     # and the Q4G64 path's step in the same call (issue 34's line)
+if part b5; then                     # five blocks an SM for 10,240-row k-quant GEMVs (one wave): their GPU cases, then
+                                     # the GGUF step as shipped, without the rule, without it and q6_lean (session 23's
+                                     # kernels), and the Q4G64 path's step in the same call (issue 34's line)
   timeout 200 python3 -m pytest -m gpu tests/gpu/test_kquant_gpu.py -k "10240" -q -rf -p no:cacheprovider \
     > $OUT/b5_tests.log 2>&1; echo "b5 tests: rc $?"; shown $OUT/b5_tests.log 3; stamp "b5 tests done"
   gguf_ab b5 "${GAB:-base|10240x5120/m8:min_blocks=3|10240x5120/m8:min_blocks=3,q6_lean=0;q6_lean=0}"

@@ -233,9 +233,9 @@ KQUANT_VARIANTS = [{}, {"code_bias": False, "kq_lean": False, "stage_w": 0}, {"s
 # per sub-block, d·sc by one FFMA, no FFMA for token columns past M) beside code_bias alone, M = 1 … 8. SASS of the
 # staged gate/up loop per unit (sm_90): Q4_K 474 → 319 at M = 1, 515 → 342 at M = 8; Q5_K 547 → 387, 587 → 409.
 # Session 23 (H100): Q4_K gate/up 49.5 → 45.0 µs at M = 1, the GGUF step −7.4 %: shipped (the first variant).
-# Session 25: more blocks an SM (5: one wave at 10,240 rows, shipped; else lost or tied), and a third stage: with kq_lean
-# a unit's math is a third shorter, so one unit of prefetch covers a third less of the DRAM latency (the Q4_K staged
-# loop waits for unit i with `DEPBAR.LE SB0, 0`, i.e. for everything in flight; stage_w 3 lost before kq_lean, s19).
+# Session 25: more blocks an SM (5: one wave at 10,240 rows, shipped; else lost or tied), and a third stage: with
+# kq_lean a unit's math is a third shorter, so one unit of prefetch covers a third less of the DRAM latency (the Q4_K
+# staged loop waits for unit i with `DEPBAR.LE SB0, 0`, i.e. for everything in flight; stage_w 3 lost before kq_lean).
 KQ_LEAN_VARIANTS = [{}, {"kq_lean": False}, {"min_blocks": 5}, {"stage_w": 3}]
 # `q6lean` (issue 34, session 25): Q6_K's unit math in fewer instructions, the same bits (key `q6_lean`,
 # common/kq_units.j2: staged rows of 16 chunks copied at one offset a unit, aligned words read without a shift, the
@@ -247,7 +247,8 @@ Q6_LEAN_VARIANTS = [{}, {"q6_lean": False}, {"min_blocks": 4}, {"min_blocks": 5}
 
 def kquant_plan(target, l2, ms):
     """`kquant`: the k-quant GEMVs beside their group-64 twins; `kqlean`: the Q4_K/Q5_K ones, shipped and with
-    `kq_lean`; `q6lean`: the Q6_K ones with and without `q6_lean` and under other register caps; `kquant_gemm`: a Q4_K_M-style 27B prefill chunk's GEMMs (gemm_kq.cu.j2) beside the same shapes in the
+    `kq_lean`; `q6lean`: the Q6_K ones with and without `q6_lean` and under other register caps; `kquant_gemm`: a
+    Q4_K_M-style 27B prefill chunk's GEMMs (gemm_kq.cu.j2) beside the same shapes in the
     27B's own formats."""
     import sys
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))

@@ -3,8 +3,9 @@
 sm_90, the tiny spec's on sm_86, a sample on sm_80 and sm_89, the image kernels (M-RoPE qk_rope_kv,
 embed_images), the joined GEMV launches (gemv_chain); a warm rebuild compiles nothing; NVRTC errors name the rendered file; the cache layout.
 CI compiles a sample of the largest key sets (`sampled`: the first and last key of each family and format, and on
-sm_86 of each GEMV row count); the whole sets, the NINFER_GEMV experiment variants and the other cards' GEMM tilings are
-the `sweep` tests (`pytest -m sweep`, ~700 CPU-seconds), which the GPU session scripts run on the device machine's cores.
+sm_86 of each GEMV row count); the whole sets, the NINFER_GEMV experiment variants and the other cards' GEMM
+tilings are the `sweep` tests (`pytest -m sweep`, ~700 CPU-seconds), which the GPU session scripts run on the
+device machine's cores.
 The compile tests build into the session's kernel cache (tests/conftest.py), their keys from the `*_keys` functions
 their `prebuild` marks name, which the session's background build compiles ahead."""
 import json

@@ -119,9 +119,9 @@ def stream_config(fmt: str, n: int, k: int, m: int, warps: int, target: Target, 
 
 
 def staged_row_bytes(fmt: str, q6_lean: bool = False) -> int:
-    """Shared memory one block row of a k-quant unit takes when staged (`stage_w`): its block (Q6_K's 210-byte blocks: the
-    14 16-byte chunks from its start rounded down, 17 with `q6_lean` so that the rows a lane group reads sit in distinct
-    banks)."""
+    """Shared memory one block row of a k-quant unit takes when staged (`stage_w`): its block (Q6_K's 210-byte
+    blocks: the 14 16-byte chunks from its start rounded down, 17 with `q6_lean` so that the rows a lane group reads
+    sit in distinct banks)."""
     return {"q4_k": 144, "q5_k": 176, "q6_k": 272 if q6_lean else 224}.get(fmt, 0)
 
 

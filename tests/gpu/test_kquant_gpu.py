@@ -127,8 +127,9 @@ def test_weights_staged_in_shared_memory_give_the_same_bits(h, fmt, n, k, epi, o
     _same_bits(h, key, staged)
 
 
-Q6_LEAN = [(n, k, epi, out, m, sw) for n, k, epi, out in ((5120, 17408, "residual", "f32"), (200, 768, "residual", "f32"),
-                                                        (40, 256, "none", "f32"), (1024, 5120, "none", "f32"))
+Q6_LEAN = [(n, k, epi, out, m, sw) for n, k, epi, out in ((5120, 17408, "residual", "f32"),
+                                                        (200, 768, "residual", "f32"), (40, 256, "none", "f32"),
+                                                        (1024, 5120, "none", "f32"))
            for m in (1, 2, 8, 9, 32) for sw in (0, 2)] + [(34816, 5120, "silu_mul", "bf16", m, 2) for m in (1, 8)]
 
 
