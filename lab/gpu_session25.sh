@@ -11,6 +11,7 @@
 # PART=sweep: the exhaustive compile sweeps CI samples (pytest -m sweep: every sm_90 key, every sm_86 k-quant key) on
 #   the device's cores. PART=tier: the GPU tier (lab/gpu_session14.sh PART=tests).
 # PART=long: on an H200, issue 31's figures (lab/gpu_session24.sh PART=early,bench).
+# PART=tl (for session 26): the tile-looping k-quant grid and the third stage, in the lab and in the GGUF step.
 source lab/gpu_script_env.sh          # OUT, PYTHONPATH, part / shown / stamp, the carried wheels
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 # gguf_ab TAG VARIANTS: the 27B Q4_K_M GGUF's plain step under each '|'-separated NINFER_GEMV rule set (base: none),
@@ -57,6 +58,16 @@ if part b5; then                     # five blocks an SM for 10,240-row k-quant 
   timeout 200 python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --no-vision --output-tokens 256 \
     --repeats 1 --prefill '' --json $OUT/bench_b5_q4g64.json > /tmp/bench_b5_q4g64.log 2>&1
   echo "Q4G64 plain: rc $?"; grep -a "decode step (graph\|bandwidth eff\|copy" /tmp/bench_b5_q4g64.log; stamp "b5 done"
+fi
+if part tl; then                     # next session (issue 34): the tile-looping grid (key `tile_loop`, an experiment) —
+                                     # its same-bits cases, the kernel lab's `tileloop` group beside `kqlean` (which now
+                                     # carries stage_w 3), and the GGUF step with looping grids of 4 blocks an SM
+  timeout 200 python3 -m pytest -m gpu tests/gpu/test_kquant_gpu.py -k "tile_looping" -q -rf -p no:cacheprovider \
+    > $OUT/tl_tests.log 2>&1; echo "tile_loop tests: rc $?"; shown $OUT/tl_tests.log 3; stamp "tile_loop tests done"
+  timeout 300 python3 -m lab.kernel_lab --only ${KQLAB:-tileloop,kqlean} --ms ${KQMS:-1,8} --out /tmp/tl_lab.json \
+    > $OUT/tl_lab.log 2>&1; echo "tileloop lab: rc $?"; grep -a "^gemv_" $OUT/tl_lab.log | tail -${KQROWS:-30}
+  stamp "tileloop lab done"
+  gguf_ab tl "${GAB:-base|34816x5120/m8:tile_loop=528|m8:stage_w=3}"; stamp "tl done"   # (10,240 rows spill under it)
 fi
 if part sweep; then
   NINFER_SWEEP=1 timeout ${SWEEP_S:-300} python3 -m pytest tests/test_kernels_compile.py -m sweep -q -rf \
