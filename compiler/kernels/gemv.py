@@ -87,7 +87,7 @@ class Key(KernelKey):
     kq_lean: bool = False   # Q4_K/Q5_K with code_bias: Σ x by one mma per sub-block (halves added in fp32), d·sc by one
                             # FFMA, no FFMA for token columns past M (other bits than code_bias alone, the same at every
                             # M; shipped with code_bias: gemv_config.kquant_stream_config)
-    q6_lean: bool = False   # Q6_K: the same bits in fewer instructions — staged rows of 16 chunks whose copies share
+    q6_lean: bool = False   # Q6_K: the same bits in fewer instructions — staged rows of 17 chunks whose copies share
                             # one offset a unit, aligned words read without a shift, the PRMT constants in registers,
                             # d·sc by one FFMA, no FFMA for token columns past M (common/kq_units.j2)
     tile_loop: int = 0      # k-quants, an experiment: a grid of at most this many blocks, each looping over row tiles

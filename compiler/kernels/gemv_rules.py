@@ -36,12 +36,12 @@ def _rows(text: str) -> range | None:
     return range(1, int(lo) + 1) if not dash and lo.isdigit() else None
 
 
-def parse_overrides(rules: str) -> list[tuple[tuple[int, int] | range | None, dict]]:
-    """"prefetch=2,interleave=0" → [(None, fields)]. Rules are separated by ';', and a rule may start
-    with a shape `NxK:` that limits it to keys of that shape (e.g. "5120x6144:min_blocks=3;prefetch=1"),
-    or with `mR:` / `mA-B:`, which limit it to keys of at most R rows / of A to B rows (e.g.
-    "m8:min_blocks=4;stage_w=2", "m9-32:tiles=2"), or with both joined by '/' ("10240x5120/m8:min_blocks=3"). A
-    malformed rule raises ValueError naming it."""
+def parse_overrides(rules: str) -> list[tuple[list[tuple[int, int] | range], dict]]:
+    """"prefetch=2,interleave=0" → [([], fields)]: each rule's selectors (all must hold) and fields. Rules are
+    separated by ';', and a rule may start with a shape `NxK:` that limits it to keys of that shape (e.g.
+    "5120x6144:min_blocks=3;prefetch=1"), or with `mR:` / `mA-B:`, which limit it to keys of at most R rows / of A to
+    B rows (e.g. "m8:min_blocks=4;stage_w=2", "m9-32:tiles=2"), or with both joined by '/'
+    ("10240x5120/m8:min_blocks=3"). A malformed rule raises ValueError naming it."""
     out = []
     for rule in (r.strip() for r in rules.split(";") if r.strip()):
         selector, _, body = rule.rpartition(":")
