@@ -264,7 +264,7 @@ def kquant_plan(target, l2, ms):
             yield "kqlean", gemv_runs(kq, n, k, ms if n < 200000 else (1, 4), epi, out, target, l2, KQ_LEAN_VARIANTS)
         else:
             yield "q6lean", gemv_runs(kq, n, k, ms if n < 200000 else (1, 4), epi, out, target, l2, Q6_LEAN_VARIANTS)
-        if n < 200000 and (k // 256) % 4 == 0:     # `tileloop`: one and three / four / five blocks an SM, looping
+        if n < 200000 and gemv.make_key(kq, n, k, 1, target, epi, out).splits == 1:   # `tileloop`: 3/4/5 blocks an SM
             loops = [{}] + [{"tile_loop": b * target.sms} for b in (3, 4, 5)]
             yield "tileloop", gemv_runs(kq, n, k, ms, epi, out, target, l2, loops)
     spec = load_spec(Path(__file__).resolve().parent.parent / "model_specs/qwen3.8-27b.yaml")

@@ -27,7 +27,7 @@ from ..kquant import KFORMATS
 from ..reference_fused import inverse_rms, norm_tile_sums
 from ..targets import Target
 from . import KernelKey, Launch, Param, ceil_div
-from .gemv_config import STAGE_X_LIMIT, config, load_batches, order_depth, staged_row_bytes, stream_config, unit_of
+from .gemv_config import STAGE_X_LIMIT, config, load_batches, order_depth, staged_bytes, stream_config, unit_of
 from .gemv_rules import apply_overrides
 from .weight_layout import FORMATS, dequantize, group_of
 
@@ -195,7 +195,7 @@ STAGE_W_LIMIT = 36 * 1024    # bytes of weight stages a `stage_w` block may hold
 
 def stage_w_bytes(key: Key) -> int:
     """Shared memory a `stage_w` key stages weights in: per warp, stage_w units of 16 block rows."""
-    return key.warps * key.stage_w * 16 * staged_row_bytes(key.fmt, key.q6_lean) if key.stage_w else 0
+    return staged_bytes(key.fmt, key.warps, key.stage_w, key.q6_lean) if key.stage_w else 0
 
 
 def stage_x_bytes(key: Key) -> int:

@@ -125,6 +125,11 @@ def staged_row_bytes(fmt: str, q6_lean: bool = False) -> int:
     return {"q4_k": 144, "q5_k": 176, "q6_k": 272 if q6_lean else 224}.get(fmt, 0)
 
 
+def staged_bytes(fmt: str, warps: int, stages: int, q6_lean: bool = False) -> int:
+    """Shared memory a `stage_w` block stages weights in: per warp, `stages` units of 16 block rows."""
+    return warps * stages * 16 * staged_row_bytes(fmt, q6_lean)
+
+
 def kquant_stream_config(fmt: str, n: int, m: int, target: Target, splits: int = 1) -> dict:
     """How the k-quant GEMVs stream (kernel lab and the 27B Q4_K_M GGUF's step, H100, sm_90; lab/NOTES.md sessions
     18–19, lab/results/kquant_lab_h100_*_s18, gguf_ab*_h100_*_s19):
@@ -153,8 +158,8 @@ def kquant_stream_config(fmt: str, n: int, m: int, target: Target, splits: int =
     fields["stage_w"] = 2
     if fmt != "q4_k" and not (fmt == "q6_k" and ceil_div(n, 16) >= 16 * target.sms):
         fields["min_blocks"] = 3
-    # 4 warps: stages and reduction, and the 1 KB the driver reserves a block
-    block_smem = 4 * (2 * 16 * staged_row_bytes(fmt, fmt == "q6_k") + 512) + 1024
+    # 4 warps: their stages, their reduction (512 B a warp at M ≤ 8) and the 1 KB the driver reserves a block
+    block_smem = staged_bytes(fmt, 4, fields["stage_w"], fields.get("q6_lean", False)) + 4 * 512 + 1024
     if splits == 1 and 4 * target.sms < ceil_div(n, 16) <= 5 * target.sms and 5 * block_smem <= target.smem_per_sm:
         fields["min_blocks"] = 5    # one wave of five blocks an SM instead of 1.2 waves of four
     return fields
