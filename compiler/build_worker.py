@@ -28,7 +28,9 @@ def compile_job(job: dict) -> dict:
         meta = _compile_into(tmp, job, out)
         try:
             os.rename(tmp, out)
-        except OSError:                      # lost a race: the winner's folder is identical
+        except OSError:                      # lost a race: the winner's folder holds the same kernel, but maybe not
+            if job["ptx"] and not (out / "kernel.ptx").is_file():      # the PTX this job was asked for
+                os.replace(tmp / "kernel.ptx", out / "kernel.ptx")
             shutil.rmtree(tmp, ignore_errors=True)
         return meta
     finally:

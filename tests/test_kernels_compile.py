@@ -436,6 +436,26 @@ def test_cache_folder_meta_and_no_jit(tmp_path):
     assert codegen.render(other, "13.0").hash != codegen.render(key, "13.0").hash
 
 
+def test_a_build_that_loses_the_race_to_a_folder_without_ptx_adds_its_ptx(tmp_path, monkeypatch):
+    """Two builds of one key at once (a test and the session's background build): when the one asked for PTX finishes
+    second, its folder rename fails against the first one's, which has no PTX — it moves its PTX in (a test read a
+    missing kernel.ptx in CI, session 25)."""
+    from compiler import build_worker
+
+    key = rmsnorm.Key(128, 2, True, "bf16", 1e-6, "sm_86")
+    compile_into = build_worker._compile_into
+
+    def racing(tmp, job, out):              # the other build's folder, without PTX, lands while this one compiles
+        if job["ptx"] and not out.exists():
+            build_kernels([key], root=tmp_path, jobs=1, progress=False)
+        return compile_into(tmp, job, out)
+    monkeypatch.setattr(build_worker, "_compile_into", racing)
+    built = build_kernels([key], root=tmp_path, jobs=1, ptx=True, progress=False).built[0]
+    assert {p.name for p in built.dir.iterdir()} == {"kernel.cu", "kernel.cubin", "kernel.ptx", "meta.json", "nvrtc.log"}
+    assert b".target sm_86" in (built.dir / "kernel.ptx").read_bytes()
+    assert not [p for p in built.dir.parent.iterdir() if p.name.startswith(".")]      # no temporary folder left
+
+
 def test_compile_error_names_the_rendered_file(tmp_path, monkeypatch):
     key = rmsnorm.Key(128, 1, False, "bf16", 1e-6, "sm_86")
     real = codegen.render
