@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Session 26's device calls (logs to $OUT as it goes; a call brings back at most 8 files under $OUT).
+# PART=tl: issue 34 — the tile-looping k-quant grid (key `tile_loop`, an experiment): its same-bits cases, the kernel
+#   lab's `tileloop` group beside `kqlean` (stage_w 3), the GGUF step with gate/up looping and with three stages
+#   (lab/gpu_session25.sh PART=tl), then Nsight Compute on the shipped Q4_K gate/up and its Q4G64 twin (NCU=0 skips).
+# PART=kq: every k-quant and GGUF GPU case (the review's kernel-source edits since the last run).
+# PART=tier: the GPU tier (lab/gpu_session14.sh PART=tests). PART=long: issue 31's figures (lab/gpu_session24.sh).
+source lab/gpu_script_env.sh
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+if part tl; then
+  PART=tl bash lab/gpu_session25.sh | grep -av "^\[\|NVIDIA\|^H100\|^H200"; stamp "tl done"
+  if [ "${NCU:-1}" = 1 ] && command -v ncu > /dev/null; then
+    for shape in ${KQNCU_SHAPES:-q4_k:34816x5120:silu_mul q4g64:34816x5120:silu_mul}; do
+      timeout ${NCU_S:-60} ncu --clock-control none --kernel-name regex:gemv --launch-skip 4 --launch-count 1 \
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+        --section SchedulerStats --section MemoryWorkloadAnalysis \
+        python3 -m lab.gemv_ncu --shapes $shape >> $OUT/kq_ncu.txt 2>&1
+      echo "ncu $shape: rc $?"
+    done
+    grep -a "gemv_.*(\|Duration\|DRAM Throughput\|Registers Per\|Achieved Occupancy\|Issue Slots Busy\|No Eligible\|L2 Hit\|Active Warps Per\|Warp Cycles Per Issued\|stalled waiting\|represents about" $OUT/kq_ncu.txt | head -60
+    stamp "ncu done"
+  fi
+fi
+if part kq; then
+  PART=kq bash lab/gpu_session14.sh | grep -av "NVIDIA\|^H100\|^H200"; stamp "kq done"
+fi
+if part tier; then
+  PART=tests bash lab/gpu_session14.sh | grep -av "NVIDIA\|^H100\|^H200"; stamp "tier done"
+fi
+if part long; then
+  PART=early,bench bash lab/gpu_session24.sh; stamp "long done"
+fi
