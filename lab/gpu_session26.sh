@@ -3,6 +3,7 @@
 # PART=tl: issue 34 — the tile-looping k-quant grid (key `tile_loop`, an experiment): its same-bits cases, the kernel
 #   lab's `tileloop` group beside `kqlean` (stage_w 3), the GGUF step with gate/up looping and with three stages
 #   (lab/gpu_session25.sh PART=tl), then Nsight Compute on the shipped Q4_K gate/up and its Q4G64 twin (NCU=0 skips).
+# PART=tm: the k-quant blocks in 16-row tile order (key `tiled`): its same-bits cases and the `tiled` lab group.
 # PART=kq: every k-quant and GGUF GPU case (the review's kernel-source edits since the last run).
 # PART=tier: the GPU tier (lab/gpu_session14.sh PART=tests). PART=long: issue 31's figures (lab/gpu_session24.sh).
 source lab/gpu_script_env.sh
@@ -20,6 +21,14 @@ if part tl; then
     grep -a "gemv_.*(\|Duration\|DRAM Throughput\|Registers Per\|Achieved Occupancy\|Issue Slots Busy\|No Eligible\|L2 Hit\|Active Warps Per\|Warp Cycles Per Issued\|stalled waiting\|represents about" $OUT/kq_ncu.txt | head -60
     stamp "ncu done"
   fi
+fi
+if part tm; then                     # issue 34: the k-quant blocks in 16-row tile order (key `tiled`, an experiment):
+                                     # its same-bits cases, then the kernel lab's `tiled` group (Q4_K shapes, Q5_K 10240)
+  timeout 200 python3 -m pytest -m gpu tests/gpu/test_kquant_gpu.py -k "tile_order" -q -rf -p no:cacheprovider \
+    > $OUT/tm_tests.log 2>&1; echo "tiled tests: rc $?"; shown $OUT/tm_tests.log 3; stamp "tiled tests done"
+  timeout ${TM_S:-200} python3 -m lab.kernel_lab --only tiled --ms ${KQMS:-1,8} --out /tmp/tm_lab.json \
+    > $OUT/tm_lab.log 2>&1; echo "tiled lab: rc $?"; grep -a "^gemv_\|copy" $OUT/tm_lab.log | tail -${KQROWS:-60}
+  stamp "tiled lab done"
 fi
 if part kq; then
   PART=kq bash lab/gpu_session14.sh | grep -av "NVIDIA\|^H100\|^H200"; stamp "kq done"

@@ -184,6 +184,30 @@ def test_tile_loop_keys_and_grid():
             replace(bad, tile_loop=8)
 
 
+def test_tiled_keys_and_tile_order():
+    """`tiled` (an experiment): Q4_K/Q5_K keys only, named `tm`; kquant_tile_order puts row r's super-block u of tile T
+    at ((T·U + u)·16 + r)·QB byte for byte and `inverse` undoes it; pack_kquant_for_device(tiled=True) is the rows'
+    packing (padding to 48 rows; the gate/up interleave) then that order."""
+    from compiler.kernels.weight_layout import kquant_tile_order
+
+    key = gemv.make_key("q5_k", 34816, 5120, 1, H200, "silu_mul")
+    assert replace(key, tiled=True).name.endswith("_tm_sm90")
+    with pytest.raises(ValueError, match="tiled"):
+        replace(gemv.make_key("q6_k", 5120, 17408, 1, H200, "residual"), tiled=True)
+    g = torch.Generator().manual_seed(3)
+    for fmt, n, gate_up in (("q4_k", 40, False), ("q5_k", 48, True)):
+        w = random_kquant(fmt, n, 768, g)
+        rows = pack_kquant_for_device(w, gate_up=gate_up)["lo"]
+        tiled = pack_kquant_for_device(w, gate_up=gate_up, tiled=True)["lo"]
+        qb, u_n = w.blocks.shape[1] // 3, 3
+        assert rows.numel() == tiled.numel() == 48 * 3 * qb
+        for t_, r, u in ((0, 0, 0), (1, 5, 2), (2, 15, 1), (2, 7, 0)):
+            src = ((16 * t_ + r) * u_n + u) * qb
+            dst = ((t_ * u_n + u) * 16 + r) * qb
+            assert torch.equal(tiled[dst:dst + qb], rows[src:src + qb])
+        assert torch.equal(kquant_tile_order(tiled, fmt, 48, 768, inverse=True), rows)
+
+
 def test_matmul_dispatch_of_kquants():
     """Up to 32 rows the k-quant GEMV, above the mma.sync GEMM on the blocks as stored (gemm_kq.cu.j2; never
     the Hopper warpgroup GEMM), whose warp tiles stay within 4 token tiles and whose ring fits the card."""

@@ -249,10 +249,11 @@ def unpack_from_device(packed: dict, fmt: str, n: int, k: int, gate_up: bool = F
     return QTensor(fmt, codes.contiguous(), sc.contiguous())
 
 
-def pack_kquant_for_device(w, gate_up: bool = False) -> dict[str, torch.Tensor]:
+def pack_kquant_for_device(w, gate_up: bool = False, tiled: bool = False) -> dict[str, torch.Tensor]:
     """A k-quant matrix (compiler.kquant.KQTensor) → {"lo": its rows of super-blocks as stored, rows
     zero-padded to a multiple of 16 (zero blocks decode to 0) and, with `gate_up`, interleaved like every
-    format's; "hi"/"scales" empty}. The kernels read the blocks as the file stores them."""
+    format's; "hi"/"scales" empty}. The kernels read the blocks as the file stores them. `tiled` (the GEMV key's
+    experiment `tiled`): the same blocks in 16-row tile order (`kquant_tile_order`)."""
     rows = w.blocks
     if gate_up:
         rows = rows[_gate_up_perm(rows.shape[0], rows.device)]
@@ -260,7 +261,22 @@ def pack_kquant_for_device(w, gate_up: bool = False) -> dict[str, torch.Tensor]:
     if pad:                                          # a copy of the whole matrix: only when rows must be added
         rows = torch.nn.functional.pad(rows, (0, 0, 0, pad))
     empty = _empty(rows.device, torch.uint8)
-    return {"lo": rows.contiguous().flatten(), "hi": empty, "scales": _empty(rows.device, torch.float16)}
+    lo = rows.contiguous().flatten()
+    if tiled:
+        lo = kquant_tile_order(lo, w.fmt, rows.shape[0], w.k)
+    return {"lo": lo, "hi": empty, "scales": _empty(rows.device, torch.float16)}
+
+
+def kquant_tile_order(lo: torch.Tensor, fmt: str, n_pad: int, k: int, inverse: bool = False) -> torch.Tensor:
+    """A k-quant matrix's device bytes (rows of super-blocks, n_pad a multiple of 16) → the same blocks, each byte
+    for byte, in 16-row tile order: tile T's super-block u of row r at ((T·U + u)·16 + r)·QB, so the 16 blocks a
+    GEMV unit reads are one contiguous run (`inverse`: back to rows)."""
+    from ..kquant import QK_K, get_kformat
+
+    qb, units = get_kformat(fmt).block_bytes, k // QK_K
+    if inverse:
+        return lo.view(n_pad // TILE, units, TILE, qb).transpose(1, 2).contiguous().flatten()
+    return lo.view(n_pad // TILE, TILE, units, qb).transpose(1, 2).contiguous().flatten()
 
 
 def unpack_kquant_from_device(packed: dict, fmt: str, n: int, k: int, gate_up: bool = False):
