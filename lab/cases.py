@@ -66,10 +66,7 @@ def _gemv(key: gemv.Key, g) -> Case:
     dev = g.device
     w, pack = random_matrix(key.fmt, key.n, key.k, g)
     bias = randn((key.n,), g) if key.epilogue in gemv.BIAS_EPILOGUES else None     # the vision tower's GEMMs
-    if getattr(key, "tiled", False):                # k-quant blocks in 16-row tile order (gemv key `tiled`)
-        packed = pack(w, gate_up=key.epilogue == "silu_mul", tiled=True)
-    else:
-        packed = pack(w, gate_up=key.epilogue == "silu_mul") if bias is None else pack(w, pad_k=True)
+    packed = pack(w, gate_up=key.epilogue == "silu_mul") if bias is None else pack(w, pad_k=True)
     x = randn((key.m, key.k), g)
     res = randn((key.m, key.n), g) if key.epilogue in ("residual", "bias_residual") else None
     n_out = key.n // 2 if key.epilogue == "silu_mul" else key.n

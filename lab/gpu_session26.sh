@@ -4,6 +4,7 @@
 #   lab's `tileloop` group beside `kqlean` (stage_w 3), the GGUF step with gate/up looping and with three stages
 #   (lab/gpu_session25.sh PART=tl), then Nsight Compute on the shipped Q4_K gate/up and its Q4G64 twin (NCU=0 skips).
 # PART=tm: the k-quant blocks in 16-row tile order (key `tiled`): its same-bits cases and the `tiled` lab group.
+# PART=ship: the tile-order layout shipped — every k-quant case, the GGUF step A/B (three stages), Q4G64, GGUF MTP3.
 # PART=kq: every k-quant and GGUF GPU case (the review's kernel-source edits since the last run).
 # PART=tier: the GPU tier (lab/gpu_session14.sh PART=tests). PART=long: issue 31's figures (lab/gpu_session24.sh).
 source lab/gpu_script_env.sh
@@ -29,6 +30,24 @@ if part tm; then                     # issue 34: the k-quant blocks in 16-row ti
   timeout ${TM_S:-200} python3 -m lab.kernel_lab --only tiled --ms ${KQMS:-1,8} --out /tmp/tm_lab.json \
     > $OUT/tm_lab.log 2>&1; echo "tiled lab: rc $?"; grep -a "^gemv_\|copy" $OUT/tm_lab.log | tail -${KQROWS:-60}
   stamp "tiled lab done"
+fi
+if part ship; then                   # issue 34: the blocks in tile order as the k-quant device layout, Q4_K three stages —
+                                     # every k-quant / GGUF case, the GGUF step with and without the three stages, the
+                                     # Q4G64 step (the line's other side), MTP3 on the GGUF (its draft head in tile order)
+  PART=kq bash lab/gpu_session14.sh | grep -av "NVIDIA\|^H100\|^H200"; stamp "kq done"
+  eval "$(sed -n '/^gguf_ab() {/,/^}/p' lab/gpu_session25.sh)"
+  gguf_ab ship "${GAB:-base|m8:stage_w=2}"; stamp "GGUF A/B done"
+  timeout 200 python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --no-vision --output-tokens 256 \
+    --repeats 1 --prefill '' --json $OUT/bench_ship_q4g64.json > /tmp/bench_ship_q4g64.log 2>&1
+  echo "Q4G64 plain: rc $?"; grep -a "decode step (graph\|bandwidth eff\|copy" /tmp/bench_ship_q4g64.log
+  python3 - $OUT/bench_ship_q4g64.json $OUT/bench_ship_ab0.json <<'PY'
+import json, sys
+q, g = (json.load(open(p))["decode"]["bandwidth_efficiency"] for p in sys.argv[1:])
+print(f"plain decode / same-run copy: Q4G64 {q:.1%}, GGUF Q4_K_M {g:.1%}: {'PASS' if g >= q - 0.05 else 'FAIL'} (>= Q4G64 - 5 points)")
+PY
+  timeout 200 python3 -m ninfer_gen.cli bench --weights /tmp/qwen3.8-27b-q4_k_m.gguf --draft 3 --accept-prob 0.8 \
+    --draft-vocab 32768 --output-tokens 256 --repeats 1 --prefill '' --json $OUT/bench_ship_mtp3.json \
+    > $OUT/bench_ship_mtp3.log 2>&1; echo "GGUF MTP3: rc $?"; shown $OUT/bench_ship_mtp3.log 10; stamp "ship done"
 fi
 if part kq; then
   PART=kq bash lab/gpu_session14.sh | grep -av "NVIDIA\|^H100\|^H200"; stamp "kq done"

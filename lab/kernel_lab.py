@@ -237,12 +237,6 @@ KQUANT_VARIANTS = [{}, {"code_bias": False, "kq_lean": False, "stage_w": 0}, {"s
 # kq_lean a unit's math is a third shorter, so one unit of prefetch covers a third less of the DRAM latency (the Q4_K
 # staged loop waits for unit i with `DEPBAR.LE SB0, 0`, i.e. for everything in flight; stage_w 3 lost before kq_lean).
 KQ_LEAN_VARIANTS = [{}, {"kq_lean": False}, {"min_blocks": 5}, {"stage_w": 3}]
-# `tiled` (issue 34, session 26): the same blocks in 16-row tile order (key `tiled`, weight_layout.kquant_tile_order),
-# so a unit's 16 blocks are one contiguous, 128-byte-aligned run (2,304 B for Q4_K) instead of 16 pieces of 144 B at
-# the row stride — every sector of a unit requested by one warp (ncu, session 26: the row-ordered Q4_K gate/up has a
-# 40 % L2 hit rate, its Q4G64 twin 4 %), and the staged copy one offset a lane. Beside it: tiled with three stages,
-# tiled loaded (no staging). (The lab times one weight set for every variant.)
-TILED_VARIANTS = [{}, {"tiled": True}, {"tiled": True, "stage_w": 3}, {"tiled": True, "stage_w": 0}]
 # `q6lean` (issue 34, session 25): Q6_K's unit math in fewer instructions, the same bits (key `q6_lean`,
 # common/kq_units.j2: staged rows of 16 chunks copied at one offset a unit, aligned words read without a shift, the
 # PRMT constants in registers, d·sc by one FFMA, no FFMA past M). SASS per staged unit (sm_90, M = 1): down 779 → 566,
@@ -270,8 +264,6 @@ def kquant_plan(target, l2, ms):
             yield "kqlean", gemv_runs(kq, n, k, ms if n < 200000 else (1, 4), epi, out, target, l2, KQ_LEAN_VARIANTS)
         else:
             yield "q6lean", gemv_runs(kq, n, k, ms if n < 200000 else (1, 4), epi, out, target, l2, Q6_LEAN_VARIANTS)
-        if n < 200000 and (kq == "q4_k" or kq == "q5_k" and n == 10240):   # `tiled` (session 26): 16-row tile order
-            yield "tiled", gemv_runs(kq, n, k, ms, epi, out, target, l2, TILED_VARIANTS)
         if n < 200000 and gemv.make_key(kq, n, k, 1, target, epi, out).splits == 1:   # `tileloop`: 3/4/5 blocks an SM
             loops = [{}] + [{"tile_loop": b * target.sms} for b in (3, 4, 5)]
             yield "tileloop", gemv_runs(kq, n, k, ms, epi, out, target, l2, loops)
@@ -505,7 +497,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="kernel_lab.json")
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--only", default="", help="comma-separated labels: gemv9,gemv,kquant,kqlean,q6lean,tiled,tileloop,kquant_gemm,vision,buckets,verify,gdn_step,gdn_chunk,gdn_conv,attn_decode,prefill,gemm_sweep,gemm_27b,wg_27b,wg_sweep,sweep,warps,tune,misc")
+    ap.add_argument("--only", default="", help="comma-separated labels: gemv9,gemv,kquant,kqlean,q6lean,tileloop,kquant_gemm,vision,buckets,verify,gdn_step,gdn_chunk,gdn_conv,attn_decode,prefill,gemm_sweep,gemm_27b,wg_27b,wg_sweep,sweep,warps,tune,misc")
     ap.add_argument("--ms", default="1,4,8,16,32", help="M values of the gemv and kquant groups")
     ap.add_argument("--arch-path", default=None, help="time another card's kernels (e.g. sm_86: the 3090's keys and "
                     "tiles, built as PTX the driver JIT-compiles, no PDL), as `run --arch-path` runs them")

@@ -138,6 +138,12 @@ def _xrow(xb, m, jj, g):
     return xb[min(8 * jj + g, m - 1)]
 
 
+def block_offset(row: int, u: int, units: int, qb: int) -> int:
+    """Byte offset of row `row`'s super-block u in the device layout (16-row tile order; common/kquant.cuh
+    kq_block_offset)."""
+    return (((row >> 4) * units + u) * 16 + (row & 15)) * qb
+
+
 def _lane_rows(fmt, buf, tile, u, rb, qb):
     """Per lane (g, t), its two rows' (g, g + 8) unit header as the kernel reads it: codes, high bits (Q5_K), d, the
     packed 6-bit scales, and the lane's pair of mins and of scales (`amin`, `ascl`)."""
@@ -147,7 +153,7 @@ def _lane_rows(fmt, buf, tile, u, rb, qb):
         g, t = lane >> 2, lane & 3
         rows = []
         for h in range(2):
-            blk = ((tile * 16 + g + 8 * h) * (rb // qb) + u) * qb
+            blk = block_offset(tile * 16 + g + 8 * h, u, rb // qb, qb)
             hd = [_u(buf, blk + 4 * i) for i in range(4)]
             qh = [_u(buf, blk + 16 + 8 * t), _u(buf, blk + 16 + 8 * t + 4)] if fmt == "q5_k" else None
             qs = [[_u(buf, blk + qs_at + 32 * c + 8 * t), _u(buf, blk + qs_at + 32 * c + 8 * t + 4)] for c in range(4)]
@@ -294,10 +300,10 @@ def _unit_q6(fmt, buf, xb, tile, u, rb, qb, nt, m):
     sh = [0] * 32
     for lane in range(32):
         g, t = lane >> 2, lane & 3
-        off = ((tile * 16 + g) * units + u) * qb
+        off = block_offset(tile * 16 + g, u, units, qb)
         sh[lane] = (off & 2) * 8
         for h in range(2):
-            blk = off + h * 8 * rb
+            blk = off + h * 8 * qb
             base = blk - (off & 2)
             words = [_u(buf, base + 16 * s + 4 * t) for s in range(13)]
             w13 = _u(buf, base + 208) if sh[lane] else 0

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from compiler.kernels.weight_layout import pack_kquant_for_device, unpack_kquant_from_device
+from compiler.kernels.weight_layout import kquant_tile_order, pack_kquant_for_device, unpack_kquant_from_device
 from compiler.kquant import KFORMATS, KQTensor, QK_K, dequantize, random_kquant
 from compiler.quant import dequantize as dequantize_q
 from compiler.schema import SpecError
@@ -78,10 +78,11 @@ def test_kquant_device_planes_round_trip(fmt, gate_up):
     assert planes["lo"].numel() == plane_bytes(fmt, n, 512)["lo"] and planes_of(fmt) == ("lo",)
     back = unpack_kquant_from_device(planes, fmt, n, 512, gate_up=gate_up)
     assert torch.equal(back.blocks, w.blocks)
+    rows = kquant_tile_order(planes["lo"], fmt, 48, 512, inverse=True).view(48, -1)   # the device's 16-row tile order
     if gate_up:               # each tile: 8 gate rows, then the same 8 up rows
-        assert torch.equal(planes["lo"].view(n, -1)[8:16], w.blocks[24:32])
+        assert torch.equal(rows[8:16], w.blocks[24:32])
     else:                     # padded rows are zero blocks: they decode to 0
-        padded = KQTensor(fmt, planes["lo"].view(48, -1), 512)
+        padded = KQTensor(fmt, rows, 512)
         assert torch.equal(dequantize(padded)[40:], torch.zeros(8, 512))
 
 

@@ -88,7 +88,8 @@ def test_kquant_stream_config():
     blocks per SM, except Q6_K's grids of 16+ blocks per SM; Q4_K and M > 8 keep 2. Every k-quant stages its
     weights (`stage_w` 2) at M ≤ 8; Q4_K and Q5_K take `code_bias` at every M (a row's bits never depend on M).
     An unsplit grid of 4–5 blocks an SM at M ≤ 8 asks for 5 (one wave; session 25) where five blocks' shared memory fits
-    the SM: 10,240 rows on the H200's 132 SMs, not on the 3090 (100 KB an SM)."""
+    the SM: 10,240 rows on the H200's 132 SMs, not on the 3090 (100 KB an SM). Other unsplit Q4_K grids stage three
+    units a warp where four blocks' stages fit (session 26)."""
     cap = lambda fmt, n, m, t=H200: gemv.make_key(fmt, n, 5120, m, t).min_blocks     # noqa: E731
     assert [cap("q5_k", 10240, m) for m in (1, 4, 8, 16, 32)] == [5, 5, 5, 2, 2]
     assert [cap(f, 10240, 1) for f in ("q4_k", "q5_k", "q6_k")] == [5, 5, 5]
@@ -99,8 +100,12 @@ def test_kquant_stream_config():
     assert cap("q6_k", 34816, 1) == 2 and cap("q6_k", 248320, 1) == 2 and cap("q4_k", 6144, 1) == 2
     for fmt in ("q4_k", "q5_k", "q6_k"):
         keys = [gemv.make_key(fmt, 6144, 5120, m, H200) for m in (1, 8, 9, 32)]
-        assert [k.stage_w for k in keys] == [2, 2, 0, 0]
+        assert [k.stage_w for k in keys] == [3 if fmt == "q4_k" else 2] * 2 + [0, 0]
         assert [k.code_bias for k in keys] == [fmt != "q6_k"] * 4
+    # three stages (session 26): unsplit Q4_K grids but the five-block ones, where four blocks' stages fit the SM
+    stages = lambda n, k, t=H200: gemv.make_key("q4_k", n, k, 1, t, "residual").stage_w          # noqa: E731
+    assert [stages(34816, 5120), stages(6144, 5120), stages(10240, 5120), stages(5120, 17408)] == [3, 3, 2, 2]
+    assert stages(34816, 5120, lookup("sm_86")) == 2                  # 4 × 30.7 KB > the 3090's 100 KB
 
 
 def test_kquant_weight_staging_limits():
@@ -142,7 +147,7 @@ def test_kquant_lean_needs_code_bias():
             assert gemv.make_key(fmt, 34816, 5120, m, H200, "silu_mul").kq_lean
     key = gemv.make_key("q4_k", 34816, 5120, 1, H200, "silu_mul")
     alone = gemv_rules.apply_overrides(key, "kq_lean=0")
-    assert key.name.endswith("_sw2_cb_kl_sm90") and alone == replace(key, kq_lean=False) and alone.code_bias
+    assert key.name.endswith("_sw3_cb_kl_sm90") and alone == replace(key, kq_lean=False) and alone.code_bias
     with pytest.raises(ValueError, match="kq_lean needs code_bias"):
         replace(key, code_bias=False, kq_lean=True)
     for fmt in ("q6_k", "q4g64"):
@@ -184,28 +189,27 @@ def test_tile_loop_keys_and_grid():
             replace(bad, tile_loop=8)
 
 
-def test_tiled_keys_and_tile_order():
-    """`tiled` (an experiment): Q4_K/Q5_K keys only, named `tm`; kquant_tile_order puts row r's super-block u of tile T
-    at ((T·U + u)·16 + r)·QB byte for byte and `inverse` undoes it; pack_kquant_for_device(tiled=True) is the rows'
-    packing (padding to 48 rows; the gate/up interleave) then that order."""
-    from compiler.kernels.weight_layout import kquant_tile_order
+def test_device_layout_is_the_blocks_in_tile_order():
+    """pack_kquant_for_device: the blocks, each byte for byte, rows padded to 48 (and gate/up interleaved), in 16-row
+    tile order — row r's super-block u of tile T at ((T·U + u)·16 + r)·QB, what common/kquant.cuh's kq_block_offset
+    and kq_emulator.block_offset address; kquant_tile_order(inverse=True) and unpack_kquant_from_device undo it."""
+    from compiler.kernels.weight_layout import _gate_up_perm, kquant_tile_order, unpack_kquant_from_device
+    from kq_emulator import block_offset
 
-    key = gemv.make_key("q5_k", 34816, 5120, 1, H200, "silu_mul")
-    assert replace(key, tiled=True).name.endswith("_tm_sm90")
-    with pytest.raises(ValueError, match="tiled"):
-        replace(gemv.make_key("q6_k", 5120, 17408, 1, H200, "residual"), tiled=True)
     g = torch.Generator().manual_seed(3)
-    for fmt, n, gate_up in (("q4_k", 40, False), ("q5_k", 48, True)):
+    for fmt, n, gate_up in (("q4_k", 40, False), ("q6_k", 40, False), ("q5_k", 48, True)):
         w = random_kquant(fmt, n, 768, g)
-        rows = pack_kquant_for_device(w, gate_up=gate_up)["lo"]
-        tiled = pack_kquant_for_device(w, gate_up=gate_up, tiled=True)["lo"]
-        qb, u_n = w.blocks.shape[1] // 3, 3
-        assert rows.numel() == tiled.numel() == 48 * 3 * qb
-        for t_, r, u in ((0, 0, 0), (1, 5, 2), (2, 15, 1), (2, 7, 0)):
-            src = ((16 * t_ + r) * u_n + u) * qb
-            dst = ((t_ * u_n + u) * 16 + r) * qb
-            assert torch.equal(tiled[dst:dst + qb], rows[src:src + qb])
-        assert torch.equal(kquant_tile_order(tiled, fmt, 48, 768, inverse=True), rows)
+        qb = w.blocks.shape[1] // 3
+        rows = w.blocks[_gate_up_perm(n)] if gate_up else w.blocks
+        lo = pack_kquant_for_device(w, gate_up=gate_up)["lo"]
+        assert lo.numel() == 48 * 3 * qb
+        for r in range(48):
+            for u in range(3):
+                got = lo[block_offset(r, u, 3, qb):][:qb]
+                assert torch.equal(got, rows[r, u * qb:(u + 1) * qb] if r < n else torch.zeros_like(got)), (fmt, r, u)
+        back = kquant_tile_order(lo, fmt, 48, 768, inverse=True).view(48, -1)
+        assert torch.equal(back[:n], rows) and not back[n:].any()
+        assert torch.equal(unpack_kquant_from_device({"lo": lo}, fmt, n, 768, gate_up=gate_up).blocks, w.blocks)
 
 
 def test_matmul_dispatch_of_kquants():

@@ -92,8 +92,6 @@ class Key(KernelKey):
                             # d·sc by one FFMA, no FFMA for token columns past M (common/kq_units.j2)
     tile_loop: int = 0      # k-quants, an experiment: a grid of at most this many blocks, each looping over row tiles
                             # with its warps' staging rings running across them (same bits; templates/gemv_kq.cu.j2)
-    tiled: bool = False     # Q4_K/Q5_K, an experiment: the blocks in 16-row tile order (weight_layout.kquant_tile_order:
-                            # a unit's 16 blocks one contiguous run), the same blocks and the same bits
 
     def __post_init__(self):
         if self.fmt not in FORMATS and self.fmt not in KFORMATS:
@@ -115,8 +113,6 @@ class Key(KernelKey):
                                or self.scale_in or self.conv or (self.k // 256) % self.warps or self.tile_loop < 1):
             raise ValueError(f"gemv: tile_loop needs a staged k-quant key of one split, no folds and whole batches of "
                              f"units (k / 256 a multiple of the warps), got {self.name}")
-        if self.tiled and self.fmt not in ("q4_k", "q5_k"):
-            raise ValueError(f"gemv: tiled (blocks in 16-row tile order) is built for q4_k / q5_k, not {self.fmt}")
         if self.kq_lean and not self.code_bias:
             raise ValueError(f"gemv: kq_lean needs code_bias (a q4_k or q5_k key), got {self.fmt} without it")
         if self.fmt in KFORMATS and (self.tiles != 1 or self.prefetch or self.interleave or self.stage_x):
@@ -168,8 +164,7 @@ class Key(KernelKey):
                 + ([f"sw{self.stage_w}"] if self.stage_w else [])
                 + (["cb"] if self.code_bias else []) + ([f"d{self.depth}"] if self.depth else [])
                 + (["xe"] if self.x_early else []) + (["kl"] if self.kq_lean else [])
-                + (["ql"] if self.q6_lean else []) + ([f"tl{self.tile_loop}"] if self.tile_loop else [])
-                + (["tm"] if self.tiled else []))
+                + (["ql"] if self.q6_lean else []) + ([f"tl{self.tile_loop}"] if self.tile_loop else []))
 
 
 STATIC_SMEM = 48 * 1024      # a kernel's static shared memory

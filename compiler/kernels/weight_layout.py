@@ -18,8 +18,10 @@ Planes (all little-endian bytes; `lo` is [tiles, units, V, 32 lanes, 16 B], V = 
          8·(s&1) + 2·(e>>1) + 16·(e&1)
   w8g32  lo: words 2s, 2s+1 hold elements 0-3, 4-7 of step s; element e%4 in byte (0, 2, 1, 3)[e%4]
   bf16   lo: uint4 s of the lane holds the four bf16x2 A registers of step s
-  q4_k / q5_k / q6_k (GGUF k-quants, compiler.kquant): lo = each row's super-blocks as stored, row-major
-         (`pack_kquant_for_device`; no fragment order, no separate scales)
+  q4_k / q5_k / q6_k (GGUF k-quants, compiler.kquant): lo = the file's super-blocks, each byte for byte, in 16-row
+         tile order: tile T's unit u (its 16 rows' blocks of columns 256u …) one contiguous run at (T·U + u)·16·QB
+         (`pack_kquant_for_device`; no fragment order, no separate scales). A GEMV unit's weights are one
+         128-byte-aligned run (Q4_K 2,304 B) instead of 16 pieces at the row stride: every sector read by one warp.
 Scales: [tiles, units, 8, 2] fp16 = (row g, row g+8) per lane group. `gate_up=True` interleaves a
 fused [gate; up] weight so each tile holds 8 gate rows then the same 8 up rows (SiLU·mul epilogue).
 """
@@ -249,11 +251,10 @@ def unpack_from_device(packed: dict, fmt: str, n: int, k: int, gate_up: bool = F
     return QTensor(fmt, codes.contiguous(), sc.contiguous())
 
 
-def pack_kquant_for_device(w, gate_up: bool = False, tiled: bool = False) -> dict[str, torch.Tensor]:
-    """A k-quant matrix (compiler.kquant.KQTensor) → {"lo": its rows of super-blocks as stored, rows
+def pack_kquant_for_device(w, gate_up: bool = False) -> dict[str, torch.Tensor]:
+    """A k-quant matrix (compiler.kquant.KQTensor) → {"lo": its super-blocks, each byte for byte as stored, rows
     zero-padded to a multiple of 16 (zero blocks decode to 0) and, with `gate_up`, interleaved like every
-    format's; "hi"/"scales" empty}. The kernels read the blocks as the file stores them. `tiled` (the GEMV key's
-    experiment `tiled`): the same blocks in 16-row tile order (`kquant_tile_order`)."""
+    format's, then in 16-row tile order (`kquant_tile_order`); "hi"/"scales" empty}."""
     rows = w.blocks
     if gate_up:
         rows = rows[_gate_up_perm(rows.shape[0], rows.device)]
@@ -261,9 +262,7 @@ def pack_kquant_for_device(w, gate_up: bool = False, tiled: bool = False) -> dic
     if pad:                                          # a copy of the whole matrix: only when rows must be added
         rows = torch.nn.functional.pad(rows, (0, 0, 0, pad))
     empty = _empty(rows.device, torch.uint8)
-    lo = rows.contiguous().flatten()
-    if tiled:
-        lo = kquant_tile_order(lo, w.fmt, rows.shape[0], w.k)
+    lo = kquant_tile_order(rows.contiguous().flatten(), w.fmt, rows.shape[0], w.k)
     return {"lo": lo, "hi": empty, "scales": _empty(rows.device, torch.float16)}
 
 
@@ -284,7 +283,7 @@ def unpack_kquant_from_device(packed: dict, fmt: str, n: int, k: int, gate_up: b
     from ..kquant import KQTensor, QK_K, get_kformat
 
     row_bytes = k // QK_K * get_kformat(fmt).block_bytes
-    rows = packed["lo"].view(padded_rows(n), row_bytes)[:n]
+    rows = kquant_tile_order(packed["lo"], fmt, padded_rows(n), k, inverse=True).view(padded_rows(n), row_bytes)[:n]
     if gate_up:
         rows = rows[torch.argsort(_gate_up_perm(n, rows.device))]
     return KQTensor(fmt, rows.contiguous(), k)

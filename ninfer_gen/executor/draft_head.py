@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from compiler.kernels.weight_layout import TILE, pack_for_device, pack_kquant_for_device, padded_rows, unpack_from_device
-from compiler.kquant import KFORMATS, KQTensor
+from compiler.kquant import KFORMATS, QK_K, KQTensor
 from compiler.model import lm_head_name
 from compiler.quant import QTensor
 from compiler.spec import DRAFT_HEAD
@@ -22,8 +22,10 @@ def add_draft_head(weights, ids: list[int], chunk_rows: int = 8192) -> None:
     vocab, hidden = weights.spec.model.vocab_size, weights.spec.model.hidden_size
     device = planes["lo"].device
     want = torch.tensor(ids, dtype=torch.int64, device=device)
-    if fmt in KFORMATS:           # rows of super-blocks as stored: the draft rows are a plain row gather
-        rows = planes["lo"].view(padded_rows(vocab), -1)[want].contiguous()
+    if fmt in KFORMATS:           # super-blocks as stored in 16-row tile order: row r is [r // 16, :, r % 16]
+        units, qb = hidden // QK_K, KFORMATS[fmt].block_bytes
+        rows = planes["lo"].view(padded_rows(vocab) // TILE, units, TILE, qb)[want // TILE, :, want % TILE]
+        rows = rows.reshape(len(ids), units * qb)
         weights.matrices[DRAFT_HEAD] = pack_kquant_for_device(KQTensor(fmt, rows, hidden))
         weights.formats[DRAFT_HEAD] = fmt
         weights.tensors[IDS] = want.to(torch.int32)

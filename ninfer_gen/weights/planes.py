@@ -191,7 +191,7 @@ def canonical_tensors(spec: ModelSpec, planes: dict[str, torch.Tensor]) -> dict[
 
 @cache
 def layout_fingerprint() -> str:
-    """sha256 over fixed probe matrices packed in every device format (plain and gate/up fused): changes
+    """sha256 over fixed probe matrices packed in every device format, k-quants included (plain and gate/up fused): changes
     exactly when `weight_layout` would write different planes, so a container of old planes is refused."""
     h = hashlib.sha256()
     for fmt, (bits, group) in sorted(FORMATS.items()):
@@ -207,4 +207,9 @@ def layout_fingerprint() -> str:
             for plane, t in sorted(pack_for_device(w, gate_up=gate_up, chunk_rows=padded_rows(16)).items()):
                 h.update(f"{fmt}/{gate_up}/{plane}:".encode())
                 h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    for fmt, kf in sorted(KFORMATS.items()):          # k-quant blocks: a byte ramp, 32 rows of 2 super-blocks
+        blocks = (torch.arange(32 * 2 * kf.block_bytes) % 251).to(torch.uint8).reshape(32, -1)
+        for gate_up in (False, True):
+            t = pack_kquant_for_device(KQTensor(fmt, blocks, 2 * QK_K), gate_up=gate_up)["lo"]
+            h.update(f"{fmt}/{gate_up}/lo:".encode() + t.numpy().tobytes())
     return h.hexdigest()

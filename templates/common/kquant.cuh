@@ -4,6 +4,14 @@
 #pragma once
 #include "common/quant.cuh"
 
+// Byte offset of row `row`'s super-block u in a k-quant matrix's device layout (compiler/kernels/weight_layout.py:
+// the file's blocks, each byte for byte, in 16-row tile order — tile T's unit u is the 16 blocks of its rows, one
+// contiguous run of 16·QB bytes at (T·U + u)·16·QB). U: super-blocks per row, QB: bytes per block.
+template <int U, int QB>
+__device__ __forceinline__ size_t kq_block_offset(int row, int u) {
+  return (((size_t)(row >> 4) * U + u) * 16 + (row & 15)) * QB;
+}
+
 // D = A·B (C = 0) for one m16n8k16 tile: a sub-block's first mma needs no zeroed accumulator.
 __device__ __forceinline__ void mma_bf16_16816_z(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "

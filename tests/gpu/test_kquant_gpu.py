@@ -161,21 +161,6 @@ def test_a_tile_looping_grid_gives_the_same_bits(h, fmt, n, k, epi, out, m):
         _same_bits(h, key, looped)
 
 
-TILED = [(fmt, n, k, epi, out, m, sw) for fmt in ("q4_k", "q5_k") for n, k, epi, out in (
-    (34816, 5120, "silu_mul", "bf16"), (5120, 17408, "residual", "f32"), (200, 768, "residual", "f32"),
-    (40, 256, "none", "f32")) for m, sw in ((1, 2), (8, 2), (1, 0), (32, 0))]
-
-
-@pytest.mark.parametrize("fmt,n,k,epi,out,m,sw", TILED)
-def test_blocks_in_tile_order_give_the_same_bits(h, fmt, n, k, epi, out, m, sw):
-    """`tiled` (an experiment: the same blocks in 16-row tile order, weight_layout.kquant_tile_order) gives the bits of
-    the row-ordered key on the same blocks: staged and loaded, split-K, three units, 40 rows (a padded tile)."""
-    key = replace(gemv.make_key(fmt, n, k, m, TARGET, epi, out), stage_w=sw)
-    tiled = replace(key, tiled=True)
-    h.build([key, tiled])
-    _same_bits(h, key, tiled)
-
-
 BIASED = "code_bias=1,kq_lean=0,stage_w=2"     # code_bias alone, staged (the shipped keys, "", take kq_lean too)
 
 
