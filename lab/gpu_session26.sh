@@ -5,6 +5,7 @@
 #   (lab/gpu_session25.sh PART=tl), then Nsight Compute on the shipped Q4_K gate/up and its Q4G64 twin (NCU=0 skips).
 # PART=tm: the k-quant blocks in 16-row tile order (key `tiled`): its same-bits cases and the `tiled` lab group.
 # PART=ship: the tile-order layout shipped — every k-quant case, the GGUF step A/B (three stages), Q4G64, GGUF MTP3.
+# PART=final: the tier, the sweeps, the GGUF and Q4G64 steps in one call.
 # PART=kq: every k-quant and GGUF GPU case (the review's kernel-source edits since the last run).
 # PART=tier: the GPU tier (lab/gpu_session14.sh PART=tests). PART=long: issue 31's figures (lab/gpu_session24.sh).
 source lab/gpu_script_env.sh
@@ -48,6 +49,23 @@ PY
   timeout 200 python3 -m ninfer_gen.cli bench --weights /tmp/qwen3.8-27b-q4_k_m.gguf --draft 3 --accept-prob 0.8 \
     --draft-vocab 32768 --output-tokens 256 --repeats 1 --prefill '' --json $OUT/bench_ship_mtp3.json \
     > $OUT/bench_ship_mtp3.log 2>&1; echo "GGUF MTP3: rc $?"; shown $OUT/bench_ship_mtp3.log 10; stamp "ship done"
+fi
+if part final; then                  # the final tree: the GPU tier, the exhaustive compile sweeps, the GGUF step beside the
+                                     # Q4G64 step (issue 34's line) in the same call
+  PART=tests bash lab/gpu_session14.sh | grep -av "NVIDIA\|^H100\|^H200"; stamp "tier done"
+  NINFER_SWEEP=1 timeout ${SWEEP_S:-240} python3 -m pytest tests/test_kernels_compile.py -m sweep -q -rf \
+    -p no:cacheprovider > $OUT/sweep.log 2>&1; echo "sweep: rc $?"; shown $OUT/sweep.log 4; stamp "sweep done"
+  eval "$(sed -n '/^gguf_ab() {/,/^}/p' lab/gpu_session25.sh)"
+  gguf_ab final base
+  timeout 200 python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --no-vision --output-tokens 256 \
+    --repeats 1 --prefill '' --json $OUT/bench_final_q4g64.json > /tmp/bench_final_q4g64.log 2>&1
+  echo "Q4G64 plain: rc $?"; grep -a "decode step (graph\|bandwidth eff\|copy" /tmp/bench_final_q4g64.log
+  python3 - $OUT/bench_final_q4g64.json $OUT/bench_final_ab0.json <<'PY'
+import json, sys
+q, g = (json.load(open(p))["decode"]["bandwidth_efficiency"] for p in sys.argv[1:])
+print(f"plain decode / same-run copy: Q4G64 {q:.1%}, GGUF Q4_K_M {g:.1%}: {'PASS' if g >= q - 0.05 else 'FAIL'} (>= Q4G64 - 5 points)")
+PY
+  stamp "final done"
 fi
 if part kq; then
   PART=kq bash lab/gpu_session14.sh | grep -av "NVIDIA\|^H100\|^H200"; stamp "kq done"

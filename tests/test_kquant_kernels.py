@@ -88,8 +88,7 @@ def test_kquant_stream_config():
     blocks per SM, except Q6_K's grids of 16+ blocks per SM; Q4_K and M > 8 keep 2. Every k-quant stages its
     weights (`stage_w` 2) at M ≤ 8; Q4_K and Q5_K take `code_bias` at every M (a row's bits never depend on M).
     An unsplit grid of 4–5 blocks an SM at M ≤ 8 asks for 5 (one wave; session 25) where five blocks' shared memory fits
-    the SM: 10,240 rows on the H200's 132 SMs, not on the 3090 (100 KB an SM). Other unsplit Q4_K grids stage three
-    units a warp where four blocks' stages fit (session 26)."""
+    the SM: 10,240 rows on the H200's 132 SMs, not on the 3090 (100 KB an SM)."""
     cap = lambda fmt, n, m, t=H200: gemv.make_key(fmt, n, 5120, m, t).min_blocks     # noqa: E731
     assert [cap("q5_k", 10240, m) for m in (1, 4, 8, 16, 32)] == [5, 5, 5, 2, 2]
     assert [cap(f, 10240, 1) for f in ("q4_k", "q5_k", "q6_k")] == [5, 5, 5]
@@ -100,12 +99,8 @@ def test_kquant_stream_config():
     assert cap("q6_k", 34816, 1) == 2 and cap("q6_k", 248320, 1) == 2 and cap("q4_k", 6144, 1) == 2
     for fmt in ("q4_k", "q5_k", "q6_k"):
         keys = [gemv.make_key(fmt, 6144, 5120, m, H200) for m in (1, 8, 9, 32)]
-        assert [k.stage_w for k in keys] == [3 if fmt == "q4_k" else 2] * 2 + [0, 0]
+        assert [k.stage_w for k in keys] == [2, 2, 0, 0]
         assert [k.code_bias for k in keys] == [fmt != "q6_k"] * 4
-    # three stages (session 26): unsplit Q4_K grids but the five-block ones, where four blocks' stages fit the SM
-    stages = lambda n, k, t=H200: gemv.make_key("q4_k", n, k, 1, t, "residual").stage_w          # noqa: E731
-    assert [stages(34816, 5120), stages(6144, 5120), stages(10240, 5120), stages(5120, 17408)] == [3, 3, 2, 2]
-    assert stages(34816, 5120, lookup("sm_86")) == 2                  # 4 × 30.7 KB > the 3090's 100 KB
 
 
 def test_kquant_weight_staging_limits():
@@ -147,7 +142,7 @@ def test_kquant_lean_needs_code_bias():
             assert gemv.make_key(fmt, 34816, 5120, m, H200, "silu_mul").kq_lean
     key = gemv.make_key("q4_k", 34816, 5120, 1, H200, "silu_mul")
     alone = gemv_rules.apply_overrides(key, "kq_lean=0")
-    assert key.name.endswith("_sw3_cb_kl_sm90") and alone == replace(key, kq_lean=False) and alone.code_bias
+    assert key.name.endswith("_sw2_cb_kl_sm90") and alone == replace(key, kq_lean=False) and alone.code_bias
     with pytest.raises(ValueError, match="kq_lean needs code_bias"):
         replace(key, code_bias=False, kq_lean=True)
     for fmt in ("q6_k", "q4g64"):

@@ -151,9 +151,9 @@ def kquant_stream_config(fmt: str, n: int, m: int, target: Target, splits: int =
     - five blocks an SM at M ≤ 8 when an unsplit grid is 4–5 blocks an SM (10,240 rows on 132 SMs: one wave instead of
       1.2 of four; session 25, H100 kernel lab, chained, M = 1): Q4_K 16.2 → 12.7 µs, Q5_K 18.7 → 15.6, Q6_K 24.4 →
       18.6 (M = 8 alike); at 6,144 rows (one wave already) or 34,816 (many) five blocks lost or tied.
-    - three stages for unsplit Q4_K grids other than the five-block ones, where four blocks' stages fit the SM (not on
-      the 3090's 100 KB; session 26, H100, blocks in tile order, chained, M = 1 / 8): gate/up 36.8 → 35.4 / 39.1 →
-      38.2 µs, 6,144 rows 8.7 → 8.4 / 9.5 → 9.2, 5,120 × 6,144 tied; at the five-block 10,240 rows three lost.
+    - the blocks in 16-row tile order (the device layout since session 26: compiler/kernels/weight_layout.py) left
+      `stage_w` at 2: three stages gained in the lab (Q4_K gate/up 36.8 → 35.4 µs chained, M = 1) but not in the
+      GGUF step (7.170 ms with two, 7.231 with three; same H100 call, lab/results/s26_ship_*).
     Measured on sm_90, applied to every arch (the same register file per SM; no spills on sm_86 either)."""
     fields = {"code_bias": True, "kq_lean": True} if fmt in ("q4_k", "q5_k") else {"q6_lean": True}
     if m > 8:
@@ -165,6 +165,4 @@ def kquant_stream_config(fmt: str, n: int, m: int, target: Target, splits: int =
     block_smem = staged_bytes(fmt, 4, fields["stage_w"], fields.get("q6_lean", False)) + 4 * 512 + 1024
     if splits == 1 and 4 * target.sms < ceil_div(n, 16) <= 5 * target.sms and 5 * block_smem <= target.smem_per_sm:
         fields["min_blocks"] = 5    # one wave of five blocks an SM instead of 1.2 waves of four
-    elif fmt == "q4_k" and splits == 1 and 4 * (staged_bytes(fmt, 4, 3) + 4 * 512 + 1024) <= target.smem_per_sm:
-        fields["stage_w"] = 3       # two units in flight a warp where four blocks an SM still fit
     return fields
