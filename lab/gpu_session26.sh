@@ -6,6 +6,7 @@
 # PART=tm: the k-quant blocks in 16-row tile order (key `tiled`): its same-bits cases and the `tiled` lab group.
 # PART=ship: the tile-order layout shipped — every k-quant case, the GGUF step A/B (three stages), Q4G64, GGUF MTP3.
 # PART=final: the tier, the sweeps, the GGUF and Q4G64 steps in one call.
+# PART=splits: the k-quant projections' K splits — lab, the best per shape as a rule, its reference check, the step A/B.
 # PART=kq: every k-quant and GGUF GPU case (the review's kernel-source edits since the last run).
 # PART=tier: the GPU tier (lab/gpu_session14.sh PART=tests). PART=long: issue 31's figures (lab/gpu_session24.sh).
 source lab/gpu_script_env.sh
@@ -66,6 +67,44 @@ q, g = (json.load(open(p))["decode"]["bandwidth_efficiency"] for p in sys.argv[1
 print(f"plain decode / same-run copy: Q4G64 {q:.1%}, GGUF Q4_K_M {g:.1%}: {'PASS' if g >= q - 0.05 else 'FAIL'} (>= Q4G64 - 5 points)")
 PY
   stamp "final done"
+fi
+if part splits; then                 # issue 34: the K splits of the step's k-quant down / output / GDN-input projections —
+                                     # the kernel lab's `kqsplits` (M = 1), the fastest chained count per shape as a rule
+                                     # (where it beats the shipped one by > 2 %), its keys against the reference
+                                     # (lab/rule_check.py), then the GGUF step without and with the rule
+  timeout 150 python3 -m lab.kernel_lab --only kqsplits --ms 1 --out /tmp/ks_lab.json > $OUT/ks_lab.log 2>&1
+  echo "kqsplits lab: rc $?"; grep -a "^gemv_" $OUT/ks_lab.log | tail -30; stamp "kqsplits lab done"
+  RULE=$(python3 - /tmp/ks_lab.json <<'PY'
+import json, re, sys
+from compiler.kernels import gemv
+from compiler.targets import lookup
+import torch
+major, minor = torch.cuda.get_device_capability()
+target = lookup(f"sm_{major}{minor}")
+best = {}
+for r in json.load(open(sys.argv[1]))["results"]:
+    if "error" in r or not r["name"].startswith("gemv_"):
+        continue
+    fmt, n, k = re.match(r"gemv_(\w+?_k)_n(\d+)_k(\d+)_", r["name"]).groups()
+    s = int((re.search(r"_s(\d+)_", r["name"]) or [0, 1])[1])
+    best.setdefault((fmt, int(n), int(k)), {})[s] = r["us_chain"]
+rules = []
+for (fmt, n, k), t in best.items():
+    shipped = gemv.make_key(fmt, n, k, 1, target, "none").splits
+    s = min(t, key=t.get)
+    print(f"{fmt} {n}x{k}: shipped splits {shipped} {t.get(shipped, 0):.1f} us, best {s} {t[s]:.1f} us", file=sys.stderr)
+    if s != shipped and shipped in t and t[s] < 0.98 * t[shipped]:
+        rules.append(f"{fmt}/{n}x{k}:splits={s}")
+print(";".join(rules))
+PY
+)
+  echo "rule: '$RULE'"
+  if [ -n "$RULE" ]; then
+    timeout 200 python3 -m lab.rule_check "$RULE" > $OUT/rule_check.log 2>&1; echo "rule check: rc $?"
+    shown $OUT/rule_check.log 16; stamp "rule check done"
+    eval "$(sed -n '/^gguf_ab() {/,/^}/p' lab/gpu_session25.sh)"
+    gguf_ab splits "base|$RULE"; stamp "splits done"
+  fi
 fi
 if part kq; then
   PART=kq bash lab/gpu_session14.sh | grep -av "NVIDIA\|^H100\|^H200"; stamp "kq done"

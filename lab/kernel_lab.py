@@ -243,6 +243,13 @@ KQ_LEAN_VARIANTS = [{}, {"kq_lean": False}, {"min_blocks": 5}, {"stage_w": 3}]
 # gate/up 799 → 565; registers 168 → 108–111 (so 4 blocks an SM fit under the 3-block cap). Variants: shipped
 # (q6_lean), without it, and the register caps of 4, 5 and 2 blocks.
 Q6_LEAN_VARIANTS = [{}, {"q6_lean": False}, {"min_blocks": 4}, {"min_blocks": 5}, {"min_blocks": 2}]
+# `kqsplits` (issue 34, session 26): the K splits of the GGUF step's k-quant projections that leave the GPU less than a
+# wave of unsplit blocks or walk a long K (split_count's rule was measured on the group-64 kernels; a k-quant block
+# fills its staging ring once, so few units a warp cost more): Q4_K / Q6_K down (5,120 × 17,408, shipped 6), the Q4_K
+# output (5,120 × 6,144) and GDN input (6,144 × 5,120) projections (shipped 1), at M = 1. Invalid counts drop out.
+KQ_SPLITS = (("q4_k", 5120, 17408, "residual"), ("q6_k", 5120, 17408, "residual"), ("q4_k", 5120, 6144, "residual"),
+             ("q4_k", 6144, 5120, "none"))
+KQ_SPLIT_VARIANTS = [{"splits": s} for s in (1, 2, 3, 4, 5, 6, 9)]
 
 
 def kquant_plan(target, l2, ms):
@@ -267,6 +274,8 @@ def kquant_plan(target, l2, ms):
         if n < 200000 and gemv.make_key(kq, n, k, 1, target, epi, out).splits == 1:   # `tileloop`: 3/4/5 blocks an SM
             loops = [{}] + [{"tile_loop": b * target.sms} for b in (3, 4, 5)]
             yield "tileloop", gemv_runs(kq, n, k, ms, epi, out, target, l2, loops)
+    for kq, n, k, epi in KQ_SPLITS:
+        yield "kqsplits", gemv_runs(kq, n, k, (1,), epi, "bf16", target, l2, KQ_SPLIT_VARIANTS)
     spec = load_spec(Path(__file__).resolve().parent.parent / "model_specs/qwen3.8-27b.yaml")
     chunk = spec.runtime.prefill_chunk
     keys = [k for s in (q4_k_m_recipe(spec), spec) for k in plan_bucket(s, target, "prefill", 1, chunk).keys()
@@ -497,7 +506,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="kernel_lab.json")
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--only", default="", help="comma-separated labels: gemv9,gemv,kquant,kqlean,q6lean,tileloop,kquant_gemm,vision,buckets,verify,gdn_step,gdn_chunk,gdn_conv,attn_decode,prefill,gemm_sweep,gemm_27b,wg_27b,wg_sweep,sweep,warps,tune,misc")
+    ap.add_argument("--only", default="", help="comma-separated labels: gemv9,gemv,kquant,kqlean,q6lean,kqsplits,tileloop,kquant_gemm,vision,buckets,verify,gdn_step,gdn_chunk,gdn_conv,attn_decode,prefill,gemm_sweep,gemm_27b,wg_27b,wg_sweep,sweep,warps,tune,misc")
     ap.add_argument("--ms", default="1,4,8,16,32", help="M values of the gemv and kquant groups")
     ap.add_argument("--arch-path", default=None, help="time another card's kernels (e.g. sm_86: the 3090's keys and "
                     "tiles, built as PTX the driver JIT-compiles, no PDL), as `run --arch-path` runs them")

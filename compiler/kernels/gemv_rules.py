@@ -7,6 +7,7 @@ where the result is a valid key (the key's own checks decide); `gemv.make_key` a
     "m8:code_bias=1,stage_w=2;m8:stage_w=2"    keys of at most 8 rows; a k-quant field passes other formats on
     "m9-32:tiles=2,depth=2"                     keys of 9 to 32 rows
     "10240x5120/m8:min_blocks=3"                both: that shape at most 8 rows
+    "q6_k/5120x17408:splits=3"                  a weight format too
 """
 from __future__ import annotations
 
@@ -26,6 +27,13 @@ OVERRIDABLE = {"prefetch": int, "interleave": _flag, "min_blocks": int, "stage_x
                "q6_lean": _flag, "tile_loop": int}
 
 
+def _formats() -> tuple[str, ...]:
+    from ..kquant import KFORMATS
+    from .weight_layout import FORMATS
+
+    return (*FORMATS, *KFORMATS)
+
+
 def _rows(text: str) -> range | None:
     """`mR` → rows 1..R; `mA-B` → rows A..B; else None."""
     if not text.startswith("m"):
@@ -36,12 +44,13 @@ def _rows(text: str) -> range | None:
     return range(1, int(lo) + 1) if not dash and lo.isdigit() else None
 
 
-def parse_overrides(rules: str) -> list[tuple[list[tuple[int, int] | range], dict]]:
+def parse_overrides(rules: str) -> list[tuple[list[tuple[int, int] | range | str], dict]]:
     """"prefetch=2,interleave=0" → [([], fields)]: each rule's selectors (all must hold) and fields. Rules are
     separated by ';', and a rule may start with a shape `NxK:` that limits it to keys of that shape (e.g.
     "5120x6144:min_blocks=3;prefetch=1"), or with `mR:` / `mA-B:`, which limit it to keys of at most R rows / of A to
     B rows (e.g. "m8:min_blocks=4;stage_w=2", "m9-32:tiles=2"), or with both joined by '/'
-    ("10240x5120/m8:min_blocks=3"). A malformed rule raises ValueError naming it."""
+    ("10240x5120/m8:min_blocks=3"), and a weight format may join them ("q6_k/5120x17408:splits=3"). A malformed rule
+    raises ValueError naming it."""
     out = []
     for rule in (r.strip() for r in rules.split(";") if r.strip()):
         selector, _, body = rule.rpartition(":")
@@ -50,10 +59,13 @@ def parse_overrides(rules: str) -> list[tuple[list[tuple[int, int] | range], dic
             if rows := _rows(part):
                 where.append(rows)
                 continue
+            if part in _formats():
+                where.append(part)
+                continue
             n, _, k = part.partition("x")
             if not (n.strip().isdigit() and k.strip().isdigit()):
-                raise ValueError(f"gemv override {rule!r}: {part!r} is not a shape NxK (e.g. 5120x6144) "
-                                 "or rows mR / mA-B (e.g. m8, m9-32)")
+                raise ValueError(f"gemv override {rule!r}: {part!r} is not a shape NxK (e.g. 5120x6144), "
+                                 "rows mR / mA-B (e.g. m8, m9-32) or a weight format (e.g. q6_k)")
             where.append((int(n), int(k)))
         fields = {}
         for item in body.split(","):
@@ -71,7 +83,8 @@ def parse_overrides(rules: str) -> list[tuple[list[tuple[int, int] | range], dic
 def apply_overrides(key, rules: str):
     """The first rule that applies to the key's shape and gives a valid key wins; else the key as it is."""
     for where, fields in parse_overrides(rules):
-        if any(isinstance(w, range) and key.m not in w or isinstance(w, tuple) and w != (key.n, key.k) for w in where):
+        if any(isinstance(w, range) and key.m not in w or isinstance(w, tuple) and w != (key.n, key.k)
+               or isinstance(w, str) and w != key.fmt for w in where):
             continue
         try:
             return replace(key, **fields)
