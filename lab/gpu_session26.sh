@@ -7,6 +7,7 @@
 # PART=ship: the tile-order layout shipped — every k-quant case, the GGUF step A/B (three stages), Q4G64, GGUF MTP3.
 # PART=final: the tier, the sweeps, the GGUF and Q4G64 steps in one call.
 # PART=splits: the k-quant projections' K splits — lab, the best per shape as a rule, its reference check, the step A/B.
+# PART=down3: the shipped split rule's 17,408-column cases and the GGUF step.
 # PART=kq: every k-quant and GGUF GPU case (the review's kernel-source edits since the last run).
 # PART=tier: the GPU tier (lab/gpu_session14.sh PART=tests). PART=long: issue 31's figures (lab/gpu_session24.sh).
 source lab/gpu_script_env.sh
@@ -105,6 +106,12 @@ PY
     eval "$(sed -n '/^gguf_ab() {/,/^}/p' lab/gpu_session25.sh)"
     gguf_ab splits "base|$RULE"; stamp "splits done"
   fi
+fi
+if part down3; then                  # the shipped k-quant split rule (down projections cut in 3): their GPU cases, the step
+  timeout 150 python3 -m pytest -m gpu tests/gpu/test_kquant_gpu.py -k "17408" -q -rf -p no:cacheprovider \
+    > $OUT/down3_tests.log 2>&1; echo "17408 cases: rc $?"; shown $OUT/down3_tests.log 3; stamp "down3 tests done"
+  eval "$(sed -n '/^gguf_ab() {/,/^}/p' lab/gpu_session25.sh)"
+  gguf_ab down3 base; stamp "down3 done"
 fi
 if part kq; then
   PART=kq bash lab/gpu_session14.sh | grep -av "NVIDIA\|^H100\|^H200"; stamp "kq done"

@@ -40,9 +40,13 @@ def split_count(fmt: str, n: int, k: int, warps: int, target: Target) -> int:
     39 → 48 % at S = 6, W8 down 42 → 61 % at S = 7). So: split when there is less than one wave of
     tiles (≈ 36 resident warps per SM) and K has ≥ 8 load batches, or when there are fewer tiles than
     SMs; then take the largest even cut of the batches (⌈nb / b⌉ for b batches per block) that keeps
-    the grid within two waves."""
+    the grid within two waves. A k-quant wave is four 4-warp blocks an SM (their registers and staging rings; the
+    group-64 kernels hold ~36 warps): the down projections (5,120 × 17,408) cut in 3, not 6 — each warp then walks
+    ~6 units after filling its ring once (session 26, H100 kernel lab `kqsplits`, chained, M = 1: Q4_K 23.8 → 23.2 µs,
+    Q6_K 35.1 → 34.0; the GGUF step 7.187 → 7.116 ms in the same call; on the 3090's 82 SMs the same rule cuts 2,
+    unmeasured there)."""
     nb, row_tiles = load_batches(fmt, k, warps), ceil_div(n, 16)
-    wave = target.sms * (36 // warps)
+    wave = target.sms * ((16 if fmt in KFORMATS else 36) // warps)
     if row_tiles >= wave or (nb < 8 and row_tiles >= target.sms):
         return 1
     cuts = {ceil_div(nb, b) for b in range(1, nb + 1)}
