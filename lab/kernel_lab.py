@@ -254,8 +254,9 @@ KQ_SPLIT_VARIANTS = [{"splits": s} for s in (1, 2, 3, 4, 5, 6, 9)]
 
 def kquant_plan(target, l2, ms):
     """`kquant`: the k-quant GEMVs beside their group-64 twins; `kqlean`: the Q4_K/Q5_K ones, shipped and with
-    `kq_lean`; `q6lean`: the Q6_K ones with and without `q6_lean` and under other register caps; `tileloop`: the
-    unsplit ones with grids of 3–5 blocks an SM looping over row tiles (key `tile_loop`); `kquant_gemm`: a
+    `kq_lean`; `q6lean`: the Q6_K ones with and without `q6_lean` and under other register caps; `kqsplits`: the
+    step's down / output / GDN-input projections at other K splits (session 26; `tileloop`, grids looping over row
+    tiles, was measured and removed that session: lab/NOTES.md); `kquant_gemm`: a
     Q4_K_M-style 27B prefill chunk's GEMMs (gemm_kq.cu.j2) beside the same shapes in the
     27B's own formats."""
     import sys
@@ -271,9 +272,6 @@ def kquant_plan(target, l2, ms):
             yield "kqlean", gemv_runs(kq, n, k, ms if n < 200000 else (1, 4), epi, out, target, l2, KQ_LEAN_VARIANTS)
         else:
             yield "q6lean", gemv_runs(kq, n, k, ms if n < 200000 else (1, 4), epi, out, target, l2, Q6_LEAN_VARIANTS)
-        if n < 200000 and gemv.make_key(kq, n, k, 1, target, epi, out).splits == 1:   # `tileloop`: 3/4/5 blocks an SM
-            loops = [{}] + [{"tile_loop": b * target.sms} for b in (3, 4, 5)]
-            yield "tileloop", gemv_runs(kq, n, k, ms, epi, out, target, l2, loops)
     for kq, n, k, epi in KQ_SPLITS:
         yield "kqsplits", gemv_runs(kq, n, k, (1,), epi, "bf16", target, l2, KQ_SPLIT_VARIANTS)
     spec = load_spec(Path(__file__).resolve().parent.parent / "model_specs/qwen3.8-27b.yaml")
@@ -506,7 +504,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="kernel_lab.json")
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--only", default="", help="comma-separated labels: gemv9,gemv,kquant,kqlean,q6lean,kqsplits,tileloop,kquant_gemm,vision,buckets,verify,gdn_step,gdn_chunk,gdn_conv,attn_decode,prefill,gemm_sweep,gemm_27b,wg_27b,wg_sweep,sweep,warps,tune,misc")
+    ap.add_argument("--only", default="", help="comma-separated labels: gemv9,gemv,kquant,kqlean,q6lean,kqsplits,kquant_gemm,vision,buckets,verify,gdn_step,gdn_chunk,gdn_conv,attn_decode,prefill,gemm_sweep,gemm_27b,wg_27b,wg_sweep,sweep,warps,tune,misc")
     ap.add_argument("--ms", default="1,4,8,16,32", help="M values of the gemv and kquant groups")
     ap.add_argument("--arch-path", default=None, help="time another card's kernels (e.g. sm_86: the 3090's keys and "
                     "tiles, built as PTX the driver JIT-compiles, no PDL), as `run --arch-path` runs them")

@@ -167,23 +167,6 @@ def test_q6_lean_is_q6_k_only_and_shipped_at_every_m():
             replace(plain, q6_lean=True)
 
 
-def test_tile_loop_keys_and_grid():
-    """`tile_loop` (an experiment): staged k-quant keys of one split without folds whose units split evenly over the
-    warps; the grid is at most that many blocks; names itself; other keys refuse it."""
-    key = gemv.make_key("q4_k", 34816, 5120, 1, H200, "silu_mul")
-    looped = replace(key, tile_loop=4 * H200.sms)
-    assert looped.name.endswith(f"_tl{4 * H200.sms}_sm90")
-    assert gemv.launch(looped).grid == (4 * H200.sms, 1, 1) and gemv.launch(key).grid == (2176, 1, 1)
-    assert gemv.launch(replace(key, n=16 * 5, tile_loop=528)).grid == (5, 1, 1)        # fewer tiles than blocks
-    for bad in (gemv.make_key("q4_k", 5120, 17408, 1, H200, "residual"),               # split-K
-                gemv.make_key("q4_k", 40, 256, 1, H200),                                # 1 unit over 4 warps
-                gemv.make_key("q4_k", 34816, 5120, 16, H200, "silu_mul"),               # not staged
-                replace(gemv.make_key("q4_k", 5120, 6144, 1, H200, "residual"), norm_out=True),
-                gemv.make_key("q4g64", 34816, 5120, 1, H200, "silu_mul")):
-        with pytest.raises(ValueError, match="tile_loop needs"):
-            replace(bad, tile_loop=8)
-
-
 def test_device_layout_is_the_blocks_in_tile_order():
     """pack_kquant_for_device: the blocks, each byte for byte, rows padded to 48 (and gate/up interleaved), in 16-row
     tile order — row r's super-block u of tile T at ((T·U + u)·16 + r)·QB, what common/kquant.cuh's kq_block_offset

@@ -90,8 +90,6 @@ class Key(KernelKey):
     q6_lean: bool = False   # Q6_K: the same bits in fewer instructions — staged rows of 17 chunks whose copies share
                             # one offset a unit, aligned words read without a shift, the PRMT constants in registers,
                             # d·sc by one FFMA, no FFMA for token columns past M (common/kq_units.j2)
-    tile_loop: int = 0      # k-quants, an experiment: a grid of at most this many blocks, each looping over row tiles
-                            # with its warps' staging rings running across them (same bits; templates/gemv_kq.cu.j2)
 
     def __post_init__(self):
         if self.fmt not in FORMATS and self.fmt not in KFORMATS:
@@ -109,10 +107,6 @@ class Key(KernelKey):
             raise ValueError(f"gemv: code_bias needs a k-quant with mins (q4_k, q5_k), not {self.fmt}")
         if self.q6_lean and self.fmt != "q6_k":
             raise ValueError(f"gemv: q6_lean is Q6_K's unit math, not {self.fmt}'s")
-        if self.tile_loop and (self.fmt not in KFORMATS or not self.stage_w or self.splits != 1 or self.norm_out
-                               or self.scale_in or self.conv or (self.k // 256) % self.warps or self.tile_loop < 1):
-            raise ValueError(f"gemv: tile_loop needs a staged k-quant key of one split, no folds and whole batches of "
-                             f"units (k / 256 a multiple of the warps), got {self.name}")
         if self.kq_lean and not self.code_bias:
             raise ValueError(f"gemv: kq_lean needs code_bias (a q4_k or q5_k key), got {self.fmt} without it")
         if self.fmt in KFORMATS and (self.tiles != 1 or self.prefetch or self.interleave or self.stage_x):
@@ -164,7 +158,7 @@ class Key(KernelKey):
                 + ([f"sw{self.stage_w}"] if self.stage_w else [])
                 + (["cb"] if self.code_bias else []) + ([f"d{self.depth}"] if self.depth else [])
                 + (["xe"] if self.x_early else []) + (["kl"] if self.kq_lean else [])
-                + (["ql"] if self.q6_lean else []) + ([f"tl{self.tile_loop}"] if self.tile_loop else []))
+                + (["ql"] if self.q6_lean else []))
 
 
 STATIC_SMEM = 48 * 1024      # a kernel's static shared memory
@@ -234,7 +228,7 @@ def conv_reference(key: Key, y: torch.Tensor, conv_w: torch.Tensor, hist: torch.
 
 def launch(key: Key, target: Target | None = None) -> Launch:
     blocks = ceil_div(ceil_div(key.n, 16), key.tiles) * key.splits
-    return Launch((min(blocks, key.tile_loop) if key.tile_loop else blocks, 1, 1), (32 * key.warps, 1, 1), 0)
+    return Launch((blocks, 1, 1), (32 * key.warps, 1, 1), 0)
 
 
 def workspace(key: Key) -> dict[str, int]:

@@ -24,7 +24,7 @@ def _flag(v: str) -> bool:
 
 OVERRIDABLE = {"prefetch": int, "interleave": _flag, "min_blocks": int, "stage_x": _flag, "warps": int, "splits": int,
                "stage_w": int, "code_bias": _flag, "tiles": int, "depth": int, "x_early": _flag, "kq_lean": _flag,
-               "q6_lean": _flag, "tile_loop": int}
+               "q6_lean": _flag}
 
 
 def _formats() -> tuple[str, ...]:

@@ -145,22 +145,6 @@ def test_q6_lean_gives_the_same_bits(h, n, k, epi, out, m, sw):
     _same_bits(h, key, lean)
 
 
-TILE_LOOP = [(fmt, n, k, epi, out, m) for fmt in FMTS for n, k, epi, out in (
-    (34816, 5120, "silu_mul", "bf16"), (1040, 1024, "residual", "f32"), (6144, 5120, "none", "f32")) for m in (1, 8)]
-
-
-@pytest.mark.parametrize("fmt,n,k,epi,out,m", TILE_LOOP)
-def test_a_tile_looping_grid_gives_the_same_bits(h, fmt, n, k, epi, out, m):
-    """`tile_loop` (an experiment: a grid of at most that many blocks, each looping over row tiles with its warps'
-    staging rings running across them) gives the bits of the shipped key: 7 blocks (9 to 2,176 tiles: uneven last
-    rounds) and one block an SM."""
-    key = gemv.make_key(fmt, n, k, m, TARGET, epi, out)
-    for blocks in (7, TARGET.sms):
-        looped = replace(key, tile_loop=blocks)
-        h.build([key, looped])
-        _same_bits(h, key, looped)
-
-
 BIASED = "code_bias=1,kq_lean=0,stage_w=2"     # code_bias alone, staged (the shipped keys, "", take kq_lean too)
 
 
