@@ -70,6 +70,27 @@ def test_draft_head_is_the_lm_head_rows_bit_for_bit():
     assert all(torch.equal(got[p], want[p]) for p in want) and dw.tensors[IDS].tolist() == ids
 
 
+def test_kquant_draft_head_is_the_lm_head_rows_bit_for_bit():
+    """A GGUF's k-quant LM head (device layout: 16-row tile order): the draft head is its rows `ids`, each super-block
+    byte for byte, packed again in tile order (the plane the GEMV reads)."""
+    from types import SimpleNamespace
+
+    from compiler.kernels.weight_layout import pack_kquant_for_device
+    from compiler.kquant import KQTensor, random_kquant
+    from ninfer_gen.executor.draft_head import IDS, add_draft_head
+
+    spec = SimpleNamespace(model=SimpleNamespace(vocab_size=600, hidden_size=512, tie_word_embeddings=False))
+    ids = [599, 0, 17, 256, 255, 3, 100, 400, 16, 15, 591]
+    for fmt in ("q4_k", "q6_k"):
+        head = random_kquant(fmt, 600, 512, torch.Generator().manual_seed(2))
+        dw = SimpleNamespace(spec=spec, formats={"lm_head.weight": fmt}, tensors={},
+                             matrices={"lm_head.weight": pack_kquant_for_device(head)})
+        add_draft_head(dw, ids)
+        want = pack_kquant_for_device(KQTensor(fmt, head.blocks[ids], 512))
+        assert torch.equal(dw.matrices[DRAFT_HEAD]["lo"], want["lo"]) and dw.formats[DRAFT_HEAD] == fmt
+        assert dw.tensors[IDS].tolist() == ids
+
+
 def test_mtp_plan_and_round_over_the_draft_rows():
     target = lookup("rtx3090")
     profile = profile_of(TINY, cohorts=(1, 2), draft=3, draft_vocab=64)
