@@ -12,6 +12,19 @@
 # PART=tier: the GPU tier (lab/gpu_session14.sh PART=tests). PART=long: issue 31's figures (lab/gpu_session24.sh).
 source lab/gpu_script_env.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+eval "$(sed -n '/^gguf_ab() {/,/^}/p' lab/gpu_session25.sh)"   # gguf_ab TAG VARIANTS: the GGUF step per NINFER_GEMV rule
+# q4g64_beside TAG: the Q4G64 path's plain step (256 tokens) and issue 34's line against the GGUF step gguf_ab TAG wrote
+# first (bench_TAG_ab0.json).
+q4g64_beside() {
+  timeout 200 python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --no-vision --output-tokens 256 \
+    --repeats 1 --prefill '' --json $OUT/bench_$1_q4g64.json > /tmp/bench_$1_q4g64.log 2>&1
+  echo "Q4G64 plain: rc $?"; grep -a "decode step (graph\|bandwidth eff\|copy" /tmp/bench_$1_q4g64.log
+  python3 - $OUT/bench_$1_q4g64.json $OUT/bench_$1_ab0.json <<'PY'
+import json, sys
+q, g = (json.load(open(p))["decode"]["bandwidth_efficiency"] for p in sys.argv[1:])
+print(f"plain decode / same-run copy: Q4G64 {q:.1%}, GGUF Q4_K_M {g:.1%}: {'PASS' if g >= q - 0.05 else 'FAIL'} (>= Q4G64 - 5 points)")
+PY
+}
 if part tl; then
   PART=tl bash lab/gpu_session25.sh | grep -av "^\[\|NVIDIA\|^H100\|^H200"; stamp "tl done"
   if [ "${NCU:-1}" = 1 ] && command -v ncu > /dev/null; then
@@ -38,16 +51,8 @@ if part ship; then                   # issue 34: the blocks in tile order as the
                                      # every k-quant / GGUF case, the GGUF step with and without the three stages, the
                                      # Q4G64 step (the line's other side), MTP3 on the GGUF (its draft head in tile order)
   PART=kq bash lab/gpu_session14.sh | grep -av "NVIDIA\|^H100\|^H200"; stamp "kq done"
-  eval "$(sed -n '/^gguf_ab() {/,/^}/p' lab/gpu_session25.sh)"
   gguf_ab ship "${GAB:-base|m8:stage_w=2}"; stamp "GGUF A/B done"
-  timeout 200 python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --no-vision --output-tokens 256 \
-    --repeats 1 --prefill '' --json $OUT/bench_ship_q4g64.json > /tmp/bench_ship_q4g64.log 2>&1
-  echo "Q4G64 plain: rc $?"; grep -a "decode step (graph\|bandwidth eff\|copy" /tmp/bench_ship_q4g64.log
-  python3 - $OUT/bench_ship_q4g64.json $OUT/bench_ship_ab0.json <<'PY'
-import json, sys
-q, g = (json.load(open(p))["decode"]["bandwidth_efficiency"] for p in sys.argv[1:])
-print(f"plain decode / same-run copy: Q4G64 {q:.1%}, GGUF Q4_K_M {g:.1%}: {'PASS' if g >= q - 0.05 else 'FAIL'} (>= Q4G64 - 5 points)")
-PY
+  q4g64_beside ship
   timeout 200 python3 -m ninfer_gen.cli bench --weights /tmp/qwen3.8-27b-q4_k_m.gguf --draft 3 --accept-prob 0.8 \
     --draft-vocab 32768 --output-tokens 256 --repeats 1 --prefill '' --json $OUT/bench_ship_mtp3.json \
     > $OUT/bench_ship_mtp3.log 2>&1; echo "GGUF MTP3: rc $?"; shown $OUT/bench_ship_mtp3.log 10; stamp "ship done"
@@ -57,16 +62,8 @@ if part final; then                  # the final tree: the GPU tier, the exhaust
   PART=tests bash lab/gpu_session14.sh | grep -av "NVIDIA\|^H100\|^H200"; stamp "tier done"
   NINFER_SWEEP=1 timeout ${SWEEP_S:-240} python3 -m pytest tests/test_kernels_compile.py -m sweep -q -rf \
     -p no:cacheprovider > $OUT/sweep.log 2>&1; echo "sweep: rc $?"; shown $OUT/sweep.log 4; stamp "sweep done"
-  eval "$(sed -n '/^gguf_ab() {/,/^}/p' lab/gpu_session25.sh)"
   gguf_ab final base
-  timeout 200 python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --no-vision --output-tokens 256 \
-    --repeats 1 --prefill '' --json $OUT/bench_final_q4g64.json > /tmp/bench_final_q4g64.log 2>&1
-  echo "Q4G64 plain: rc $?"; grep -a "decode step (graph\|bandwidth eff\|copy" /tmp/bench_final_q4g64.log
-  python3 - $OUT/bench_final_q4g64.json $OUT/bench_final_ab0.json <<'PY'
-import json, sys
-q, g = (json.load(open(p))["decode"]["bandwidth_efficiency"] for p in sys.argv[1:])
-print(f"plain decode / same-run copy: Q4G64 {q:.1%}, GGUF Q4_K_M {g:.1%}: {'PASS' if g >= q - 0.05 else 'FAIL'} (>= Q4G64 - 5 points)")
-PY
+  q4g64_beside final
   stamp "final done"
 fi
 if part splits; then                 # issue 34: the K splits of the step's k-quant down / output / GDN-input projections —
@@ -103,14 +100,12 @@ PY
   if [ -n "$RULE" ]; then
     timeout 200 python3 -m lab.rule_check "$RULE" > $OUT/rule_check.log 2>&1; echo "rule check: rc $?"
     shown $OUT/rule_check.log 16; stamp "rule check done"
-    eval "$(sed -n '/^gguf_ab() {/,/^}/p' lab/gpu_session25.sh)"
-    gguf_ab splits "base|$RULE"; stamp "splits done"
+      gguf_ab splits "base|$RULE"; stamp "splits done"
   fi
 fi
 if part down3; then                  # the shipped k-quant split rule (down projections cut in 3): their GPU cases, the step
   timeout 150 python3 -m pytest -m gpu tests/gpu/test_kquant_gpu.py -k "17408" -q -rf -p no:cacheprovider \
     > $OUT/down3_tests.log 2>&1; echo "17408 cases: rc $?"; shown $OUT/down3_tests.log 3; stamp "down3 tests done"
-  eval "$(sed -n '/^gguf_ab() {/,/^}/p' lab/gpu_session25.sh)"
   gguf_ab down3 base; stamp "down3 done"
 fi
 if part kq; then
