@@ -8,6 +8,7 @@
 # PART=final: the tier, the sweeps, the GGUF and Q4G64 steps in one call.
 # PART=splits: the k-quant projections' K splits — lab, the best per shape as a rule, its reference check, the step A/B.
 # PART=down3: the shipped split rule's 17,408-column cases and the GGUF step.
+# PART=ncu (next session): Nsight Compute on the k-quant down and output projections beside their group-64 twins.
 # PART=kq: every k-quant and GGUF GPU case (the review's kernel-source edits since the last run).
 # PART=tier: the GPU tier (lab/gpu_session14.sh PART=tests). PART=long: issue 31's figures (lab/gpu_session24.sh).
 source lab/gpu_script_env.sh
@@ -25,18 +26,23 @@ q, g = (json.load(open(p))["decode"]["bandwidth_efficiency"] for p in sys.argv[1
 print(f"plain decode / same-run copy: Q4G64 {q:.1%}, GGUF Q4_K_M {g:.1%}: {'PASS' if g >= q - 0.05 else 'FAIL'} (>= Q4G64 - 5 points)")
 PY
 }
+# ncu_shapes "FMT:NxK:EPI ...": Nsight Compute (speed of light, occupancy, warp states, memory, instructions) on each
+# shape's shipped decode GEMV (lab/gemv_ncu.py), the report in $OUT/kq_ncu.txt and its summary lines printed.
+ncu_shapes() {
+  for shape in $1; do
+    timeout ${NCU_S:-60} ncu --clock-control none --kernel-name regex:gemv --launch-skip 4 --launch-count 1 \
+      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+      --section SchedulerStats --section MemoryWorkloadAnalysis --section InstructionStats \
+      python3 -m lab.gemv_ncu --shapes $shape >> $OUT/kq_ncu.txt 2>&1
+    echo "ncu $shape: rc $?"
+  done
+  grep -a "gemv_.*(\|Duration\|DRAM Throughput\|Registers Per\|Achieved Occupancy\|Issue Slots Busy\|L2 Hit\|Active Warps Per\|Warp Cycles Per Issued\|Executed Instructions  \|represents about" $OUT/kq_ncu.txt | head -80
+  stamp "ncu done"
+}
 if part tl; then
   PART=tl bash lab/gpu_session25.sh | grep -av "^\[\|NVIDIA\|^H100\|^H200"; stamp "tl done"
   if [ "${NCU:-1}" = 1 ] && command -v ncu > /dev/null; then
-    for shape in ${KQNCU_SHAPES:-q4_k:34816x5120:silu_mul q4g64:34816x5120:silu_mul}; do
-      timeout ${NCU_S:-60} ncu --clock-control none --kernel-name regex:gemv --launch-skip 4 --launch-count 1 \
-        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-        --section SchedulerStats --section MemoryWorkloadAnalysis \
-        python3 -m lab.gemv_ncu --shapes $shape >> $OUT/kq_ncu.txt 2>&1
-      echo "ncu $shape: rc $?"
-    done
-    grep -a "gemv_.*(\|Duration\|DRAM Throughput\|Registers Per\|Achieved Occupancy\|Issue Slots Busy\|No Eligible\|L2 Hit\|Active Warps Per\|Warp Cycles Per Issued\|stalled waiting\|represents about" $OUT/kq_ncu.txt | head -60
-    stamp "ncu done"
+    ncu_shapes "${KQNCU_SHAPES:-q4_k:34816x5120:silu_mul q4g64:34816x5120:silu_mul}"
   fi
 fi
 if part tm; then                     # issue 34: the k-quant blocks in 16-row tile order (key `tiled`, an experiment):
@@ -107,6 +113,12 @@ if part down3; then                  # the shipped k-quant split rule (down proj
   timeout 150 python3 -m pytest -m gpu tests/gpu/test_kquant_gpu.py -k "17408" -q -rf -p no:cacheprovider \
     > $OUT/down3_tests.log 2>&1; echo "17408 cases: rc $?"; shown $OUT/down3_tests.log 3; stamp "down3 tests done"
   gguf_ab down3 base; stamp "down3 done"
+fi
+if part ncu; then                    # next session (issue 34): Nsight Compute on what still loses — the Q6_K and Q4_K down
+                                     # projections (3 splits) and the output projection (under a wave) beside their
+                                     # group-64 twins
+  ncu_shapes "${KQNCU_SHAPES:-q6_k:5120x17408:residual q4_k:5120x17408:residual q5g64:5120x17408:residual \
+              q4_k:5120x6144:residual q5g64:5120x6144:residual}"
 fi
 if part kq; then
   PART=kq bash lab/gpu_session14.sh | grep -av "NVIDIA\|^H100\|^H200"; stamp "kq done"
