@@ -4,6 +4,8 @@
 #   lab's `tileloop` group beside `kqlean` (stage_w 3), the GGUF step with gate/up looping and with three stages
 #   (lab/gpu_session25.sh PART=tl), then Nsight Compute on the shipped Q4_K gate/up and its Q4G64 twin (NCU=0 skips).
 # PART=tm: the k-quant blocks in 16-row tile order (key `tiled`): its same-bits cases and the `tiled` lab group.
+#   (tl and tm ran once, in session 26: `tile_loop` was removed after them, and `tiled` became the device layout, so
+#   neither part runs on this tree any more; kept as the record of what ran.)
 # PART=ship: the tile-order layout shipped — every k-quant case, the GGUF step A/B (three stages), Q4G64, GGUF MTP3.
 # PART=final: the tier, the sweeps, the GGUF and Q4G64 steps in one call.
 # PART=splits: the k-quant projections' K splits — lab, the best per shape as a rule, its reference check, the step A/B.
