@@ -8,7 +8,8 @@
 #   neither part runs on this tree any more; kept as the record of what ran.)
 # PART=ship: the tile-order layout shipped — every k-quant case, the GGUF step A/B (three stages), Q4G64, GGUF MTP3.
 # PART=final: the tier, the sweeps, the GGUF and Q4G64 steps in one call.
-# PART=splits: the k-quant projections' K splits — lab, the best per shape as a rule, its reference check, the step A/B.
+# PART=splits: the k-quant projections' K splits (and, since, 8-warp blocks) — lab, the best (warps, splits) per shape as a
+#   rule, its reference check, the step A/B.
 # PART=down3: the shipped split rule's 17,408-column cases and the GGUF step.
 # PART=ncu (next session): Nsight Compute on the k-quant down and output projections beside their group-64 twins.
 # PART=kq: every k-quant and GGUF GPU case (the review's kernel-source edits since the last run).
@@ -93,14 +94,17 @@ for r in json.load(open(sys.argv[1]))["results"]:
         continue
     fmt, n, k = re.match(r"gemv_(\w+?_k)_n(\d+)_k(\d+)_", r["name"]).groups()
     s = int((re.search(r"_s(\d+)_", r["name"]) or [0, 1])[1])
-    best.setdefault((fmt, int(n), int(k)), {})[s] = r["us_chain"]
+    w = int(re.search(r"_w(\d+)t", r["name"])[1])
+    best.setdefault((fmt, int(n), int(k)), {})[(w, s)] = r["us_chain"]
 rules = []
 for (fmt, n, k), t in best.items():
-    shipped = gemv.make_key(fmt, n, k, 1, target, "none").splits
-    s = min(t, key=t.get)
-    print(f"{fmt} {n}x{k}: shipped splits {shipped} {t.get(shipped, 0):.1f} us, best {s} {t[s]:.1f} us", file=sys.stderr)
-    if s != shipped and shipped in t and t[s] < 0.98 * t[shipped]:
-        rules.append(f"{fmt}/{n}x{k}:splits={s}")
+    key = gemv.make_key(fmt, n, k, 1, target, "none")
+    shipped = (key.warps, key.splits)
+    w, s = min(t, key=t.get)
+    print(f"{fmt} {n}x{k}: shipped (warps, splits) {shipped} {t.get(shipped, 0):.1f} us, best {(w, s)} {t[(w, s)]:.1f} us",
+          file=sys.stderr)
+    if (w, s) != shipped and shipped in t and t[(w, s)] < 0.98 * t[shipped]:
+        rules.append(f"{fmt}/{n}x{k}:warps={w},splits={s}")
 print(";".join(rules))
 PY
 )
