@@ -159,10 +159,22 @@ def test_gemv_override_rules_by_rows_and_fallthrough():
     assert (q6.stage_w, q6.min_blocks) == (2, 4)          # 3 stages of Q6_K rows: over STAGE_W_LIMIT, the next rule
     q4g64 = gemv.make_key("q4g64", 34816, 5120, 1, h200, "silu_mul", overrides=rules)
     assert (q4g64.min_blocks, q4g64.stage_w) == (4, 0)        # k-quant fields: not this format's; the next rule
-    with pytest.raises(ValueError, match="or rows mR"):
+    with pytest.raises(ValueError, match="rows mR / mA-B"):
         CompileOptions(gemv="mx:prefetch=1")
-    with pytest.raises(ValueError, match="or rows mR"):
+    with pytest.raises(ValueError, match="rows mR / mA-B"):
         CompileOptions(gemv="m32-9:tiles=2")
+
+
+def test_gemv_override_rules_by_format():
+    """A weight format may join a rule's selectors (`q6_k/5120x17408:splits=3`): keys of other formats of that shape
+    pass on to the next rule; an unknown name is refused with the selectors it may be."""
+    h200 = lookup("h200")
+    rules = "q6_k/5120x17408:splits=3;5120x17408:splits=2"
+    got = {f: gemv.make_key(f, 5120, 17408, 1, h200, "residual", overrides=rules).splits for f in ("q6_k", "q4_k")}
+    assert got == {"q6_k": 3, "q4_k": 2}
+    assert gemv.make_key("q6_k", 5120, 6144, 1, h200, "residual", overrides="q6_k/5120x17408:splits=3").splits == 1
+    with pytest.raises(ValueError, match="or a weight format"):
+        CompileOptions(gemv="q7_k/5120x17408:splits=3")
 
 
 def test_gemv_rows_range_rules_set_row_tiles_and_load_depth():
