@@ -250,8 +250,8 @@ Q6_LEAN_VARIANTS = [{}, {"q6_lean": False}, {"min_blocks": 4}, {"min_blocks": 5}
 KQ_SPLITS = (("q4_k", 5120, 17408, "residual"), ("q6_k", 5120, 17408, "residual"), ("q4_k", 5120, 6144, "residual"),
              ("q4_k", 6144, 5120, "none"))
 # Next (after the split rule shipped): 8-warp blocks, unmeasured since session 18's kernels (they lost then at 168
-# registers; Q4_K now compiles to 96 at 8 warps, 40 KB of stages a block: 5 blocks, 40 warps an SM on sm_90 — the output
-# projection's 320 blocks are 2.4 an SM at 4 warps). Q6_K at 8 warps exceeds the staging limit and drops out.
+# registers; Q4_K now compiles to 96 at 8 warps, 40 KB of stages a block: 5 blocks, 40 warps an SM on sm_90 — the
+# output projection's 320 blocks are 2.4 an SM at 4 warps). Q6_K at 8 warps exceeds the staging limit and drops out.
 KQ_SPLIT_VARIANTS = [{"splits": s} for s in (1, 2, 3, 4, 5, 6, 9)] + [{"warps": 8, "splits": s} for s in (1, 2, 3)]
 
 

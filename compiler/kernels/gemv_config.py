@@ -42,9 +42,9 @@ def split_count(fmt: str, n: int, k: int, warps: int, target: Target) -> int:
     SMs; then take the largest even cut of the batches (⌈nb / b⌉ for b batches per block) that keeps
     the grid within two waves. A k-quant wave is four 4-warp blocks an SM (their registers and staging rings; the
     group-64 kernels hold ~36 warps): the down projections (5,120 × 17,408) cut in 3, not 6 — each warp then walks
-    ~6 units after filling its ring once (session 26, H100 kernel lab `kqsplits`, chained, M = 1: Q4_K 23.8 → 23.2 µs,
-    Q6_K 35.1 → 34.0; the GGUF step 7.187 → 7.116 ms in the same call; on the 3090's 82 SMs the same rule cuts 2,
-    unmeasured there)."""
+    ~6 units after filling its ring once (session 26, H100 kernel lab `kqsplits`, chained, M = 1: Q4_K 23.8 → 23.2
+    µs, Q6_K 35.1 → 34.0; the GGUF step 7.187 → 7.116 ms in the same call; on the 3090's 82 SMs the same rule cuts
+    2, unmeasured there)."""
     nb, row_tiles = load_batches(fmt, k, warps), ceil_div(n, 16)
     wave = target.sms * ((16 if fmt in KFORMATS else 36) // warps)
     if row_tiles >= wave or (nb < 8 and row_tiles >= target.sms):

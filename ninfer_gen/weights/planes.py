@@ -191,8 +191,8 @@ def canonical_tensors(spec: ModelSpec, planes: dict[str, torch.Tensor]) -> dict[
 
 @cache
 def layout_fingerprint() -> str:
-    """sha256 over fixed probe matrices packed in every device format, k-quants included (plain and gate/up fused): changes
-    exactly when `weight_layout` would write different planes, so a container of old planes is refused."""
+    """sha256 over fixed probe matrices packed in every device format, k-quants included (plain and gate/up fused):
+    changes exactly when `weight_layout` would write different planes, so a container of old planes is refused."""
     h = hashlib.sha256()
     for fmt, (bits, group) in sorted(FORMATS.items()):
         n, k = 32, 2 * group
