@@ -121,3 +121,19 @@ def test_quantize_weights_keeps_stored_blocks_and_has_no_kquant_quantiser():
         quantize_weights(spec, {name: torch.randn(shape)})
     with pytest.raises(CheckpointError, match="requantising"):
         quantize_weights(_spec({"attn_q": "q5_k"}), {name: kq})
+
+
+def test_layout_fingerprint_covers_kquant_planes(monkeypatch):
+    """A change to the k-quant device layout (here: rows instead of 16-row tile order) changes the layout fingerprint, so
+    a container of GGUF planes packed the old way is refused, not misread."""
+    from compiler.kernels import weight_layout
+    from ninfer_gen.weights import planes
+
+    planes.layout_fingerprint.cache_clear()
+    shipped = planes.layout_fingerprint()
+    monkeypatch.setattr(weight_layout, "kquant_tile_order", lambda lo, *args, **kwargs: lo)
+    planes.layout_fingerprint.cache_clear()
+    try:
+        assert planes.layout_fingerprint() != shipped
+    finally:
+        planes.layout_fingerprint.cache_clear()
