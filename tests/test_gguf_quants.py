@@ -124,8 +124,8 @@ def test_quantize_weights_keeps_stored_blocks_and_has_no_kquant_quantiser():
 
 
 def test_layout_fingerprint_covers_kquant_planes(monkeypatch):
-    """A change to the k-quant device layout (here: rows instead of 16-row tile order) changes the layout fingerprint, so
-    a container of GGUF planes packed the old way is refused, not misread."""
+    """A change to the k-quant device layout (here: rows instead of 16-row tile order) changes the layout fingerprint,
+    so a container of GGUF planes packed the old way is refused, not misread."""
     from compiler.kernels import weight_layout
     from ninfer_gen.weights import planes
 
