@@ -14,7 +14,6 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-
 from compiler.kernels import gemv, gemv_rules
 from lab.cases import make_case
 
