@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ..kquant import KFORMATS
+from .weight_layout import FORMATS
+
 
 # Fields an experiment rule may set: how units stream, row tiles per block and the registers (never the bits), and
 # `warps`, `splits`, `code_bias` and `kq_lean`, which change the summation (bits; batch invariance still holds).
@@ -25,13 +28,6 @@ def _flag(v: str) -> bool:
 OVERRIDABLE = {"prefetch": int, "interleave": _flag, "min_blocks": int, "stage_x": _flag, "warps": int, "splits": int,
                "stage_w": int, "code_bias": _flag, "tiles": int, "depth": int, "x_early": _flag, "kq_lean": _flag,
                "q6_lean": _flag}
-
-
-def _formats() -> tuple[str, ...]:
-    from ..kquant import KFORMATS
-    from .weight_layout import FORMATS
-
-    return (*FORMATS, *KFORMATS)
 
 
 def _rows(text: str) -> range | None:
@@ -59,7 +55,7 @@ def parse_overrides(rules: str) -> list[tuple[list[tuple[int, int] | range | str
             if rows := _rows(part):
                 where.append(rows)
                 continue
-            if part in _formats():
+            if part in FORMATS or part in KFORMATS:
                 where.append(part)
                 continue
             n, _, k = part.partition("x")
