@@ -245,8 +245,9 @@ KQ_LEAN_VARIANTS = [{}, {"kq_lean": False}, {"min_blocks": 5}, {"stage_w": 3}]
 Q6_LEAN_VARIANTS = [{}, {"q6_lean": False}, {"min_blocks": 4}, {"min_blocks": 5}, {"min_blocks": 2}]
 # `kqsplits` (issue 34, session 26): the K splits of the GGUF step's k-quant projections that leave the GPU less than a
 # wave of unsplit blocks or walk a long K (split_count's rule was measured on the group-64 kernels; a k-quant block
-# fills its staging ring once, so few units a warp cost more): Q4_K / Q6_K down (5,120 × 17,408, shipped 6), the Q4_K
-# output (5,120 × 6,144) and GDN input (6,144 × 5,120) projections (shipped 1), at M = 1. Invalid counts drop out.
+# fills its staging ring once, so few units a warp cost more): Q4_K / Q6_K down (5,120 × 17,408: 6 before, 3 since
+# this group's result), the Q4_K output (5,120 × 6,144) and GDN input (6,144 × 5,120) projections (1), at M = 1.
+# Invalid counts drop out.
 KQ_SPLITS = (("q4_k", 5120, 17408, "residual"), ("q6_k", 5120, 17408, "residual"), ("q4_k", 5120, 6144, "residual"),
              ("q4_k", 6144, 5120, "none"))
 # Next (after the split rule shipped): 8-warp blocks, unmeasured since session 18's kernels (they lost then at 168
