@@ -227,8 +227,7 @@ def conv_reference(key: Key, y: torch.Tensor, conv_w: torch.Tensor, hist: torch.
 
 
 def launch(key: Key, target: Target | None = None) -> Launch:
-    blocks = ceil_div(ceil_div(key.n, 16), key.tiles) * key.splits
-    return Launch((blocks, 1, 1), (32 * key.warps, 1, 1), 0)
+    return Launch((ceil_div(ceil_div(key.n, 16), key.tiles) * key.splits, 1, 1), (32 * key.warps, 1, 1), 0)
 
 
 def workspace(key: Key) -> dict[str, int]:
