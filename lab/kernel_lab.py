@@ -254,6 +254,27 @@ KQ_SPLITS = (("q4_k", 5120, 17408, "residual"), ("q6_k", 5120, 17408, "residual"
 # registers; Q4_K now compiles to 96 at 8 warps, 40 KB of stages a block: 5 blocks, 40 warps an SM on sm_90 — the
 # output projection's 320 blocks are 2.4 an SM at 4 warps). Q6_K at 8 warps exceeds the staging limit and drops out.
 KQ_SPLIT_VARIANTS = [{"splits": s} for s in (1, 2, 3, 4, 5, 6, 9)] + [{"warps": 8, "splits": s} for s in (1, 2, 3)]
+# `streamk` (issue 34, session 27): grids of whole waves over the units flattened tile-major (key `stream_k` = G blocks:
+# 3, 4, 5 an SM and two waves of 4) beside the session-26 splits, at the GGUF step's under-two-wave projections (M = 1):
+# the Q6_K / Q4_K down projections (960 blocks at 3 splits: 1.8 waves of 4 an SM), the output and GDN-input
+# projections (320 / 384 blocks: under a wave), the 10,240-row Q5_K. `b4`: under a 128-register cap (4 blocks an SM).
+# Result (s27_streamk_lab_…, chained µs): Q6_K down 34.9 → 32.7 at one wave of four, Q4_K down 23.7 → 23.2 (shipped:
+# gemv_config.stream_k_blocks); every unsplit shape lost.
+STREAMK_SHAPES = (("q6_k", 5120, 17408, "residual"), ("q4_k", 5120, 17408, "residual"), ("q4_k", 5120, 6144, "residual"),
+                  ("q4_k", 6144, 5120, "none"), ("q5_k", 10240, 5120, "none"))
+
+
+def streamk_variants(sms: int) -> list:
+    def sk(blocks_per_sm, cap):
+        return lambda key: replace(key, splits=1, stream_k=blocks_per_sm * sms,
+                                   min_blocks=max(key.min_blocks, 4) if cap else key.min_blocks)
+    split3 = {"stream_k": 0, "splits": 3}       # the down projections' grid before stream-K (session 26)
+    return [{}, split3] + [sk(b, cap) for b, cap in ((3, False), (4, False), (4, True), (5, True), (8, True))]
+
+
+# `kqx` (issue 34, session 27, measured and removed): each unit's activations copied to shared memory in the weights'
+# ring (a k-quant `stage_x`): the Q6_K down projection 34.8 → 36.0 µs chained, Q4_K gate/up 37.5 → 36.8, M = 4 worse,
+# and the GGUF step 7.248 → 8.005 ms (lab/results/s27_kqx_lab_*, s27_x_gguf_*; lab/NOTES.md session 27).
 
 
 def kquant_plan(target, l2, ms):
@@ -278,6 +299,8 @@ def kquant_plan(target, l2, ms):
             yield "q6lean", gemv_runs(kq, n, k, ms if n < 200000 else (1, 4), epi, out, target, l2, Q6_LEAN_VARIANTS)
     for kq, n, k, epi in KQ_SPLITS:
         yield "kqsplits", gemv_runs(kq, n, k, (1,), epi, "bf16", target, l2, KQ_SPLIT_VARIANTS)
+    for kq, n, k, epi in STREAMK_SHAPES:
+        yield "streamk", gemv_runs(kq, n, k, (1,), epi, "bf16", target, l2, streamk_variants(target.sms))
     spec = load_spec(Path(__file__).resolve().parent.parent / "model_specs/qwen3.8-27b.yaml")
     chunk = spec.runtime.prefill_chunk
     keys = [k for s in (q4_k_m_recipe(spec), spec) for k in plan_bucket(s, target, "prefill", 1, chunk).keys()
@@ -508,7 +531,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="kernel_lab.json")
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--only", default="", help="comma-separated labels: gemv9,gemv,kquant,kqlean,q6lean,kqsplits,kquant_gemm,vision,buckets,verify,gdn_step,gdn_chunk,gdn_conv,attn_decode,prefill,gemm_sweep,gemm_27b,wg_27b,wg_sweep,sweep,warps,tune,misc")
+    ap.add_argument("--only", default="", help="comma-separated labels: gemv9,gemv,kquant,kqlean,q6lean,kqsplits,streamk,kquant_gemm,vision,buckets,verify,gdn_step,gdn_chunk,gdn_conv,attn_decode,prefill,gemm_sweep,gemm_27b,wg_27b,wg_sweep,sweep,warps,tune,misc")
     ap.add_argument("--ms", default="1,4,8,16,32", help="M values of the gemv and kquant groups")
     ap.add_argument("--arch-path", default=None, help="time another card's kernels (e.g. sm_86: the 3090's keys and "
                     "tiles, built as PTX the driver JIT-compiles, no PDL), as `run --arch-path` runs them")

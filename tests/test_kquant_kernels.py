@@ -68,11 +68,12 @@ def test_lean_kernel_model_equals_dequantisation(fmt, n, k, m):
 
 def test_kquant_gemv_keys():
     """A k-quant key: its own template, one super-block per unit (split-K in batches of WARPS units), one
-    row tile per block and none of the streaming fields; the same (warps, splits) at every M."""
+    row tile per block and none of the streaming fields; the same (warps, splits, stream_k) at every M — the down
+    projection on one stream-K wave (four blocks an SM) in place of its 3 splits."""
     keys = [gemv.make_key("q4_k", 5120, 17408, m, H200, "residual") for m in (1, 4, 8, 16, 32)]
     assert all(k.template == "gemv_kq.cu.j2" for k in keys)
     assert gemv.make_key("q4g64", 5120, 17408, 1, H200).template is None
-    assert len({(k.warps, k.splits) for k in keys}) == 1 and keys[0].splits > 1
+    assert {(k.warps, k.splits, k.stream_k) for k in keys} == {(4, 1, 4 * H200.sms)}
     assert all(k.tiles == 1 and not (k.prefetch or k.interleave or k.stage_x) for k in keys)
     assert gemv.load_batches("q6_k", 17408, 4) == 17
     assert gemv.make_key("q6_k", 248320, 5120, 32, H200).tiles == 1
@@ -121,6 +122,29 @@ def test_kquant_weight_staging_limits():
         assert gemv_rules.apply_overrides(plain, "stage_w=2") == plain
         with pytest.raises(ValueError, match="needs a k-quant"):
             replace(plain, stage_w=2)
+
+
+def test_kquant_stream_k_grids():
+    """`stream_k` (config: a split k-quant grid becomes one wave of blocks over the units flattened tile-major): the
+    down projections on both cards (sm_86: Q6_K two blocks an SM by shared memory), never the unsplit or
+    under-32-units-a-block shapes nor the group-64 formats; a launch of G blocks, a workspace of one 16-row partial
+    per (block, tile) slot; 128 registers at M ≤ 8 where four blocks an SM were counted; K splits by rule replace
+    the grid; bad grids refused."""
+    rtx = lookup("rtx3090")
+    got = {(f, t.arch): gemv.make_key(f, 5120, 17408, 1, t, "residual").stream_k for f in ("q4_k", "q6_k") for t in (H200, rtx)}
+    assert got == {("q4_k", "sm_90"): 528, ("q6_k", "sm_90"): 528, ("q4_k", "sm_86"): 328, ("q6_k", "sm_86"): 164}
+    for f, n, k in (("q4_k", 5120, 6144), ("q4_k", 1024, 5120), ("q4g64", 5120, 17408), ("q4_k", 34816, 5120)):
+        assert gemv.make_key(f, n, k, 1, H200, "residual").stream_k == 0
+    key = gemv.make_key("q6_k", 5120, 17408, 1, H200, "residual")
+    assert key.splits == 1 and key.min_blocks == 4 and key.name.endswith("_sk528_sm90")
+    assert gemv.make_key("q6_k", 5120, 17408, 16, H200, "residual").min_blocks == 2     # loaded: no cap
+    assert gemv.launch(key).grid == (528, 1, 1)
+    assert gemv.workspace(key) == {"ws": 4 * (528 + 320) * 16, "tickets": 4 * 320}
+    assert gemv_rules.apply_overrides(key, "splits=3").splits == 3
+    assert gemv_rules.apply_overrides(key, "splits=3").stream_k == 0
+    for bad in ({"splits": 3}, {"stream_k": 320 * 68 + 1}, {"fmt": "q4g64", "stage_w": 0, "q6_lean": False}):
+        with pytest.raises(ValueError, match="stream_k"):
+            replace(key, **bad)
 
 
 def test_kquant_code_bias_only_for_formats_with_mins():

@@ -87,6 +87,9 @@ class Key(KernelKey):
     kq_lean: bool = False   # Q4_K/Q5_K with code_bias: Σ x by one mma per sub-block (halves added in fp32), d·sc by one
                             # FFMA, no FFMA for token columns past M (other bits than code_bias alone, the same at every
                             # M; shipped with code_bias: gemv_config.kquant_stream_config)
+    stream_k: int = 0       # k-quants, in place of splits: a grid of this many blocks over the tiles' units flattened
+                            # tile-major (whole waves; a tile's partials summed in block order: other bits, the same
+                            # at every M)
     q6_lean: bool = False   # Q6_K: the same bits in fewer instructions — staged rows of 17 chunks whose copies share
                             # one offset a unit, aligned words read without a shift, the PRMT constants in registers,
                             # d·sc by one FFMA, no FFMA for token columns past M (common/kq_units.j2)
@@ -113,6 +116,11 @@ class Key(KernelKey):
             raise ValueError(f"gemv: {self.fmt} streams one row tile per block, one unit at a time (tiles 1, no "
                              f"prefetch, interleave or stage_x), got {self.tiles}/{self.prefetch}/{self.interleave}/"
                              f"{self.stage_x}")
+        if self.stream_k and (self.fmt not in KFORMATS or self.splits != 1 or self.conv
+                              or not 1 <= self.stream_k <= ceil_div(self.n, 16) * (self.k // unit_of(self.fmt))):
+            raise ValueError(f"gemv: stream_k = {self.stream_k} needs a k-quant without splits or conv and 1 … "
+                             f"{ceil_div(self.n, 16) * (self.k // unit_of(self.fmt))} blocks (one unit each at least), "
+                             f"got {self.fmt}, splits {self.splits}, conv {self.conv}")
         check_epilogue(self)
         if not 1 <= self.splits <= load_batches(self.fmt, self.k, self.warps):
             raise ValueError(f"gemv: splits = {self.splits} outside "
@@ -158,7 +166,7 @@ class Key(KernelKey):
                 + ([f"sw{self.stage_w}"] if self.stage_w else [])
                 + (["cb"] if self.code_bias else []) + ([f"d{self.depth}"] if self.depth else [])
                 + (["xe"] if self.x_early else []) + (["kl"] if self.kq_lean else [])
-                + (["ql"] if self.q6_lean else []))
+                + (["ql"] if self.q6_lean else []) + ([f"sk{self.stream_k}"] if self.stream_k else []))
 
 
 STATIC_SMEM = 48 * 1024      # a kernel's static shared memory
@@ -206,9 +214,9 @@ def make_key(fmt: str, n: int, k: int, m: int, target: Target, epilogue: str = "
              out_dtype: str = "bf16", overrides: str = "") -> Key:
     """The shipped key of one decode matrix multiply; `overrides` (CompileOptions.gemv) are experiment
     rules that may replace some fields (gemv_rules)."""
-    warps, tiles, splits = config(fmt, n, k, m, target)
-    key = Key(fmt, n, k, m, epilogue, out_dtype, warps, tiles, target.arch, splits,
-              **stream_config(fmt, n, k, m, warps, target, epilogue, splits))
+    warps, tiles, splits, stream_k = config(fmt, n, k, m, target)
+    key = Key(fmt, n, k, m, epilogue, out_dtype, warps, tiles, target.arch, splits, stream_k=stream_k,
+              **stream_config(fmt, n, k, m, warps, target, epilogue, splits, stream_k))
     return apply_overrides(key, overrides) if overrides else key
 
 
@@ -227,14 +235,20 @@ def conv_reference(key: Key, y: torch.Tensor, conv_w: torch.Tensor, hist: torch.
 
 
 def launch(key: Key, target: Target | None = None) -> Launch:
-    return Launch((ceil_div(ceil_div(key.n, 16), key.tiles) * key.splits, 1, 1), (32 * key.warps, 1, 1), 0)
+    blocks = key.stream_k or ceil_div(ceil_div(key.n, 16), key.tiles) * key.splits
+    return Launch((blocks, 1, 1), (32 * key.warps, 1, 1), 0)
 
 
 def workspace(key: Key) -> dict[str, int]:
-    """Bytes of each workspace argument (by parameter name); {} when splits == 1."""
+    """Bytes of each workspace argument (by parameter name); {} when splits == 1 and no stream_k. Stream-K: a 16-row
+    partial of each row per (block, tile) slot, slot = block + tile (a block's tiles are consecutive, so are a
+    tile's blocks)."""
+    tiles = ceil_div(key.n, 16)
+    if key.stream_k:
+        return {"ws": 4 * (key.stream_k + tiles) * key.m * 16, "tickets": 4 * tiles}
     if key.splits == 1:
         return {}
-    return {"ws": 4 * key.splits * key.m * key.n, "tickets": 4 * ceil_div(key.n, 16)}
+    return {"ws": 4 * key.splits * key.m * key.n, "tickets": 4 * tiles}
 
 
 # The arguments every quantised matrix multiply takes (gemv, and gemm, which has no split-K workspace).
@@ -260,9 +274,9 @@ MATMUL_PARAMS = (Param("y", "ptr", "out [m, n] (n/2 for silu_mul), bf16 or f32; 
 
 def params(key: Key) -> list[Param]:
     return [*MATMUL_PARAMS,
-            Param("ws", "ptr", "f32 workspace [splits, m, n] (splits > 1, else 0)"),
+            Param("ws", "ptr", "f32 workspace [splits, m, n] (splits > 1), [stream_k + tiles, m, 16] (stream_k); else 0"),
             Param("tickets", "ptr", "u32 [row tiles] arrival counters: zero before the first launch, left zero "
-                  "(splits > 1, else 0)")] + \
+                  "(splits > 1 or stream_k, else 0)")] + \
         ([Param("xn", "ptr", "out [m, n] bf16: bf16(y · (1 + norm_w)), the next projections' input"),
           Param("ssq_out", "ptr", "out [m, n/16] f32: Σ y² over each 16-row tile (y as stored)"),
           Param("norm_w", "ptr", "RMSNorm weight [n] bf16, used as (1 + w)")] if key.norm_out else []) + \

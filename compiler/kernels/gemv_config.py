@@ -53,10 +53,35 @@ def split_count(fmt: str, n: int, k: int, warps: int, target: Target) -> int:
     return max(s for s in cuts if s == 1 or row_tiles * s <= 2 * wave)
 
 
-def config(fmt: str, n: int, k: int, m: int, target: Target) -> tuple[int, int, int]:
-    """(warps, tiles, splits). `warps` and `splits` fix the reduction order, so they read the shape and
-    the card only, never M (batch invariance); `tiles` (row tiles per block, reusing activations) may
-    follow M."""
+def kquant_wave(fmt: str, target: Target) -> int:
+    """Resident 4-warp k-quant blocks a card holds at once: up to four an SM (≤ 128 registers: min_blocks 4 where a
+    stream-K grid asks for it), fewer where the staged blocks' shared memory (two stages, the reduction, the 1 KB the
+    driver keeps a block) does not fit four (Q6_K on sm_86's 100 KB: two)."""
+    block_smem = staged_bytes(fmt, 4, 2, fmt == "q6_k") + 4 * 512 + 1024
+    return target.sms * min(4, target.smem_per_sm // block_smem)
+
+
+def stream_k_blocks(fmt: str, n: int, k: int, warps: int, splits: int, target: Target) -> int:
+    """The stream-K grid (`stream_k`, gemv_kq.cu.j2) that replaces a k-quant's K splits, or 0 (reads the shape and the
+    card, never M). A split grid is rarely whole waves — the down projections (5,120 × 17,408) at 3 splits are 960
+    blocks, 1.8 waves of four 4-warp blocks an SM on 132 SMs — and every block pays the ring's first fill and the
+    split's partial, fence and ticket; one wave of blocks over the tiles' units flattened tile-major has every SM
+    stream the same number of units, each block one partial per tile it touches. Session 27, H100 kernel lab
+    `streamk` (chained, M = 1): Q6_K down 34.9 → 32.7 µs at one wave of four (3 an SM 38.6, 5 41.7, two waves
+    36.0), Q4_K down 23.7 → 23.2; the GGUF step 7.249 → 7.181 ms (same call). Unsplit grids under a wave lost (the
+    output projection 10.4 → 11.8 µs, the GDN input 8.8 → 11.3; the one-wave Q5_K 10,240 rows 14.0 → 18.4) and stay
+    as they are; so do split grids whose blocks would hold under 32 units (the 1,024-row projections: 2.4).
+    Measured on sm_90; the 3090's grid (Q6_K: two blocks an SM, 164; Q4_K four, 328) is the same rule, unmeasured."""
+    if fmt not in KFORMATS or warps != 4 or splits == 1:
+        return 0
+    blocks = kquant_wave(fmt, target)
+    return blocks if ceil_div(n, 16) * (k // QK_K) >= 32 * blocks else 0
+
+
+def config(fmt: str, n: int, k: int, m: int, target: Target) -> tuple[int, int, int, int]:
+    """(warps, tiles, splits, stream_k). `warps`, `splits` and `stream_k` fix the reduction order, so they read the
+    shape and the card only, never M (batch invariance); `tiles` (row tiles per block, reusing activations) may
+    follow M. A stream-K grid replaces the splits (splits 1)."""
     row_tiles = ceil_div(n, 16)
     units = k // unit_of(fmt)
     warps = 8 if row_tiles < 2 * target.sms and units >= 32 else 4
@@ -71,11 +96,12 @@ def config(fmt: str, n: int, k: int, m: int, target: Target) -> tuple[int, int, 
     # 13.31 ms on an H100; Q4 10240×5120 40.2 → 25.7 µs, Q5 down 49.8 → 42.5; 8-warp blocks within ±3 % either way).
     # The LM heads had two tiles before (row tiles ≥ 16 waves' worth); they keep them.
     tiles = 2 if m > 8 and warps == 4 and fmt not in KFORMATS else 1
-    return warps, tiles, splits
+    stream_k = stream_k_blocks(fmt, n, k, warps, splits, target)
+    return warps, tiles, 1 if stream_k else splits, stream_k
 
 
 def stream_config(fmt: str, n: int, k: int, m: int, warps: int, target: Target, epilogue: str = "none",
-                  splits: int = 1) -> dict:
+                  splits: int = 1, stream_k: int = 0) -> dict:
     """How units stream (fields that never change the bits, so they may follow M), measured in the 27B
     decode step on the H200 (lab/step_ab.py). M ≤ 8: no L2 prefetch — with the lean decode loop
     (whole-code Q5, batch pointers) the prefetch costs more than it hides (step 6.45 → 5.99 ms without
@@ -94,7 +120,7 @@ def stream_config(fmt: str, n: int, k: int, m: int, warps: int, target: Target, 
     −0.3 %, and the same cap on the ≈ one-wave qkv and q projections ±0)."""
     waves = ceil_div(n, 16) / (target.sms * 9)
     if fmt in KFORMATS:           # gemv_kq.cu.j2 has its own fields (min_blocks, code_bias, stage_w)
-        return kquant_stream_config(fmt, n, m, target, splits)
+        return kquant_stream_config(fmt, n, m, target, splits, stream_k)
     if m > 8:   # one batch ahead in L2; 4-warp blocks load a batch's activations right after its weights
                 # (`x_early`), and but for the LM heads one unit per batch under a 4-block register cap (16 warps
                 # per SM: the C8 verify's GEMVs 14.99 → 14.41 ms, C8 MTP / plain end to end 1.56 → 1.60×, H100,
@@ -134,7 +160,7 @@ def staged_bytes(fmt: str, warps: int, stages: int, q6_lean: bool = False) -> in
     return warps * stages * 16 * staged_row_bytes(fmt, q6_lean)
 
 
-def kquant_stream_config(fmt: str, n: int, m: int, target: Target, splits: int = 1) -> dict:
+def kquant_stream_config(fmt: str, n: int, m: int, target: Target, splits: int = 1, stream_k: int = 0) -> dict:
     """How the k-quant GEMVs stream (kernel lab and the 27B Q4_K_M GGUF's step, H100, sm_90; lab/NOTES.md sessions
     18–19, lab/results/kquant_lab_h100_*_s18, gguf_ab*_h100_*_s19):
     - `code_bias` for Q4_K and Q5_K at every M (so a row's bits never depend on M): the mma takes the codes + 128
@@ -167,6 +193,9 @@ def kquant_stream_config(fmt: str, n: int, m: int, target: Target, splits: int =
         fields["min_blocks"] = 3
     # 4 warps: their stages, their reduction (512 B a warp at M ≤ 8) and the 1 KB the driver reserves a block
     block_smem = staged_bytes(fmt, 4, fields["stage_w"], fields.get("q6_lean", False)) + 4 * 512 + 1024
-    if splits == 1 and 4 * target.sms < ceil_div(n, 16) <= 5 * target.sms and 5 * block_smem <= target.smem_per_sm:
+    if splits == 1 and not stream_k and 4 * target.sms < ceil_div(n, 16) <= 5 * target.sms \
+            and 5 * block_smem <= target.smem_per_sm:
         fields["min_blocks"] = 5    # one wave of five blocks an SM instead of 1.2 waves of four
+    if stream_k and stream_k >= 4 * target.sms:
+        fields["min_blocks"] = 4    # the wave stream_k_blocks counted: ≤ 128 registers (Q6_K down 128 at 3, hn)
     return fields

@@ -7,7 +7,8 @@ where the result is a valid key (the key's own checks decide); `gemv.make_key` a
     "m8:code_bias=1,stage_w=2;m8:stage_w=2"    keys of at most 8 rows; a k-quant field passes other formats on
     "m9-32:tiles=2,depth=2"                     keys of 9 to 32 rows
     "10240x5120/m8:min_blocks=3"                both: that shape at most 8 rows
-    "q6_k/5120x17408:splits=3"                  a weight format too
+    "q6_k/5120x17408:splits=3"                  a weight format too (splits replace a stream-K grid)
+    "q6_k/5120x17408:splits=1,stream_k=396"     a stream-K grid of 396 blocks
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from .weight_layout import FORMATS
 
 
 # Fields an experiment rule may set: how units stream, row tiles per block and the registers (never the bits), and
-# `warps`, `splits`, `code_bias` and `kq_lean`, which change the summation (bits; batch invariance still holds).
+# `warps`, `splits`, `stream_k`, `code_bias` and `kq_lean`, which change the summation (bits; batch invariance still holds).
 def _flag(v: str) -> bool:
     if v not in ("0", "1", "false", "true"):
         raise ValueError(v)
@@ -27,7 +28,7 @@ def _flag(v: str) -> bool:
 
 OVERRIDABLE = {"prefetch": int, "interleave": _flag, "min_blocks": int, "stage_x": _flag, "warps": int, "splits": int,
                "stage_w": int, "code_bias": _flag, "tiles": int, "depth": int, "x_early": _flag, "kq_lean": _flag,
-               "q6_lean": _flag}
+               "q6_lean": _flag, "stream_k": int}
 
 
 def _rows(text: str) -> range | None:
@@ -82,6 +83,8 @@ def apply_overrides(key, rules: str):
         if any(isinstance(w, range) and key.m not in w or isinstance(w, tuple) and w != (key.n, key.k)
                or isinstance(w, str) and w != key.fmt for w in where):
             continue
+        if "splits" in fields and "stream_k" not in fields:
+            fields = {"stream_k": 0, **fields}      # K splits in place of a stream-K grid
         try:
             return replace(key, **fields)
         except ValueError:

@@ -40,7 +40,9 @@ def _gemv_keys():
     keys.append(gemv.make_key("q6_k", 248320, 5120, 4, TARGET, out_dtype="f32"))       # the LM head
     # code_bias alone (codes + 128 into the mma, the 128s out with the mins; `kq_lean=0`): other bits, the same
     # reference tolerances (rel-L2 ≤ REL_L2 on f32 outputs), loaded and staged, one unit to split-K, M = 1 … 32
-    keys += [replace(gemv.make_key(fmt, n, k, m, TARGET, epi, "f32"), code_bias=True, kq_lean=False, stage_w=sw)
+    # (uncapped, min_blocks 2: the stream-K down projection's 128-register cap is the lean math's)
+    keys += [replace(gemv.make_key(fmt, n, k, m, TARGET, epi, "f32"), code_bias=True, kq_lean=False, stage_w=sw,
+                     min_blocks=2)
              for fmt in ("q4_k", "q5_k") for n, k, epi in ((5120, 17408, "residual"), (40, 256, "none"),
                                                            (200, 768, "residual"), (1024, 5120, "none"))
              for m in (1, 4, 32) for sw in (0, 2)]
@@ -121,7 +123,8 @@ def test_weights_staged_in_shared_memory_give_the_same_bits(h, fmt, n, k, epi, o
     """`stage_w` moves the weights global → shared → registers instead of global → registers; the lanes read the
     same bytes, so the same inputs give the loaded key's bits (split-K, odd unit counts, M = 1 … 32; `lean`: both
     with kq_lean, as shipped; else Q4_K/Q5_K with code_bias alone)."""
-    key = replace(gemv.make_key(fmt, n, k, m, TARGET, epi, out), stage_w=0, kq_lean=lean)   # loaded (as at M > 8)
+    key = replace(gemv.make_key(fmt, n, k, m, TARGET, epi, out), stage_w=0, kq_lean=lean,   # loaded (as at M > 8),
+                  min_blocks=2)                                                              # uncapped
     staged = replace(key, stage_w=sw)
     h.build([key, staged])
     _same_bits(h, key, staged)
@@ -139,13 +142,15 @@ def test_q6_lean_gives_the_same_bits(h, n, k, epi, out, m, sw):
     (d·sc by an exact FFMA instead of an exact FMUL): the bits of the key without it — staged (rows of 16 chunks; one
     copy offset a unit where 2·RB ≡ 0 mod 16, K = 5120 / 17408, else one a row: K = 256, 768) and loaded, M = 1 … 32
     (M = 1 leaves out the second token column's FFMAs)."""
-    key = replace(gemv.make_key("q6_k", n, k, m, TARGET, epi, out), stage_w=sw, q6_lean=False)
+    base = gemv.make_key("q6_k", n, k, m, TARGET, epi, out)
+    key = replace(base, stage_w=sw, q6_lean=False, min_blocks=min(base.min_blocks, 3))   # (the stream-K cap: lean's)
     lean = replace(key, q6_lean=True)
     h.build([key, lean])
     _same_bits(h, key, lean)
 
 
-BIASED = "code_bias=1,kq_lean=0,stage_w=2"     # code_bias alone, staged (the shipped keys, "", take kq_lean too)
+BIASED = "code_bias=1,kq_lean=0,stage_w=2,min_blocks=2"     # code_bias alone, staged, uncapped (the shipped keys, "",
+                                                            # take kq_lean too)
 
 
 @pytest.mark.parametrize("fmt,n,k,epi,rule", [
@@ -153,7 +158,10 @@ BIASED = "code_bias=1,kq_lean=0,stage_w=2"     # code_bias alone, staged (the sh
         (34816, 5120, "silu_mul"), (5120, 17408, "residual"), (1024, 5120, "none"), (200, 768, "none"),
         (5120, 6144, "norm_out"), (6144, 5120, "scale_in"))] + [
     (fmt, n, k, epi, BIASED) for fmt in ("q4_k", "q5_k") for n, k, epi in ((34816, 5120, "silu_mul"),
-                                                                           (5120, 17408, "residual"), (200, 768, "none"))])
+                                                                           (5120, 17408, "residual"), (200, 768, "none"))] + [
+    (fmt, n, k, epi, f"splits=1,stream_k={g}") for fmt in FMTS for n, k, epi, g in (
+        (5120, 17408, "residual", 528), (5120, 6144, "norm_out", 528), (6144, 5120, "scale_in", 396),
+        (200, 768, "none", 7), (1024, 5120, "none", 31))])
 def test_kquant_gemv_batch_invariance(h, fmt, n, k, epi, rule):
     """A row's bits (y; with norm_out also xn and the tile sums of squares) do not depend on M: M = 1, 4, 16
     and 32 share weights and leading rows; split-K tickets come back zero. `rule`: an experiment rule on every
@@ -198,6 +206,27 @@ def test_kquant_gemv_batch_invariance(h, fmt, n, k, epi, rule):
         assert not torch.isnan(outs[32][0][name].float()).any(), f"{fmt} {n}x{k}: {name} not written"
         for m in (1, 4, 16):
             assert h.same_bits(outs[m][0][name], outs[32][0][name][:m]), f"{fmt} {n}x{k} {epi}: {name}, M={m} vs 32"
+
+
+SK = [replace(gemv.make_key(fmt, n, k, m, TARGET, epi, out), splits=1, stream_k=g)
+      for fmt in FMTS for n, k, epi, out, g in ((5120, 17408, "residual", "f32", 528), (200, 768, "residual", "f32", 7),
+                                                (200, 768, "none", "f32", 39), (40, 512, "none", "f32", 3),
+                                                (34816, 5120, "silu_mul", "bf16", 1056))
+      for m in (1, 3, 9)]
+
+
+@pytest.mark.parametrize("key", SK, ids=[k.name for k in SK])
+def test_stream_k_matches_reference(h, key):
+    """`stream_k` (a grid of G blocks over the units flattened tile-major; a tile's partials summed in block order by
+    the last contributor): within fp32 accumulation error of the reference — one block a unit (G = W), tiles of one
+    to four contributors, blocks over many tiles (G = 3), M staged (1, 3) and loaded (9); the tickets come back zero (compare)."""
+    h.build([key])
+    case = make_case(key, "cuda", seed=len(key.name))
+    h.run(case)
+    h.compare(case, key.name)
+    y = case.outputs["y"]
+    if y.dtype == torch.float32:
+        assert _rel_l2(y, case.reference()["y"].to(y.device)) <= REL_L2
 
 
 def test_kquant_27b_buckets_bind_with_device_random_weights():
