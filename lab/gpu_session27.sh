@@ -28,16 +28,7 @@ fi
 #   of the Q6_K down projection with it and of the Q4_K gate/up and output projections as shipped.
 eval "$(sed -n '/^gguf_ab() {/,/^}/p' lab/gpu_session25.sh)"
 # q4g64_beside TAG: the Q4G64 plain step and issue 34's line against bench_TAG_ab0.json (lab/gpu_session26.sh)
-q4g64_beside() {
-  timeout 200 python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --no-vision --output-tokens 256 \
-    --repeats 1 --prefill '' --json $OUT/bench_$1_q4g64.json > /tmp/bench_$1_q4g64.log 2>&1
-  echo "Q4G64 plain: rc $?"; grep -a "decode step (graph\|bandwidth eff\|copy" /tmp/bench_$1_q4g64.log
-  python3 - $OUT/bench_$1_q4g64.json $OUT/bench_$1_ab0.json <<'PY'
-import json, sys
-q, g = (json.load(open(p))["decode"]["bandwidth_efficiency"] for p in sys.argv[1:])
-print(f"plain decode / same-run copy: Q4G64 {q:.1%}, GGUF Q4_K_M {g:.1%}: {'PASS' if g >= q - 0.05 else 'FAIL'} (>= Q4G64 - 5 points)")
-PY
-}
+eval "$(sed -n '/^q4g64_beside() {/,/^}/p' lab/gpu_session26.sh)"
 XRULE=${XRULE:-"q4_k/m1:stage_x=1;q5_k/m1:stage_x=1;q6_k/m1:stage_x=1"}
 if part x; then
   timeout 200 python3 -m pytest -m gpu tests/gpu/test_kquant_gpu.py -k "activations" -q -rf -p no:cacheprovider \
@@ -81,4 +72,15 @@ if part final2; then
     > $OUT/kq_tests.log 2>&1; echo "k-quant tests: rc $?"; shown $OUT/kq_tests.log 4; stamp "kq tests done"
   gguf_ab final2 "${GAB2:-base|q4_k/34816x5120/m8:min_blocks=5|q4_k/34816x5120/m8:min_blocks=6}"; q4g64_beside final2
   stamp "final2 done"
+fi
+# PART=tl: where the GGUF step's time goes beside the Q4G64 step's — lab/step_timeline.py (CUPTI trace of graph
+#   replays, each kernel group charged its advance of the step's end) on both, the bench's 32K bucket (the last call).
+if part tl; then
+  G=/tmp/qwen3.8-27b-q4_k_m.gguf
+  [ -f $G ] || { timeout 300 python3 -m tools.synth_gguf $G --device cuda > /dev/null 2>&1; echo "GGUF write: rc $?"; }
+  for w in gguf q4g64; do
+    timeout 150 python3 -m lab.step_timeline --max-context 32832 $([ $w = gguf ] && echo --weights $G) \
+      --json $OUT/tl_$w.json > $OUT/tl_$w.log 2>&1; echo "timeline $w: rc $?"; shown $OUT/tl_$w.log 24
+    stamp "timeline $w done"
+  done
 fi

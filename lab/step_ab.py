@@ -31,14 +31,16 @@ from ninfer_gen.executor.executable import Bucket
 from ninfer_gen.executor.memory_plan import GiB
 
 
-def load_at_context(spec: str, context: int, max_context: int | None = None, arch_path: str | None = None):
-    """(model, seq): `spec` on the GPU with weights drawn on the device under the 24 GiB budget, and one
-    sequence prefilled with `context` seeded random tokens (the state a timed decode step starts from).
-    `max_context` (default context + 256) sizes the KV pool and the attention buckets (`ninfer-gen bench`
-    loads for its longest prompt, 32K + 64). `arch_path`: another arch's code path (e.g. sm_86 PTX, JIT-compiled)."""
-    model = ninfer_gen.load(spec, backend="gpu", max_context=max_context or context + 256, vram_budget=24 * GiB,
-                            random_weights="device", progress=True, build_root=build_root(), arch_path=arch_path,
-                            vision=False)
+def load_at_context(spec: str, context: int, max_context: int | None = None, arch_path: str | None = None,
+                    weights: str | None = None):
+    """(model, seq): `spec` on the GPU with weights drawn on the device under the 24 GiB budget (or the checkpoint /
+    GGUF `weights`, as `ninfer-gen bench --weights` loads it), and one sequence prefilled with `context` seeded random
+    tokens (the state a timed decode step starts from). `max_context` (default context + 256) sizes the KV pool and the
+    attention buckets (`ninfer-gen bench` loads for its longest prompt, 32K + 64). `arch_path`: another arch's code
+    path (e.g. sm_86 PTX, JIT-compiled)."""
+    model = ninfer_gen.load(weights or spec, backend="gpu", max_context=max_context or context + 256,
+                            vram_budget=24 * GiB, random_weights="host" if weights else "device", progress=True,
+                            build_root=build_root(), arch_path=arch_path, vision=False)
     ids = torch.randint(0, model.spec.model.vocab_size, (context,), generator=torch.Generator().manual_seed(5))
     seq = model.backend.new_sequence()
     model.backend.prefill(seq, ids.tolist())

@@ -5,7 +5,7 @@ add up to the replay's span, so unlike summed durations (which double-count prog
 overlap and parallel branches) they split the step between kernel groups — the critical path as the
 GPU ran it, including each kernel's share of launch and dependency latency.
 
-    python -m lab.step_timeline [--context 542] [--replays 5] [--json out.json]
+    python -m lab.step_timeline [--context 542] [--replays 5] [--json out.json] [--weights model.gguf]
 """
 from __future__ import annotations
 
@@ -63,10 +63,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--context", type=int, default=542, help="tokens in the sequence before the traced steps")
     ap.add_argument("--max-context", type=int, default=None, help="KV pool / attention bucket size "
                     "(default: context + 256; the bench loads for 32,832)")
+    ap.add_argument("--weights", default=None, help="a checkpoint or GGUF to load instead of the spec's random weights")
     ap.add_argument("--replays", type=int, default=5)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    model, seq = load_at_context(args.spec, args.context, args.max_context)
+    model, seq = load_at_context(args.spec, args.context, args.max_context, weights=args.weights)
     be = model.backend
     be.run("step", [seq], [[1]])
     bucket = be.bucket("step", 1, 1)

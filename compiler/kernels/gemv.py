@@ -2,7 +2,7 @@
 
 y[M, N_out] = epilogue(x[M, K] · W[N, K]ᵀ) with W in a weight_layout format, or a GGUF k-quant's blocks as
 stored (q4_k, q5_k, q6_k: templates/gemv_kq.cu.j2, one super-block of 256 columns per unit). The config that fixes the
-reduction order (`warps`, `splits`: the K split over warps and over blocks) depends on (fmt, N, K,
+reduction order (`warps`, `splits` / `stream_k`: the K split over warps and over blocks) depends on (fmt, N, K,
 target) only, never on M: that is what makes decode, verify and every cohort produce identical bits
 per row. Which fields a shape gets (warps, splits, tiles and how units stream) is gemv_config's: measured choices.
 
@@ -14,7 +14,8 @@ and the slot history update of gdn_conv 'update' in its epilogue.
 
 splits > 1 needs a workspace (`workspace(key)`: an fp32 [splits, m, n] buffer and one u32 ticket per
 row tile, zero before the first launch); the kernel leaves the tickets at zero, so one allocation
-serves every launch and graph replay.
+serves every launch and graph replay. A k-quant `stream_k` grid (G blocks over the units flattened tile-major, in
+place of splits; also reduction order, from gemv_config) takes the same tickets and a [G + tiles, m, 16] buffer.
 """
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ def split_count(fmt: str, n: int, k: int, warps: int, target: Target) -> int:
     group-64 kernels hold ~36 warps): the down projections (5,120 × 17,408) cut in 3, not 6 — each warp then walks
     ~6 units after filling its ring once (session 26, H100 kernel lab `kqsplits`, chained, M = 1: Q4_K 23.8 → 23.2
     µs, Q6_K 35.1 → 34.0; the GGUF step 7.187 → 7.116 ms in the same call; on the 3090's 82 SMs the same rule cuts
-    2, unmeasured there)."""
+    2, unmeasured there). Since session 27 such split k-quant grids run as one stream-K wave (stream_k_blocks)."""
     nb, row_tiles = load_batches(fmt, k, warps), ceil_div(n, 16)
     wave = target.sms * ((16 if fmt in KFORMATS else 36) // warps)
     if row_tiles >= wave or (nb < 8 and row_tiles >= target.sms):
