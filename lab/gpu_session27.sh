@@ -84,3 +84,11 @@ if part tl; then
     stamp "timeline $w done"
   done
 fi
+# PART=pdl: the timeline's hypothesis — the gate/up starts late because the output projection's blocks (3 an SM at
+#   110–138 registers) leave no room in the register file for a gate/up block under programmatic launch: the GGUF step
+#   with the output projection under a 5-block cap (≤ 102 registers), and with the gate/up under one too. (Refuted:
+#   7.182 → 7.301 / 7.312 ms.)
+if part pdl; then
+  gguf_ab pdl "base|q4_k/5120x6144/m8:min_blocks=5|q4_k/5120x6144/m8:min_blocks=5;q4_k/34816x5120/m8:min_blocks=5"
+  stamp "pdl done"
+fi
