@@ -349,6 +349,20 @@ def step_buckets_plan(target, l2):
         yield "buckets", planned_runs(plan_bucket(spec, target, "step", batch, tokens), l2, label, ("gemv",))
 
 
+def gguf_step_plan(target, l2):
+    """`gguf_step` (issue 34, after session 27): the decode GEMVs of a Q4_K_M-style 27B GGUF's plain step (B = 1),
+    each the step's own key (its folds: scale_in, norm_out, conv) timed chained in isolation with its launches in the
+    step — beside the step's leave-one-out and `lab/step_timeline.py --weights` advances, what each group loses to
+    its neighbours in the step (session 27: the Q4_K gate/up ~3.7 µs a call more in the step than chained)."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from gguf_fixtures import q4_k_m_recipe
+
+    spec = load_spec(Path(__file__).resolve().parent.parent / "model_specs/qwen3.8-27b.yaml")
+    plan = plan_bucket(q4_k_m_recipe(spec), target, "step", 1, 1)
+    yield "gguf_step", planned_runs(plan, l2, "27B Q4_K_M GGUF step, B = 1", ("gemv",))
+
+
 # Session 20 (issue 32's C8 line): the 32-row verify GEMVs ran at 32.4 % of copy (H100, `buckets`) against 61.1 % for
 # the 8-row step. Each warp loads its unit's activations for all 32 rows (8 × 16 B per lane, 8× the unit's Q4 weight
 # bytes) once per row tile; `tiles` row tiles per block reuse them from registers, `depth` units per load batch keeps
@@ -423,6 +437,7 @@ def plan(target, ms=(1, 4, 8, 16, 32)):
     yield from kquant_plan(target, l2, ms)
     yield from vision_plan(target, l2)
     yield from step_buckets_plan(target, l2)
+    yield from gguf_step_plan(target, l2)
     yield from verify_plan(target, l2)
     yield "gemv", gemv_runs("w8g32", 248320, 5120, (1, 4, 32), "none", "f32", target, l2)
     yield "gemv", gemv_runs("q5g64", 5120, 17408, (1, 8, 32), "residual", "bf16", target, l2)
@@ -531,7 +546,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="kernel_lab.json")
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--only", default="", help="comma-separated labels: gemv9,gemv,kquant,kqlean,q6lean,kqsplits,streamk,kquant_gemm,vision,buckets,verify,gdn_step,gdn_chunk,gdn_conv,attn_decode,prefill,gemm_sweep,gemm_27b,wg_27b,wg_sweep,sweep,warps,tune,misc")
+    ap.add_argument("--only", default="", help="comma-separated labels: gemv9,gemv,kquant,kqlean,q6lean,kqsplits,streamk,gguf_step,kquant_gemm,vision,buckets,verify,gdn_step,gdn_chunk,gdn_conv,attn_decode,prefill,gemm_sweep,gemm_27b,wg_27b,wg_sweep,sweep,warps,tune,misc")
     ap.add_argument("--ms", default="1,4,8,16,32", help="M values of the gemv and kquant groups")
     ap.add_argument("--arch-path", default=None, help="time another card's kernels (e.g. sm_86: the 3090's keys and "
                     "tiles, built as PTX the driver JIT-compiles, no PDL), as `run --arch-path` runs them")

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Session 28's device calls, prepared in session 27 (logs to $OUT as it goes; a call brings back at most 8 files).
+# PART=gate: issue 34 — why the Q4_K gate/up takes ~3.7 µs a call more in the GGUF step than chained in the lab
+#   (session 27: step_timeline +236 µs against the Q4G64 gate/up's byte rate; register room for an early start ruled
+#   out). The step's own GEMV keys (with their folds) chained in isolation (kernel lab `gguf_step`), Nsight Compute on
+#   the gate/up launched inside the replayed graph (`--graph-profiling node`, sections + PC sampling summed by
+#   lab/ncu_stalls.py) beside the same key chained in the lab (lab/gemv_ncu.py), and the two steps' timelines.
+source lab/gpu_script_env.sh
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+G=/tmp/qwen3.8-27b-q4_k_m.gguf
+if part gate; then
+  [ -f $G ] || { timeout 300 python3 -m tools.synth_gguf $G --device cuda > /dev/null 2>&1; echo "GGUF write: rc $?"; }
+  timeout 150 python3 -m lab.kernel_lab --only gguf_step --ms 1 --out /tmp/gs_lab.json > $OUT/gguf_step_lab.log 2>&1
+  echo "gguf_step lab: rc $?"; grep -a "^gemv_\|copy\|Σ" $OUT/gguf_step_lab.log | tail -24; stamp "gguf_step lab done"
+  timeout 200 ncu --graph-profiling node --clock-control none --kernel-name regex:gemv_q4_k_n34816 --launch-skip 8 \
+    --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats --section SourceCounters \
+    -f -o /tmp/gu_step python3 -m lab.step_timeline --weights $G --max-context 32832 --replays 2 > /tmp/gu_step.log 2>&1
+  echo "ncu gate/up in the step: rc $?"
+  ncu -i /tmp/gu_step.ncu-rep --page details > $OUT/gu_step_ncu.txt 2>&1
+  ncu -i /tmp/gu_step.ncu-rep --page source --csv --print-source sass > /tmp/gu_step.csv 2>/dev/null
+  python3 -m lab.ncu_stalls /tmp/gu_step.csv --top 30 >> $OUT/gu_step_ncu.txt 2>&1
+  grep -a "Duration\|DRAM Throughput\|Achieved Active\|Registers Per\|by opcode\|by reason" $OUT/gu_step_ncu.txt | head
+  stamp "ncu step gate/up done"
+  for w in gguf q4g64; do
+    timeout 150 python3 -m lab.step_timeline --max-context 32832 $([ $w = gguf ] && echo --weights $G) \
+      --json $OUT/tl_$w.json > $OUT/tl_$w.log 2>&1; echo "timeline $w: rc $?"; shown $OUT/tl_$w.log 8
+  done
+  stamp "gate done"
+fi
+if part long; then                   # issue 31's figures, on an H200 if one is lent
+  PART=long bash lab/gpu_session25.sh; stamp "long done"
+fi
