@@ -117,11 +117,12 @@ class Key(KernelKey):
             raise ValueError(f"gemv: {self.fmt} streams one row tile per block, one unit at a time (tiles 1, no "
                              f"prefetch, interleave or stage_x), got {self.tiles}/{self.prefetch}/{self.interleave}/"
                              f"{self.stage_x}")
+        units = ceil_div(self.n, 16) * (self.k // unit_of(self.fmt))     # a stream-K grid's work, tile-major
         if self.stream_k and (self.fmt not in KFORMATS or self.splits != 1 or self.conv
-                              or not 1 <= self.stream_k <= ceil_div(self.n, 16) * (self.k // unit_of(self.fmt))):
+                              or not 1 <= self.stream_k <= units):
             raise ValueError(f"gemv: stream_k = {self.stream_k} needs a k-quant without splits or conv and 1 … "
-                             f"{ceil_div(self.n, 16) * (self.k // unit_of(self.fmt))} blocks (one unit each at least), "
-                             f"got {self.fmt}, splits {self.splits}, conv {self.conv}")
+                             f"{units} blocks (one unit each at least), got {self.fmt}, splits {self.splits}, "
+                             f"conv {self.conv}")
         check_epilogue(self)
         if not 1 <= self.splits <= load_batches(self.fmt, self.k, self.warps):
             raise ValueError(f"gemv: splits = {self.splits} outside "

@@ -55,10 +55,9 @@ def split_count(fmt: str, n: int, k: int, warps: int, target: Target) -> int:
 
 def kquant_wave(fmt: str, target: Target) -> int:
     """Resident 4-warp k-quant blocks a card holds at once: up to four an SM (≤ 128 registers: min_blocks 4 where a
-    stream-K grid asks for it), fewer where the staged blocks' shared memory (two stages, the reduction, the 1 KB the
-    driver keeps a block) does not fit four (Q6_K on sm_86's 100 KB: two)."""
-    block_smem = staged_bytes(fmt, 4, 2, fmt == "q6_k") + 4 * 512 + 1024
-    return target.sms * min(4, target.smem_per_sm // block_smem)
+    stream-K grid asks for it), fewer where two stages' blocks (kquant_block_smem) do not fit four in shared memory
+    (Q6_K on sm_86's 100 KB: two)."""
+    return target.sms * min(4, target.smem_per_sm // kquant_block_smem(fmt, 2, fmt == "q6_k"))
 
 
 def stream_k_blocks(fmt: str, n: int, k: int, warps: int, splits: int, target: Target) -> int:
@@ -160,6 +159,12 @@ def staged_bytes(fmt: str, warps: int, stages: int, q6_lean: bool = False) -> in
     return warps * stages * 16 * staged_row_bytes(fmt, q6_lean)
 
 
+def kquant_block_smem(fmt: str, stages: int, q6_lean: bool) -> int:
+    """Shared memory a staged 4-warp k-quant block holds on an SM at M ≤ 8: its weight stages, its reduction (512 B a
+    warp) and the 1 KB the driver reserves a block."""
+    return staged_bytes(fmt, 4, stages, q6_lean) + 4 * 512 + 1024
+
+
 def kquant_stream_config(fmt: str, n: int, m: int, target: Target, splits: int = 1, stream_k: int = 0) -> dict:
     """How the k-quant GEMVs stream (kernel lab and the 27B Q4_K_M GGUF's step, H100, sm_90; lab/NOTES.md sessions
     18–19, lab/results/kquant_lab_h100_*_s18, gguf_ab*_h100_*_s19):
@@ -191,8 +196,7 @@ def kquant_stream_config(fmt: str, n: int, m: int, target: Target, splits: int =
     fields["stage_w"] = 2
     if fmt != "q4_k" and not (fmt == "q6_k" and ceil_div(n, 16) >= 16 * target.sms):
         fields["min_blocks"] = 3
-    # 4 warps: their stages, their reduction (512 B a warp at M ≤ 8) and the 1 KB the driver reserves a block
-    block_smem = staged_bytes(fmt, 4, fields["stage_w"], fields.get("q6_lean", False)) + 4 * 512 + 1024
+    block_smem = kquant_block_smem(fmt, fields["stage_w"], fields.get("q6_lean", False))
     if splits == 1 and not stream_k and 4 * target.sms < ceil_div(n, 16) <= 5 * target.sms \
             and 5 * block_smem <= target.smem_per_sm:
         fields["min_blocks"] = 5    # one wave of five blocks an SM instead of 1.2 waves of four

@@ -219,7 +219,8 @@ SK = [replace(gemv.make_key(fmt, n, k, m, TARGET, epi, out), splits=1, stream_k=
 def test_stream_k_matches_reference(h, key):
     """`stream_k` (a grid of G blocks over the units flattened tile-major; a tile's partials summed in block order by
     the last contributor): within fp32 accumulation error of the reference — one block a unit (G = W), tiles of one
-    to four contributors, blocks over many tiles (G = 3), M staged (1, 3) and loaded (9); the tickets come back zero (compare)."""
+    to four contributors, blocks over many tiles (G = 3), M staged (1, 3) and loaded (9); the tickets come back zero
+    (compare)."""
     h.build([key])
     case = make_case(key, "cuda", seed=len(key.name))
     h.run(case)
