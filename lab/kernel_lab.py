@@ -349,11 +349,13 @@ def step_buckets_plan(target, l2):
         yield "buckets", planned_runs(plan_bucket(spec, target, "step", batch, tokens), l2, label, ("gemv",))
 
 
-def gguf_step_plan(target, l2):
+def gguf_step_plan(target, l2, variants=()):
     """`gguf_step` (issue 34, after session 27): the decode GEMVs of a Q4_K_M-style 27B GGUF's plain step (B = 1),
     each the step's own key (its folds: scale_in, norm_out, conv) timed chained in isolation with its launches in the
     step — beside the step's leave-one-out and `lab/step_timeline.py --weights` advances, what each group loses to
-    its neighbours in the step (session 27: the Q4_K gate/up ~3.7 µs a call more in the step than chained)."""
+    its neighbours in the step (session 27: the Q4_K gate/up ~3.7 µs a call more in the step than chained).
+    `variants`: NINFER_GEMV rule sets (`--gemv-variant`), each timing the plan's keys again with the rules applied."""
+    from compiler.kernels import gemv_rules
     import sys
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from gguf_fixtures import q4_k_m_recipe
@@ -361,6 +363,9 @@ def gguf_step_plan(target, l2):
     spec = load_spec(Path(__file__).resolve().parent.parent / "model_specs/qwen3.8-27b.yaml")
     plan = plan_bucket(q4_k_m_recipe(spec), target, "step", 1, 1)
     yield "gguf_step", planned_runs(plan, l2, "27B Q4_K_M GGUF step, B = 1", ("gemv",))
+    for rules in variants:
+        yield "gguf_step", planned_runs(plan, l2, f"27B Q4_K_M GGUF step, B = 1, {rules}", ("gemv",),
+                                        variant=lambda key, rules=rules: gemv_rules.apply_overrides(key, rules))
 
 
 # Session 20 (issue 32's C8 line): the 32-row verify GEMVs ran at 32.4 % of copy (H100, `buckets`) against 61.1 % for
@@ -424,9 +429,9 @@ def tune_configs(fmt, n, k, epi, out, target) -> list[dict]:
     return configs
 
 
-def plan(target, ms=(1, 4, 8, 16, 32)):
+def plan(target, ms=(1, 4, 8, 16, 32), step_variants=()):
     """(label, [thunk → (key, runs, bytes, flops[, extra])]) at the 27B shapes; `ms`: the M list of the
-    gemv and kquant groups."""
+    gemv and kquant groups; `step_variants`: gguf_step_plan's rule sets."""
     l2 = target.l2_bytes
     # every way units stream through the decode GEMV, at the 27B decode shapes (v9 notes)
     for fmt, n, k, epi, out in DECODE_GEMV[:6] + (("w8g32", 248320, 5120, "none", "f32"),):
@@ -437,7 +442,7 @@ def plan(target, ms=(1, 4, 8, 16, 32)):
     yield from kquant_plan(target, l2, ms)
     yield from vision_plan(target, l2)
     yield from step_buckets_plan(target, l2)
-    yield from gguf_step_plan(target, l2)
+    yield from gguf_step_plan(target, l2, step_variants)
     yield from verify_plan(target, l2)
     yield "gemv", gemv_runs("w8g32", 248320, 5120, (1, 4, 32), "none", "f32", target, l2)
     yield "gemv", gemv_runs("q5g64", 5120, 17408, (1, 8, 32), "residual", "bf16", target, l2)
@@ -550,6 +555,8 @@ def main(argv=None):
     ap.add_argument("--ms", default="1,4,8,16,32", help="M values of the gemv and kquant groups")
     ap.add_argument("--arch-path", default=None, help="time another card's kernels (e.g. sm_86: the 3090's keys and "
                     "tiles, built as PTX the driver JIT-compiles, no PDL), as `run --arch-path` runs them")
+    ap.add_argument("--gemv-variant", action="append", default=[], help="a NINFER_GEMV rule set (repeatable): the "
+                    "gguf_step group's keys timed again with it, e.g. prefetch_x=1")
     args = ap.parse_args(argv)
     major, minor = torch.cuda.get_device_capability()
     target = arch_path_target(f"sm_{major}{minor}", args.arch_path)
@@ -559,7 +566,8 @@ def main(argv=None):
     copy_gbs = copy_bandwidth(args.iters)
     rows, t0 = [], time.time()
     ms = tuple(int(m) for m in args.ms.split(","))
-    groups = [(label, items) for label, items in plan(target, ms) if not args.only or label in args.only.split(",")]
+    groups = [(label, items) for label, items in plan(target, ms, args.gemv_variant)
+              if not args.only or label in args.only.split(",")]
     try:                                            # all cores, once; a failure shows again per kernel below
         KERNELS.build([t.key for _, items in groups for t in items if hasattr(t, "key")])
     except Exception as err:
