@@ -7,20 +7,21 @@
 #   lab/ncu_stalls.py) beside the same key chained in the lab (lab/gemv_ncu.py), and the two steps' timelines.
 # PART=px: issue 34 — activations asked of L1 ahead of their loads (key `prefetch_x`: the Q6_K down projection's
 #   first-HMMA wait on x, 31.5 % of its PC samples): the same-bits cases, the `gguf_step` lab with and without it,
-#   the GGUF step under each rule and the Q4G64 step beside it (issue 34's line).
+#   the GGUF step under each rule and the Q4G64 step beside it (issue 34's line); beside them, three stages for the
+#   Q4_K output projection alone (6 units a warp at under a wave: ~1 unit in flight a warp).
 source lab/gpu_script_env.sh
 eval "$(sed -n '/^gguf_ab() {/,/^}/p' lab/gpu_session25.sh)"
 eval "$(sed -n '/^q4g64_beside() {/,/^}/p' lab/gpu_session26.sh)"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 G=/tmp/qwen3.8-27b-q4_k_m.gguf
-PXRULES=${PXRULES:-"base|prefetch_x=1|prefetch_x=2"}
+PXRULES=${PXRULES:-"base|prefetch_x=1|prefetch_x=2|q4_k/5120x6144:stage_w=3"}
 if part px; then
   [ -f $G ] || { timeout 300 python3 -m tools.synth_gguf $G --device cuda > /dev/null 2>&1; echo "GGUF write: rc $?"; }
   stamp "GGUF ready"
   timeout 150 python3 -m pytest -m gpu tests/gpu/test_kquant_gpu.py -k prefetch_x -q -rf -p no:cacheprovider \
     > $OUT/px_tests.log 2>&1; echo "prefetch_x tests: rc $?"; shown $OUT/px_tests.log 3; stamp "px tests done"
   timeout 200 python3 -m lab.kernel_lab --only gguf_step --ms 1 --gemv-variant prefetch_x=1 \
-    --gemv-variant prefetch_x=2 --out /tmp/px_lab.json > $OUT/px_lab.log 2>&1
+    --gemv-variant prefetch_x=2 --gemv-variant stage_w=3 --out /tmp/px_lab.json > $OUT/px_lab.log 2>&1
   echo "gguf_step lab: rc $?"; grep -a "Σ" $OUT/px_lab.log; stamp "px lab done"
   gguf_ab px "$PXRULES"; stamp "px step done"
   q4g64_beside px; stamp "px done"
