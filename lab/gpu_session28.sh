@@ -18,7 +18,7 @@ PXRULES=${PXRULES:-"base|prefetch_x=1|prefetch_x=2|q4_k/5120x6144:stage_w=3"}
 if part px; then
   [ -f $G ] || { timeout 300 python3 -m tools.synth_gguf $G --device cuda > /dev/null 2>&1; echo "GGUF write: rc $?"; }
   stamp "GGUF ready"
-  timeout 150 python3 -m pytest -m gpu tests/gpu/test_kquant_gpu.py -k prefetch_x -q -rf -p no:cacheprovider \
+  timeout 150 python3 -m pytest -m gpu tests/gpu/test_kquant_gpu.py -k "prefetch_x or stream_k" -q -rf -p no:cacheprovider \
     > $OUT/px_tests.log 2>&1; echo "prefetch_x tests: rc $?"; shown $OUT/px_tests.log 3; stamp "px tests done"
   timeout 200 python3 -m lab.kernel_lab --only gguf_step --ms 1 --gemv-variant prefetch_x=1 \
     --gemv-variant prefetch_x=2 --gemv-variant stage_w=3 --out /tmp/px_lab.json > $OUT/px_lab.log 2>&1
