@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 28's device calls, prepared in session 27 (logs to $OUT as it goes; a call brings back at most 8 files).
-# PART=gate: issue 34 — why the Q4_K gate/up takes ~3.7 µs a call more in the GGUF step than chained in the lab
+# PART=gate: issue 34 — first the stream-K cases (its epilogue's loops folded into one), — why the Q4_K gate/up takes ~3.7 µs a call more in the GGUF step than chained in the lab
 #   (session 27: step_timeline +236 µs against the Q4G64 gate/up's byte rate; register room for an early start ruled
 #   out). The step's own GEMV keys (with their folds) chained in isolation (kernel lab `gguf_step`), Nsight Compute on
 #   the gate/up launched inside the replayed graph (`--graph-profiling node`, sections + PC sampling summed by
@@ -28,6 +28,8 @@ if part px; then
 fi
 if part gate; then
   [ -f $G ] || { timeout 300 python3 -m tools.synth_gguf $G --device cuda > /dev/null 2>&1; echo "GGUF write: rc $?"; }
+  timeout 120 python3 -m pytest -m gpu tests/gpu/test_kquant_gpu.py -k "stream_k" -q -rf -p no:cacheprovider \
+    > $OUT/sk_tests.log 2>&1; echo "stream-K tests: rc $?"; shown $OUT/sk_tests.log 3; stamp "sk tests done"
   timeout 150 python3 -m lab.kernel_lab --only gguf_step --ms 1 --out /tmp/gs_lab.json > $OUT/gguf_step_lab.log 2>&1
   echo "gguf_step lab: rc $?"; grep -a "^gemv_\|copy\|Σ" $OUT/gguf_step_lab.log | tail -24; stamp "gguf_step lab done"
   timeout 200 ncu --graph-profiling node --clock-control none --kernel-name regex:gemv_q4_k_n34816 --launch-skip 8 \

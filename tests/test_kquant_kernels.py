@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-from compiler import codegen
 from compiler.kernels import embed, gated_rmsnorm, gemv, gemv_rules
 from compiler.kernels.weight_layout import pack_kquant_for_device
 from compiler.kquant import KFORMATS, dequantize, random_kquant
@@ -190,22 +189,6 @@ def test_q6_lean_is_q6_k_only_and_shipped_at_every_m():
         assert not plain.q6_lean and gemv_rules.apply_overrides(plain, "q6_lean=1") == plain
         with pytest.raises(ValueError, match="q6_lean is Q6_K's"):
             replace(plain, q6_lean=True)
-
-
-def test_prefetch_x_is_for_staged_k_quant_keys():
-    """`prefetch_x` (activations asked of L1 ahead of their loads, the same bits: tests/gpu/test_kquant_gpu.py) takes
-    1..4 units on a staged k-quant key, names itself and renders its prefetch; a process-wide rule passes loaded and
-    group-64 keys on."""
-    staged = gemv.make_key("q4_k", 34816, 5120, 1, H200, "silu_mul")
-    key = gemv_rules.apply_overrides(staged, "prefetch_x=2")
-    assert key == replace(staged, prefetch_x=2) and key.name.endswith("_px2_sm90")
-    assert "prefetch_x_unit(" in codegen.render(key, "v").source
-    assert "prefetch_x_unit(" not in codegen.render(staged, "v").source
-    for other in (gemv.make_key("q4_k", 34816, 5120, 9, H200, "silu_mul"), gemv.make_key("q4g64", 6144, 5120, 1, H200)):
-        assert gemv_rules.apply_overrides(other, "prefetch_x=1") == other
-    for bad in ({"prefetch_x": 5}, {"stage_w": 0, "prefetch_x": 1}):
-        with pytest.raises(ValueError, match="prefetch_x"):
-            replace(staged, **bad)
 
 
 def test_device_layout_is_the_blocks_in_tile_order():

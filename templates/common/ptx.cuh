@@ -89,12 +89,6 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-// Asks L1 (and L2) to fetch the 32-byte sector holding p: no register or scoreboard is tied up, so a later
-// __ldg of it waits for L1, not for an L2 round trip.
-__device__ __forceinline__ void prefetch_l1(const void* p) {
-  asm volatile("prefetch.global.L1 [%0];\n" :: "l"(p));
-}
-
 // Asks L2 to fetch [p, p + bytes) ahead of its loads (bytes a multiple of 16, p 16-byte aligned): one
 // bulk prefetch on sm_90+ (operands must be warp-uniform, or ptxas loops over the lanes), one prefetch
 // per 128-byte line before. No register or scoreboard is tied up.

@@ -149,22 +149,6 @@ def test_q6_lean_gives_the_same_bits(h, n, k, epi, out, m, sw):
     _same_bits(h, key, lean)
 
 
-PREFETCH_X = [(fmt, n, k, epi, out, m, px) for fmt in FMTS
-              for n, k, epi, out in ((5120, 17408, "residual", "f32"), (200, 768, "residual", "f32"),
-                                     (34816, 5120, "silu_mul", "bf16"), (5120, 6144, "residual", "bf16"))
-              for m, px in ((1, 1), (3, 2), (8, 1))]
-
-
-@pytest.mark.parametrize("fmt,n,k,epi,out,m,px", PREFETCH_X)
-def test_prefetch_x_gives_the_same_bits(h, fmt, n, k, epi, out, m, px):
-    """`prefetch_x` only asks L1 for activations ahead of their loads: the shipped staged key's bits (stream-K down
-    projections, odd unit counts a warp, M = 1, 3, 8)."""
-    base = gemv.make_key(fmt, n, k, m, TARGET, epi, out)
-    key = replace(base, prefetch_x=px)
-    h.build([base, key])
-    _same_bits(h, base, key)
-
-
 BIASED = "code_bias=1,kq_lean=0,stage_w=2,min_blocks=2"     # code_bias alone, staged, uncapped (the shipped keys, "",
                                                             # take kq_lean too)
 
