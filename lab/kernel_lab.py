@@ -350,7 +350,8 @@ def step_buckets_plan(target, l2):
 
 
 def gguf_step_plan(target, l2, variants=()):
-    """`gguf_step` (issue 34, after session 27): the decode GEMVs of a Q4_K_M-style 27B GGUF's plain step (B = 1),
+    """`gguf_step` (issue 34, after session 27): the decode GEMVs of the plain step (B = 1) of the 27B GGUF that
+    tools.synth_gguf writes (llama.cpp's Q4_K_M mix: half the down projections Q6_K, half Q4_K),
     each the step's own key (its folds: scale_in, norm_out, conv) timed chained in isolation with its launches in the
     step — beside the step's leave-one-out and `lab/step_timeline.py --weights` advances, what each group loses to
     its neighbours in the step (session 27: the Q4_K gate/up ~3.7 µs a call more in the step than chained).
@@ -360,8 +361,17 @@ def gguf_step_plan(target, l2, variants=()):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from gguf_fixtures import q4_k_m_recipe
 
+    import dataclasses
+
+    import gguf
+
+    from ninfer_gen.weights.gguf_file import file_recipe
+    from tools.synth_gguf import plan as synth_plan
+
     spec = load_spec(Path(__file__).resolve().parent.parent / "model_specs/qwen3.8-27b.yaml")
-    plan = plan_bucket(q4_k_m_recipe(spec), target, "step", 1, 1)
+    types = {e.name: gguf.GGMLQuantizationType[e.kind].value for e in synth_plan(spec)}   # the bench's file's mix
+    spec = dataclasses.replace(q4_k_m_recipe(spec), quantization=file_recipe(spec, types))
+    plan = plan_bucket(spec, target, "step", 1, 1)
     yield "gguf_step", planned_runs(plan, l2, "27B Q4_K_M GGUF step, B = 1", ("gemv",))
     for rules in variants:
         yield "gguf_step", planned_runs(plan, l2, f"27B Q4_K_M GGUF step, B = 1, {rules}", ("gemv",),

@@ -167,8 +167,9 @@ def _arch_dict(meta: _Meta, tensors: dict, path: Path) -> dict:
     }
 
 
-def _formats(spec: ModelSpec, types: dict[str, int]) -> QuantRecipe:
-    """The file's formats as a recipe: each role the commonest format of its tensors, the rest by name."""
+def file_recipe(spec: ModelSpec, types: dict[str, int]) -> QuantRecipe:
+    """The file's formats (GGML type id by canonical name) as a recipe: each role the commonest format of its
+    tensors, the rest by name."""
     table = tensor_table(spec)
     fmt = {t.name: stored_format(types[t.name], len(t.shape), names.transformed(t.name)) for t in table}
     by_role: dict[str, Counter] = {}
@@ -271,7 +272,7 @@ def open_gguf(path: str | Path, require_mtp: bool = False) -> GGUFFile:
     gguf_of = names.gguf_names(spec)
     _validate(spec, stored, gguf_of, path)
     entries = {name: stored[g] for name, g in gguf_of.items()}
-    spec = dataclasses.replace(spec, quantization=_formats(spec, {n: int(t.tensor_type) for n, t in entries.items()}))
+    spec = dataclasses.replace(spec, quantization=file_recipe(spec, {n: int(t.tensor_type) for n, t in entries.items()}))
     la = spec.model.linear_attention
     outs = [int(t.tensor_type) for n, t in entries.items() if n.endswith("linear_attn.out_proj.weight")]
     if la.group > 1 and not all(names.columns_movable(tid, la.value_head_dim) for tid in outs):
