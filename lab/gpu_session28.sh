@@ -11,8 +11,8 @@
 #   Q4_K output projection alone (6 units a warp at under a wave: ~1 unit in flight a warp).
 # PART=xa: issue 34 — the next unit's activations loaded into registers while this unit computes (key `x_ahead`,
 #   the first XA mma steps of a unit: the Q6_K down projection's first-HMMA wait on x, 31.5 % of its samples):
-#   the same-bits and stream-K cases, the `gguf_step` lab under two rule sets, the GGUF step under each and the Q4G64
-#   step beside it (issue 34's line).
+#   the same-bits and stream-K cases, the GGUF step under two rule sets, the Q4G64 step beside it (issue 34's line),
+#   then the `gguf_step` lab under the first.
 source lab/gpu_script_env.sh
 eval "$(sed -n '/^gguf_ab() {/,/^}/p' lab/gpu_session25.sh)"
 eval "$(sed -n '/^q4g64_beside() {/,/^}/p' lab/gpu_session26.sh)"
@@ -31,18 +31,17 @@ if part px; then
   q4g64_beside px; stamp "px done"
 fi
 XA1=${XA1:-"q6_k:x_ahead=8;q4_k:x_ahead=2"}
-XA2=${XA2:-"q6_k:x_ahead=12;q4_k:x_ahead=4,min_blocks=4"}
 if part xa; then
   [ -f $G ] || { timeout 300 python3 -m tools.synth_gguf $G --device cuda > /dev/null 2>&1; echo "GGUF write: rc $?"; }
   stamp "GGUF ready"
-  timeout 170 python3 -m pytest -m gpu tests/gpu/test_kquant_gpu.py -k "x_ahead or stream_k" -q -rf \
+  timeout 150 python3 -m pytest -m gpu tests/gpu/test_kquant_gpu.py -k "x_ahead or stream_k" -q -rf \
     -p no:cacheprovider > $OUT/xa_tests.log 2>&1; echo "x_ahead, stream-K tests: rc $?"; shown $OUT/xa_tests.log 3
   stamp "xa tests done"
-  timeout 150 python3 -m lab.kernel_lab --only gguf_step --ms 1 --gemv-variant "$XA1" --gemv-variant "$XA2" \
+  gguf_ab xa "base|$XA1|q6_k:x_ahead=8"; stamp "xa step done"
+  q4g64_beside xa; stamp "q4g64 done"
+  timeout 100 python3 -m lab.kernel_lab --only gguf_step --ms 1 --gemv-variant "$XA1" \
     --out /tmp/xa_lab.json > $OUT/xa_lab.log 2>&1
-  echo "gguf_step lab: rc $?"; grep -a "Σ" $OUT/xa_lab.log; stamp "xa lab done"
-  gguf_ab xa "base|$XA1|$XA2|q6_k:x_ahead=8"; stamp "xa step done"
-  q4g64_beside xa; stamp "xa done"
+  echo "gguf_step lab: rc $?"; grep -a "Σ" $OUT/xa_lab.log; stamp "xa done"
 fi
 if part gate; then
   [ -f $G ] || { timeout 300 python3 -m tools.synth_gguf $G --device cuda > /dev/null 2>&1; echo "GGUF write: rc $?"; }
