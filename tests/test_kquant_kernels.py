@@ -191,24 +191,6 @@ def test_q6_lean_is_q6_k_only_and_shipped_at_every_m():
             replace(plain, q6_lean=True)
 
 
-def test_x_ahead_is_for_staged_lean_keys_of_at_most_8_rows():
-    """`x_ahead` (the next unit's activations of the first XA mma steps loaded while a unit computes, the same bits:
-    tests/gpu/test_kquant_gpu.py) takes a staged q6_lean / kq_lean key of ≤ 8 rows and at most its unit's steps
-    (Q6_K 16, Q4_K/Q5_K 8), names itself, and a process-wide rule passes other keys on."""
-    for fmt, most in (("q6_k", 16), ("q4_k", 8), ("q5_k", 8)):
-        staged = gemv.make_key(fmt, 34816, 5120, 1, H200, "silu_mul")
-        key = gemv_rules.apply_overrides(staged, f"x_ahead={most}")
-        assert key == replace(staged, x_ahead=most) and key.name.endswith(f"_xa{most}_sm90")
-        with pytest.raises(ValueError, match="x_ahead"):
-            replace(staged, x_ahead=most + 1)
-        loaded = gemv.make_key(fmt, 34816, 5120, 9, H200, "silu_mul")
-        assert gemv_rules.apply_overrides(loaded, "x_ahead=2") == loaded
-    with pytest.raises(ValueError, match="x_ahead"):
-        replace(gemv.make_key("q4_k", 6144, 5120, 1, H200), kq_lean=False, x_ahead=2)
-    plain = gemv.make_key("q4g64", 6144, 5120, 1, H200)
-    assert gemv_rules.apply_overrides(plain, "x_ahead=2") == plain
-
-
 def test_device_layout_is_the_blocks_in_tile_order():
     """pack_kquant_for_device: the blocks, each byte for byte, rows padded to 48 (and gate/up interleaved), in 16-row
     tile order — row r's super-block u of tile T at ((T·U + u)·16 + r)·QB, what common/kquant.cuh's kq_block_offset

@@ -94,9 +94,6 @@ class Key(KernelKey):
     q6_lean: bool = False   # Q6_K: the same bits in fewer instructions — staged rows of 17 chunks whose copies share
                             # one offset a unit, aligned words read without a shift, the PRMT constants in registers,
                             # d·sc by one FFMA, no FFMA for token columns past M (common/kq_units.j2)
-    x_ahead: int = 0        # staged k-quants of ≤ 8 rows (q6_lean / kq_lean): a warp loads the next unit's activations
-                            # of its first x_ahead mma steps (Q6_K ≤ 16, Q4_K/Q5_K sub-blocks ≤ 8) into the registers
-                            # this unit's steps have read (same bits)
 
     def __post_init__(self):
         if self.fmt not in FORMATS and self.fmt not in KFORMATS:
@@ -145,11 +142,6 @@ class Key(KernelKey):
         if self.stage_x and stage_x_bytes(self) > STAGE_X_LIMIT:
             raise ValueError(f"gemv: stage_x needs {stage_x_bytes(self)} B of shared memory for the activations "
                              f"(limit {STAGE_X_LIMIT}); m = {self.m}, k = {self.k}, splits = {self.splits}")
-        if self.x_ahead and not (self.stage_w and self.m <= 8 and (self.q6_lean or self.kq_lean)
-                                 and self.x_ahead <= (16 if self.fmt == "q6_k" else 8)):
-            raise ValueError(f"gemv: x_ahead = {self.x_ahead} needs a staged k-quant key (stage_w) of at most 8 rows "
-                             f"with q6_lean or kq_lean, and at most its unit's mma steps (Q6_K 16, Q4_K/Q5_K 8); got "
-                             f"{self.fmt}, m = {self.m}, stage_w {self.stage_w}")
         if self.fmt in KFORMATS and (self.depth or self.x_early):
             raise ValueError(f"gemv: {self.fmt} streams one unit at a time (depth 0, no x_early), got depth "
                              f"{self.depth}, x_early {self.x_early}")
@@ -176,7 +168,7 @@ class Key(KernelKey):
                 + ([f"sw{self.stage_w}"] if self.stage_w else [])
                 + (["cb"] if self.code_bias else []) + ([f"d{self.depth}"] if self.depth else [])
                 + (["xe"] if self.x_early else []) + (["kl"] if self.kq_lean else [])
-                + (["ql"] if self.q6_lean else []) + ([f"sk{self.stream_k}"] if self.stream_k else []) + ([f"xa{self.x_ahead}"] if self.x_ahead else []))
+                + (["ql"] if self.q6_lean else []) + ([f"sk{self.stream_k}"] if self.stream_k else []))
 
 
 STATIC_SMEM = 48 * 1024      # a kernel's static shared memory

@@ -149,23 +149,6 @@ def test_q6_lean_gives_the_same_bits(h, n, k, epi, out, m, sw):
     _same_bits(h, key, lean)
 
 
-X_AHEAD = [(fmt, n, k, epi, out, m, xa) for fmt in FMTS
-           for n, k, epi, out in ((5120, 17408, "residual", "f32"), (200, 768, "residual", "f32"),
-                                  (34816, 5120, "silu_mul", "bf16"), (1024, 5120, "none", "f32"))
-           for m in (1, 3, 8) for xa in ((8, 16) if fmt == "q6_k" else (2, 8))]
-
-
-@pytest.mark.parametrize("fmt,n,k,epi,out,m,xa", X_AHEAD)
-def test_x_ahead_gives_the_same_bits(h, fmt, n, k, epi, out, m, xa):
-    """`x_ahead` loads the next unit's activations of the first xa mma steps while this unit computes: the same
-    values reach the same mma, so the shipped staged key's bits (stream-K down projections, split and unsplit grids,
-    odd unit counts a warp, M = 1, 3, 8; part and all of a unit's steps ahead), uncapped (no spills)."""
-    base = replace(gemv.make_key(fmt, n, k, m, TARGET, epi, out), min_blocks=2)
-    key = replace(base, x_ahead=xa)
-    h.build([base, key])
-    _same_bits(h, base, key)
-
-
 BIASED = "code_bias=1,kq_lean=0,stage_w=2,min_blocks=2"     # code_bias alone, staged, uncapped (the shipped keys, "",
                                                             # take kq_lean too)
 
