@@ -64,6 +64,12 @@ if part gate; then
   done
   stamp "gate done"
 fi
+if part tier; then                   # the final tree: the GPU tier, then the k-quant module but the stream-K cases (run
+                                     # in PART=xa on the same kernels)
+  TESTS_S=200 PART=tests bash lab/gpu_session14.sh | tail -4; stamp "tier done"
+  timeout 170 python3 -m pytest -m gpu tests/gpu/test_kquant_gpu.py -k "not stream_k" -q -rf -p no:cacheprovider \
+    > $OUT/kq_tests.log 2>&1; echo "k-quant tests: rc $?"; shown $OUT/kq_tests.log 3; stamp "k-quant tests done"
+fi
 if part long; then                   # issue 31's figures, on an H200 if one is lent
   PART=long bash lab/gpu_session25.sh; stamp "long done"
 fi
