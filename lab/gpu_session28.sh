@@ -64,6 +64,12 @@ if part gate; then
   done
   stamp "gate done"
 fi
+if part sl; then                     # the rows' tile sums in unit 1's copy group (key ssq_late): same bits, then the step
+  [ -f $G ] || { timeout 300 python3 -m tools.synth_gguf $G --device cuda > /dev/null 2>&1; echo "GGUF write: rc $?"; }
+  timeout 60 python3 -m pytest -m gpu tests/gpu/test_kquant_gpu.py -k "ssq_late" -q -rf -p no:cacheprovider \
+    > $OUT/sl_tests.log 2>&1; echo "ssq_late tests: rc $?"; shown $OUT/sl_tests.log 2; stamp "sl tests done"
+  gguf_ab sl "base|ssq_late=1"; stamp "sl done"
+fi
 if part tier; then                   # the final tree: the GPU tier, then the k-quant module but the stream-K cases (run
                                      # in PART=xa on the same kernels)
   TESTS_S=200 PART=tests bash lab/gpu_session14.sh | tail -4; stamp "tier done"
