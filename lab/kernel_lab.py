@@ -356,17 +356,16 @@ def gguf_step_plan(target, l2, variants=()):
     step — beside the step's leave-one-out and `lab/step_timeline.py --weights` advances, what each group loses to
     its neighbours in the step (session 27: the Q4_K gate/up ~3.7 µs a call more in the step than chained).
     `variants`: NINFER_GEMV rule sets (`--gemv-variant`), each timing the plan's keys again with the rules applied."""
-    from compiler.kernels import gemv_rules
-    import sys
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from gguf_fixtures import q4_k_m_recipe
-
     import dataclasses
+    import sys
 
     import gguf
 
+    from compiler.kernels import gemv_rules
     from ninfer_gen.weights.gguf_file import file_recipe
     from tools.synth_gguf import plan as synth_plan
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from gguf_fixtures import q4_k_m_recipe
 
     spec = load_spec(Path(__file__).resolve().parent.parent / "model_specs/qwen3.8-27b.yaml")
     types = {e.name: gguf.GGMLQuantizationType[e.kind].value for e in synth_plan(spec)}   # the bench's file's mix
@@ -566,7 +565,7 @@ def main(argv=None):
     ap.add_argument("--arch-path", default=None, help="time another card's kernels (e.g. sm_86: the 3090's keys and "
                     "tiles, built as PTX the driver JIT-compiles, no PDL), as `run --arch-path` runs them")
     ap.add_argument("--gemv-variant", action="append", default=[], help="a NINFER_GEMV rule set (repeatable): the "
-                    "gguf_step group's keys timed again with it, e.g. prefetch_x=1")
+                    "gguf_step group's keys timed again with it, e.g. ssq_late=1")
     args = ap.parse_args(argv)
     major, minor = torch.cuda.get_device_capability()
     target = arch_path_target(f"sm_{major}{minor}", args.arch_path)

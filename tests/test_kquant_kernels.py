@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from compiler import codegen
 from compiler.kernels import embed, gated_rmsnorm, gemv, gemv_rules
 from compiler.kernels.weight_layout import pack_kquant_for_device
 from compiler.kquant import KFORMATS, dequantize, random_kquant
@@ -189,6 +190,22 @@ def test_q6_lean_is_q6_k_only_and_shipped_at_every_m():
         assert not plain.q6_lean and gemv_rules.apply_overrides(plain, "q6_lean=1") == plain
         with pytest.raises(ValueError, match="q6_lean is Q6_K's"):
             replace(plain, q6_lean=True)
+
+
+def test_ssq_late_is_for_staged_keys_with_the_norms_scale():
+    """`ssq_late` (the tile sums' copy in unit S − 1's cp.async group, the same bits: tests/gpu/test_kquant_gpu.py)
+    takes a staged k-quant key with scale_in, names itself and renders the copy inside the unit loop; a process-wide
+    rule passes other keys on."""
+    staged = replace(gemv.make_key("q4_k", 34816, 5120, 1, H200, "silu_mul"), scale_in=True, eps=1e-6)
+    key = gemv_rules.apply_overrides(staged, "ssq_late=1")
+    assert key == replace(staged, ssq_late=True) and key.name.endswith("_sl_sm90")
+    src = codegen.render(key, "v").source
+    assert src.index("cp_async16(&ssq_s") > src.index("for (int i = 0; i < nw; ++i)")
+    for other in (replace(staged, scale_in=False), replace(staged, m=9, stage_w=0),
+                  gemv.make_key("q4g64", 6144, 5120, 1, H200)):
+        assert gemv_rules.apply_overrides(other, "ssq_late=1") == other
+        with pytest.raises(ValueError, match="ssq_late"):
+            replace(other, ssq_late=True)
 
 
 def test_device_layout_is_the_blocks_in_tile_order():

@@ -173,7 +173,8 @@ class Key(KernelKey):
                 + ([f"sw{self.stage_w}"] if self.stage_w else [])
                 + (["cb"] if self.code_bias else []) + ([f"d{self.depth}"] if self.depth else [])
                 + (["xe"] if self.x_early else []) + (["kl"] if self.kq_lean else [])
-                + (["ql"] if self.q6_lean else []) + ([f"sk{self.stream_k}"] if self.stream_k else []) + (["sl"] if self.ssq_late else []))
+                + (["ql"] if self.q6_lean else []) + ([f"sk{self.stream_k}"] if self.stream_k else [])
+                + (["sl"] if self.ssq_late else []))
 
 
 STATIC_SMEM = 48 * 1024      # a kernel's static shared memory
