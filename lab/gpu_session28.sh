@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
-# Session 28's device calls, prepared in session 27 (logs to $OUT as it goes; a call brings back at most 8 files).
-# PART=gate: issue 34 — first the stream-K cases (its epilogue's loops folded into one), — why the Q4_K gate/up takes ~3.7 µs a call more in the GGUF step than chained in the lab
-#   (session 27: step_timeline +236 µs against the Q4G64 gate/up's byte rate; register room for an early start ruled
-#   out). The step's own GEMV keys (with their folds) chained in isolation (kernel lab `gguf_step`), Nsight Compute on
-#   the gate/up launched inside the replayed graph (`--graph-profiling node`, sections + PC sampling summed by
-#   lab/ncu_stalls.py) beside the same key chained in the lab (lab/gemv_ncu.py), and the two steps' timelines.
+# Session 28's device calls (logs to $OUT as it goes; a call brings back at most 8 files). Results in
+# lab/results/s28_*, the account in lab/NOTES.md (session 28).
+# Ran (H100): PART=px on e20333c…a615942 and PART=xa on ec84068 — their keys (`prefetch_x`, `x_ahead`) were refuted
+#   and removed, so rerunning them needs those commits; PART=tier on the final kernels.
+# Ready, not run (the device budget ran out): PART=sl; PART=gate (prepared in session 27; the `gguf_step` lab of the
+#   px call already answered its question: the gate/up's step time is its own key's, norm fold included).
 # PART=px: issue 34 — activations asked of L1 ahead of their loads (key `prefetch_x`: the Q6_K down projection's
 #   first-HMMA wait on x, 31.5 % of its PC samples): the same-bits cases, the `gguf_step` lab with and without it,
 #   the GGUF step under each rule and the Q4G64 step beside it (issue 34's line); beside them, three stages for the
 #   Q4_K output projection alone (6 units a warp at under a wave: ~1 unit in flight a warp).
 # PART=xa: issue 34 — the next unit's activations loaded into registers while this unit computes (key `x_ahead`,
-#   the first XA mma steps of a unit: the Q6_K down projection's first-HMMA wait on x, 31.5 % of its samples):
-#   the same-bits and stream-K cases, the GGUF step under two rule sets, the Q4G64 step beside it (issue 34's line),
-#   then the `gguf_step` lab under the first.
+#   the first XA mma steps of a unit): the same-bits and stream-K cases, the GGUF step under two rule sets, the Q4G64
+#   step beside it (issue 34's line), then the `gguf_step` lab under the first.
+# PART=sl: issue 34 — the norm's tile sums in unit 1's cp.async group (key `ssq_late`): its same-bits cases, then the
+#   GGUF step without and with it.
+# PART=tier: the GPU tier, then the k-quant module but its stream-K cases.
+# PART=gate: issue 34 — the stream-K cases, the `gguf_step` lab, Nsight Compute on the gate/up launched inside the
+#   replayed graph (`--graph-profiling node`, sections + PC sampling summed by lab/ncu_stalls.py), both steps'
+#   timelines.
 source lab/gpu_script_env.sh
 eval "$(sed -n '/^gguf_ab() {/,/^}/p' lab/gpu_session25.sh)"
 eval "$(sed -n '/^q4g64_beside() {/,/^}/p' lab/gpu_session26.sh)"
