@@ -193,14 +193,17 @@ def test_q6_lean_is_q6_k_only_and_shipped_at_every_m():
 
 
 def test_ssq_late_is_for_staged_keys_with_the_norms_scale():
-    """`ssq_late` (the tile sums' copy in unit S − 1's cp.async group, the same bits: tests/gpu/test_kquant_gpu.py)
-    takes a staged k-quant key with scale_in, names itself and renders the copy inside the unit loop; a process-wide
-    rule passes other keys on."""
+    """`ssq_late` (the tile sums' copies in unit S − 1's cp.async group, the same bits: tests/gpu/test_kquant_gpu.py)
+    takes a staged k-quant key with scale_in, names itself and leaves the copies uncommitted before the unit loop;
+    a process-wide rule passes other keys on."""
     staged = replace(gemv.make_key("q4_k", 34816, 5120, 1, H200, "silu_mul"), scale_in=True, eps=1e-6)
     key = gemv_rules.apply_overrides(staged, "ssq_late=1")
     assert key == replace(staged, ssq_late=True) and key.name.endswith("_sl_sm90")
-    src = codegen.render(key, "v").source
-    assert src.index("cp_async16(&ssq_s") > src.index("for (int i = 0; i < nw; ++i)")
+
+    def before_loop(k):         # the kernel text from the tile sums' copies to the unit loop
+        src = codegen.render(k, "v").source
+        return src[src.index("cp_async16(&ssq_s"):src.index("for (int i = 0; i < nw; ++i)")]
+    assert "cp_async_commit" in before_loop(staged) and "cp_async_commit" not in before_loop(key)
     for other in (replace(staged, scale_in=False), replace(staged, m=9, stage_w=0),
                   gemv.make_key("q4g64", 6144, 5120, 1, H200)):
         assert gemv_rules.apply_overrides(other, "ssq_late=1") == other

@@ -94,8 +94,8 @@ class Key(KernelKey):
     q6_lean: bool = False   # Q6_K: the same bits in fewer instructions — staged rows of 17 chunks whose copies share
                             # one offset a unit, aligned words read without a shift, the PRMT constants in registers,
                             # d·sc by one FFMA, no FFMA for token columns past M (common/kq_units.j2)
-    ssq_late: bool = False  # staged k-quants with scale_in: the tile sums' copy joins unit S − 1's cp.async group, not
-                            # one of its own that unit 0's wait includes (same bits)
+    ssq_late: bool = False  # staged k-quants with scale_in: the tile sums' copies join unit S − 1's cp.async group
+                            # (left uncommitted), not one of their own that unit 0's wait includes (same bits)
 
     def __post_init__(self):
         if self.fmt not in FORMATS and self.fmt not in KFORMATS:
