@@ -15,7 +15,7 @@ from typing import Callable
 
 from .ir import Eqn, Var
 from .kernels import (KernelKey, attn_combine, attn_decode, attn_prefill, concat, embed, embed_images, gated_rmsnorm,
-                      gemm, gemm_wg, gemv, qk_rope_kv, rmsnorm, xperm)
+                      gemm, gemm_wg, gemv, gemv_rules, qk_rope_kv, rmsnorm, xperm)
 from .lower_ctx import Arg, Ctx, Lowered, LoweringError, Val
 from .lower_gdn import GDN_RULES
 from .lower_vision import VISION_RULES
@@ -63,11 +63,15 @@ def _matmul(ctx: Ctx, e: Eqn, x: Var, weights: list[Var], epilogue: str = "none"
     # the vocabulary heads and the tiny a/b projections write fp32 (logits; the GDN gates read fp32)
     out = "f32" if epilogue == "none" and (name in ("lm_head.weight", EMBEDDING, DRAFT_HEAD) or n < 64) else "bf16"
     fmt = ctx.weight_format[w.uid]
-    key = matmul_key(fmt, n, w.shape[1], x.shape[0], ctx.target, epilogue, out, ctx.options)
+    # experiment rules (options.gemv) apply to the folded key, so a rule may name a fold's field (ssq_late)
+    rules = ctx.options.gemv if folds.fields else ""
+    options = replace(ctx.options, gemv="") if rules else ctx.options
+    key = matmul_key(fmt, n, w.shape[1], x.shape[0], ctx.target, epilogue, out, options)
     if folds.fields:
         if key.family != "gemv":
             raise LoweringError(f"{e.prim}: needs the decode GEMV (M = {x.shape[0]} rows), not a prefill GEMM")
         key = replace(key, **dict(folds.fields))
+        key = gemv_rules.apply_overrides(key, rules) if rules else key
     args: dict[str, Arg] = {"y": Val(e.outputs[0]), "x": Val(x), **ctx.planes(name, fmt),
                             "res": NULL if res is None else Val(res), **dict(folds.args)}
     out_dtype = out if out == "f32" else None

@@ -211,6 +211,25 @@ def test_ssq_late_is_for_staged_keys_with_the_norms_scale():
             replace(other, ssq_late=True)
 
 
+def test_step_rules_see_the_folded_keys():
+    """An experiment rule (CompileOptions.gemv) applies to a projection's key after the passes' folds: a rule on a
+    fold's field (`ssq_late`, which needs scale_in) reaches the step's norm-scaled k-quant GEMVs and no others."""
+    from compiler.buckets import plan_bucket, profile_of
+    from compiler.options import CompileOptions
+    from gguf_fixtures import kquant_spec, q4_k_m_recipe
+
+    spec = q4_k_m_recipe(kquant_spec())
+
+    def gemvs(rule):
+        plan = plan_bucket(spec, H200, "step", 1, 1, profile_of(spec, options=CompileOptions(gemv=rule)))
+        return [k for k in plan.keys() if k.family == "gemv"]
+    base, late = gemvs(""), gemvs("ssq_late=1")
+    folded = [k for k in base if k.scale_in and k.stage_w]
+    assert folded and not any(k.ssq_late for k in base)
+    assert sorted(k.name for k in late) == sorted((replace(k, ssq_late=True) if k in folded else k).name
+                                                  for k in base)
+
+
 def test_device_layout_is_the_blocks_in_tile_order():
     """pack_kquant_for_device: the blocks, each byte for byte, rows padded to 48 (and gate/up interleaved), in 16-row
     tile order — row r's super-block u of tile T at ((T·U + u)·16 + r)·QB, what common/kquant.cuh's kq_block_offset
