@@ -15,7 +15,7 @@ from typing import Callable
 
 from .ir import Eqn, Var
 from .kernels import (KernelKey, attn_combine, attn_decode, attn_prefill, concat, embed, embed_images, gated_rmsnorm,
-                      gemm, gemm_wg, gemv, qk_rope_kv, rmsnorm, xperm)
+                      gemm, gemm_wg, gemv, gemv_rules, qk_rope_kv, rmsnorm, xperm)
 from .lower_ctx import Arg, Ctx, Lowered, LoweringError, Val
 from .lower_gdn import GDN_RULES
 from .lower_vision import VISION_RULES
@@ -70,7 +70,8 @@ def _matmul(ctx: Ctx, e: Eqn, x: Var, weights: list[Var], epilogue: str = "none"
     if folds.fields:
         if key.family != "gemv":
             raise LoweringError(f"{e.prim}: needs the decode GEMV (M = {x.shape[0]} rows), not a prefill GEMM")
-        key = gemv.fold(key, dict(folds.fields), rules)
+        key = replace(key, **dict(folds.fields))
+        key = gemv_rules.apply_overrides(key, rules) if rules else key
     args: dict[str, Arg] = {"y": Val(e.outputs[0]), "x": Val(x), **ctx.planes(name, fmt),
                             "res": NULL if res is None else Val(res), **dict(folds.args)}
     out_dtype = out if out == "f32" else None

@@ -19,7 +19,7 @@ place of splits; also reduction order, from gemv_config) takes the same tickets 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import ClassVar
 
 from .._torch import torch
@@ -28,8 +28,7 @@ from ..kquant import KFORMATS
 from ..reference_fused import inverse_rms, norm_tile_sums
 from ..targets import Target
 from . import KernelKey, Launch, Param, ceil_div
-from .gemv_config import (STAGE_X_LIMIT, config, fold_config, load_batches, order_depth, staged_bytes, stream_config,
-                          unit_of)
+from .gemv_config import STAGE_X_LIMIT, config, load_batches, order_depth, staged_bytes, stream_config, unit_of
 from .gemv_rules import apply_overrides
 from .weight_layout import FORMATS, dequantize, group_of
 
@@ -226,14 +225,6 @@ def make_key(fmt: str, n: int, k: int, m: int, target: Target, epilogue: str = "
     warps, tiles, splits, stream_k = config(fmt, n, k, m, target)
     key = Key(fmt, n, k, m, epilogue, out_dtype, warps, tiles, target.arch, splits, stream_k=stream_k,
               **stream_config(fmt, n, k, m, warps, target, epilogue, splits, stream_k))
-    return apply_overrides(key, overrides) if overrides else key
-
-
-def fold(key: Key, fields: dict, overrides: str = "") -> Key:
-    """`key` with the fields a pass folded into it (scale_in, norm_out, conv), the measured choices that follow them
-    (gemv_config.fold_config), then the experiment rules, which may name a fold's field (gemv_rules)."""
-    key = replace(key, **fields)
-    key = replace(key, **fold_config(key.fmt, key.stage_w, key.scale_in))
     return apply_overrides(key, overrides) if overrides else key
 
 

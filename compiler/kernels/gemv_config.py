@@ -165,13 +165,6 @@ def kquant_block_smem(fmt: str, stages: int, q6_lean: bool) -> int:
     return staged_bytes(fmt, 4, stages, q6_lean) + 4 * 512 + 1024
 
 
-def fold_config(fmt: str, stage_w: int, scale_in: bool) -> dict:
-    """Fields that follow a pass's folds (set on the folded key, gemv.fold): a staged k-quant key scaling its rows by
-    the norm's inverse RMS (`scale_in`) copies the rows' tile sums into unit S − 1's cp.async group (`ssq_late`, same
-    bits) instead of a group of their own, which the loop's first wait would wait for before unit 0's math."""
-    return {"ssq_late": True} if fmt in KFORMATS and stage_w and scale_in else {}
-
-
 def kquant_stream_config(fmt: str, n: int, m: int, target: Target, splits: int = 1, stream_k: int = 0) -> dict:
     """How the k-quant GEMVs stream (kernel lab and the 27B Q4_K_M GGUF's step, H100, sm_90; lab/NOTES.md sessions
     18–19, lab/results/kquant_lab_h100_*_s18, gguf_ab*_h100_*_s19):
