@@ -63,7 +63,7 @@ def _matmul(ctx: Ctx, e: Eqn, x: Var, weights: list[Var], epilogue: str = "none"
     # the vocabulary heads and the tiny a/b projections write fp32 (logits; the GDN gates read fp32)
     out = "f32" if epilogue == "none" and (name in ("lm_head.weight", EMBEDDING, DRAFT_HEAD) or n < 64) else "bf16"
     fmt = ctx.weight_format[w.uid]
-    # experiment rules (options.gemv) apply to the folded key, so a rule may name a fold's field (ssq_late)
+    # experiment rules (options.gemv) apply to the folded key: its own checks judge them with the folds in place
     rules = ctx.options.gemv if folds.fields else ""
     options = replace(ctx.options, gemv="") if rules else ctx.options
     key = matmul_key(fmt, n, w.shape[1], x.shape[0], ctx.target, epilogue, out, options)

@@ -565,7 +565,7 @@ def main(argv=None):
     ap.add_argument("--arch-path", default=None, help="time another card's kernels (e.g. sm_86: the 3090's keys and "
                     "tiles, built as PTX the driver JIT-compiles, no PDL), as `run --arch-path` runs them")
     ap.add_argument("--gemv-variant", action="append", default=[], help="a NINFER_GEMV rule set (repeatable): the "
-                    "gguf_step group's keys timed again with it, e.g. ssq_late=1")
+                    "gguf_step group's keys timed again with it, e.g. q4_k/34816x5120:stream_k=528,min_blocks=4")
     args = ap.parse_args(argv)
     major, minor = torch.cuda.get_device_capability()
     target = arch_path_target(f"sm_{major}{minor}", args.arch_path)

@@ -192,42 +192,24 @@ def test_q6_lean_is_q6_k_only_and_shipped_at_every_m():
             replace(plain, q6_lean=True)
 
 
-def test_ssq_late_is_for_staged_keys_with_the_norms_scale():
-    """`ssq_late` (the tile sums' copies in unit S − 1's cp.async group, the same bits: tests/gpu/test_kquant_gpu.py)
-    takes a staged k-quant key with scale_in, names itself and leaves the copies uncommitted before the unit loop;
-    a process-wide rule passes other keys on."""
-    staged = replace(gemv.make_key("q4_k", 34816, 5120, 1, H200, "silu_mul"), scale_in=True, eps=1e-6)
-    key = gemv_rules.apply_overrides(staged, "ssq_late=1")
-    assert key == replace(staged, ssq_late=True) and key.name.endswith("_sl_sm90")
-
-    def before_loop(k):         # the kernel text from the tile sums' copies to the unit loop
-        src = codegen.render(k, "v").source
-        return src[src.index("cp_async16(&ssq_s"):src.index("for (int i = 0; i < nw; ++i)")]
-    assert "cp_async_commit" in before_loop(staged) and "cp_async_commit" not in before_loop(key)
-    for other in (replace(staged, scale_in=False), replace(staged, m=9, stage_w=0),
-                  gemv.make_key("q4g64", 6144, 5120, 1, H200)):
-        assert gemv_rules.apply_overrides(other, "ssq_late=1") == other
-        with pytest.raises(ValueError, match="ssq_late"):
-            replace(other, ssq_late=True)
-
-
 def test_step_rules_see_the_folded_keys():
-    """An experiment rule (CompileOptions.gemv) applies to a projection's key after the passes' folds: a rule on a
-    fold's field (`ssq_late`, which needs scale_in) reaches the step's norm-scaled k-quant GEMVs and no others."""
+    """An experiment rule (CompileOptions.gemv) applies to a projection's key after the passes' folds, where the key's
+    own checks judge it: a stream-K grid on the Q5_K GDN input reaches the verify's key but passes the step's, whose
+    conv fold (the one-token GDN conv in its epilogue) takes no stream-K grid — once applied before the fold, the
+    rule failed the plan."""
     from compiler.buckets import plan_bucket, profile_of
     from compiler.options import CompileOptions
     from gguf_fixtures import kquant_spec, q4_k_m_recipe
 
     spec = q4_k_m_recipe(kquant_spec())
 
-    def gemvs(rule):
-        plan = plan_bucket(spec, H200, "step", 1, 1, profile_of(spec, options=CompileOptions(gemv=rule)))
-        return [k for k in plan.keys() if k.family == "gemv"]
-    base, late = gemvs(""), gemvs("ssq_late=1")
-    folded = [k for k in base if k.scale_in and k.stage_w]
-    assert folded and not any(k.ssq_late for k in base)
-    assert sorted(k.name for k in late) == sorted((replace(k, ssq_late=True) if k in folded else k).name
-                                                  for k in base)
+    def q5_k(entry, tokens, rule):
+        plan = plan_bucket(spec, H200, entry, 1, tokens, profile_of(spec, options=CompileOptions(gemv=rule)))
+        return [k for k in plan.keys() if k.family == "gemv" and k.fmt == "q5_k"]
+    rule = "q5_k:splits=1,stream_k=3"
+    step, verify = q5_k("step", 1, rule), q5_k("verify", 4, rule)
+    assert step == q5_k("step", 1, "") and step and all(k.conv and not k.stream_k for k in step)
+    assert verify and all(k.stream_k == 3 and not k.conv for k in verify)
 
 
 def test_device_layout_is_the_blocks_in_tile_order():

@@ -94,8 +94,6 @@ class Key(KernelKey):
     q6_lean: bool = False   # Q6_K: the same bits in fewer instructions — staged rows of 17 chunks whose copies share
                             # one offset a unit, aligned words read without a shift, the PRMT constants in registers,
                             # d·sc by one FFMA, no FFMA for token columns past M (common/kq_units.j2)
-    ssq_late: bool = False  # staged k-quants with scale_in: the tile sums' copies join unit S − 1's cp.async group
-                            # (left uncommitted), not one of their own that unit 0's wait includes (same bits)
 
     def __post_init__(self):
         if self.fmt not in FORMATS and self.fmt not in KFORMATS:
@@ -144,9 +142,6 @@ class Key(KernelKey):
         if self.stage_x and stage_x_bytes(self) > STAGE_X_LIMIT:
             raise ValueError(f"gemv: stage_x needs {stage_x_bytes(self)} B of shared memory for the activations "
                              f"(limit {STAGE_X_LIMIT}); m = {self.m}, k = {self.k}, splits = {self.splits}")
-        if self.ssq_late and not (self.stage_w and self.scale_in):
-            raise ValueError(f"gemv: ssq_late needs a staged k-quant key (stage_w) with scale_in, got {self.fmt}, "
-                             f"stage_w {self.stage_w}, scale_in {self.scale_in}")
         if self.fmt in KFORMATS and (self.depth or self.x_early):
             raise ValueError(f"gemv: {self.fmt} streams one unit at a time (depth 0, no x_early), got depth "
                              f"{self.depth}, x_early {self.x_early}")
@@ -173,8 +168,7 @@ class Key(KernelKey):
                 + ([f"sw{self.stage_w}"] if self.stage_w else [])
                 + (["cb"] if self.code_bias else []) + ([f"d{self.depth}"] if self.depth else [])
                 + (["xe"] if self.x_early else []) + (["kl"] if self.kq_lean else [])
-                + (["ql"] if self.q6_lean else []) + ([f"sk{self.stream_k}"] if self.stream_k else [])
-                + (["sl"] if self.ssq_late else []))
+                + (["ql"] if self.q6_lean else []) + ([f"sk{self.stream_k}"] if self.stream_k else []))
 
 
 STATIC_SMEM = 48 * 1024      # a kernel's static shared memory

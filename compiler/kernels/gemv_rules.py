@@ -28,7 +28,7 @@ def _flag(v: str) -> bool:
 
 OVERRIDABLE = {"prefetch": int, "interleave": _flag, "min_blocks": int, "stage_x": _flag, "warps": int, "splits": int,
                "stage_w": int, "code_bias": _flag, "tiles": int, "depth": int, "x_early": _flag, "kq_lean": _flag,
-               "q6_lean": _flag, "stream_k": int, "ssq_late": _flag}
+               "q6_lean": _flag, "stream_k": int}
 
 
 def _rows(text: str) -> range | None:

@@ -149,19 +149,6 @@ def test_q6_lean_gives_the_same_bits(h, n, k, epi, out, m, sw):
     _same_bits(h, key, lean)
 
 
-SSQ_LATE = [(fmt, n, k, m) for fmt in FMTS for n, k in ((34816, 5120), (200, 768), (40, 256)) for m in (1, 3, 8)]
-
-
-@pytest.mark.parametrize("fmt,n,k,m", SSQ_LATE)
-def test_ssq_late_gives_the_same_bits(h, fmt, n, k, m):
-    """`ssq_late` only moves the tile sums' copies into unit S − 1's cp.async group: the bits of the key without it
-    (scale_in; a warp with one unit or none — K = 256, 768 — brings its rows' sums too; M = 1, 3, 8)."""
-    base = replace(gemv.make_key(fmt, n, k, m, TARGET), scale_in=True, eps=1e-6)
-    key = replace(base, ssq_late=True)
-    h.build([base, key])
-    _same_bits(h, base, key)
-
-
 BIASED = "code_bias=1,kq_lean=0,stage_w=2,min_blocks=2"     # code_bias alone, staged, uncapped (the shipped keys, "",
                                                             # take kq_lean too)
 
