@@ -9,6 +9,9 @@
 #   (their logs stayed on the device).
 # PART=h31: issue 31's end-to-end figures on an H200 (the long-context bench: plain and MTP3 at 1K / 32K / 128K,
 #   TTFT at 8K / 32K / 128K, peak), then the attention decode at 32K / 128K against the read ceiling (lab.attn_long).
+# PART=arch: the 3090's code path (sm_86 PTX the driver JIT-compiles, no PDL) beside the sm_90 path in one call, for
+#   the Q4G64 27B (issue 32: last measured in session 15) and the Q4_K_M GGUF (its sm_86 stream-K grids, never run);
+#   then MTP3 on the GGUF (issue 34; last run in session 27).
 # PART=long: issue 31's figures (lab/gpu_session25.sh PART=long), on an H200 if one is lent.
 source lab/gpu_script_env.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
@@ -18,6 +21,24 @@ if part h31; then
   shown $OUT/bench_long.log 30; stamp "long bench done"
   timeout 100 python3 -m lab.attn_long --contexts 32768,131072 --t 1 --out $OUT/attn_long.json > $OUT/attn_long.log 2>&1
   echo "attention lab: rc $?"; shown $OUT/attn_long.log 8; stamp "h31 done"
+fi
+G=/tmp/qwen3.8-27b-q4_k_m.gguf
+if part arch; then
+  [ -f $G ] || { timeout 300 python3 -m tools.synth_gguf $G --device cuda > /dev/null 2>&1; echo "GGUF write: rc $?"; }
+  stamp "GGUF ready"
+  for w in q4g64 gguf; do
+    for a in sm_86 sm_90; do
+      timeout 150 python3 -m ninfer_gen.cli bench $([ $w = gguf ] && echo --weights $G || echo model_specs/qwen3.8-27b.yaml \
+        --no-vision) $([ $a = sm_86 ] && echo --arch-path sm_86) --output-tokens 256 --repeats 1 --prefill '' --json $OUT/bench_${w}_$a.json \
+        > /tmp/bench_${w}_$a.log 2>&1
+      echo "$w $a plain: rc $?" | tee -a $OUT/arch.log
+      grep -a "decode step (graph\|bandwidth eff\|copy\|launches" /tmp/bench_${w}_$a.log | tee -a $OUT/arch.log
+      stamp "$w $a done"
+    done
+  done
+  timeout 150 python3 -m ninfer_gen.cli bench --weights $G --draft 3 --accept-prob 0.8 --draft-vocab 32768 \
+    --output-tokens 256 --repeats 1 --prefill '' --json $OUT/bench_gguf_mtp3.json > $OUT/bench_gguf_mtp3.log 2>&1
+  echo "GGUF MTP3: rc $?"; shown $OUT/bench_gguf_mtp3.log 12; stamp "arch done"
 fi
 if part long; then
   PART=long bash lab/gpu_session25.sh; stamp "long done"
