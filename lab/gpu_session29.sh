@@ -24,9 +24,9 @@ if part h31; then
 fi
 G=/tmp/qwen3.8-27b-q4_k_m.gguf
 if part arch; then
-  [ -f $G ] || { timeout 300 python3 -m tools.synth_gguf $G --device cuda > /dev/null 2>&1; echo "GGUF write: rc $?"; }
-  stamp "GGUF ready"
-  for w in q4g64 gguf; do
+  for w in q4g64 gguf; do                # (in order of need: whatever finishes comes back if the call is cut)
+    [ $w = gguf ] && [ ! -f $G ] && { timeout 300 python3 -m tools.synth_gguf $G --device cuda > /dev/null 2>&1
+                                      echo "GGUF write: rc $?"; stamp "GGUF ready"; }
     for a in sm_86 sm_90; do
       timeout 150 python3 -m ninfer_gen.cli bench $([ $w = gguf ] && echo --weights $G || echo model_specs/qwen3.8-27b.yaml \
         --no-vision) $([ $a = sm_86 ] && echo --arch-path sm_86) --output-tokens 256 --repeats 1 --prefill '' --json $OUT/bench_${w}_$a.json \
