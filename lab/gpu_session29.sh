@@ -9,6 +9,10 @@
 #   (their logs stayed on the device).
 # PART=h31: issue 31's end-to-end figures on an H200 (the long-context bench: plain and MTP3 at 1K / 32K / 128K,
 #   TTFT at 8K / 32K / 128K, peak), then the attention decode at 32K / 128K against the read ceiling (lab.attn_long).
+# PART=w1: issue 34 — the Q4_K gate/up in one-warp blocks (`warps=1`: a warp owns a 16-row tile's 20 units, no block
+#   barrier or cross-warp sum; 112 registers at M = 1 under min_blocks 16: 18 blocks an SM, 2,376 ≥ 2,176 — one wave)
+#   and in two-warp blocks (`warps=2`, min_blocks 8: 10 units a warp, 1.8 waves); the rules' batch-invariance cases,
+#   the GGUF step under each, the Q4G64 step beside them.
 # PART=arch: the 3090's code path (sm_86 PTX the driver JIT-compiles, no PDL) beside the sm_90 path in one call, for
 #   the Q4G64 27B (issue 32: last measured in session 15) and the Q4_K_M GGUF (its sm_86 stream-K grids, never run);
 #   then MTP3 on the GGUF (issue 34; last run in session 27).
@@ -23,6 +27,19 @@ if part h31; then
   echo "attention lab: rc $?"; shown $OUT/attn_long.log 8; stamp "h31 done"
 fi
 G=/tmp/qwen3.8-27b-q4_k_m.gguf
+W1=${W1:-"q4_k/34816x5120/m8:warps=1,min_blocks=16;q4_k/34816x5120:warps=1"}
+W2=${W2:-"q4_k/34816x5120/m8:warps=2,min_blocks=8;q4_k/34816x5120:warps=2"}
+if part w1; then
+  eval "$(sed -n '/^gguf_ab() {/,/^}/p' lab/gpu_session25.sh)"
+  eval "$(sed -n '/^q4g64_beside() {/,/^}/p' lab/gpu_session26.sh)"
+  [ -f $G ] || { timeout 300 python3 -m tools.synth_gguf $G --device cuda > /dev/null 2>&1; echo "GGUF write: rc $?"; }
+  stamp "GGUF ready"
+  timeout 60 python3 -m pytest -m gpu tests/gpu/test_kquant_gpu.py -k "(invariance and silu_mul-warps) or fewer_warps" -q -rf \
+    -p no:cacheprovider > $OUT/w1_tests.log 2>&1; echo "warps=1/2 tests: rc $?"; shown $OUT/w1_tests.log 3
+  stamp "w1 tests done"
+  gguf_ab w1 "base|$W1|$W2"; stamp "w1 step done"
+  q4g64_beside w1; stamp "w1 done"
+fi
 if part arch; then
   for w in q4g64 gguf; do                # (in order of need: whatever finishes comes back if the call is cut)
     [ $w = gguf ] && [ ! -f $G ] && { timeout 300 python3 -m tools.synth_gguf $G --device cuda > /dev/null 2>&1

@@ -161,7 +161,8 @@ BIASED = "code_bias=1,kq_lean=0,stage_w=2,min_blocks=2"     # code_bias alone, s
                                                                            (5120, 17408, "residual"), (200, 768, "none"))] + [
     (fmt, n, k, epi, f"splits=1,stream_k={g}") for fmt in FMTS for n, k, epi, g in (
         (5120, 17408, "residual", 528), (5120, 6144, "norm_out", 528), (6144, 5120, "scale_in", 396),
-        (200, 768, "none", 7), (1024, 5120, "none", 31))])
+        (200, 768, "none", 7), (1024, 5120, "none", 31))] + [
+    ("q4_k", 34816, 5120, "silu_mul", "warps=1"), ("q4_k", 34816, 5120, "silu_mul", "warps=2")])
 def test_kquant_gemv_batch_invariance(h, fmt, n, k, epi, rule):
     """A row's bits (y; with norm_out also xn and the tile sums of squares) do not depend on M: M = 1, 4, 16
     and 32 share weights and leading rows; split-K tickets come back zero. `rule`: an experiment rule on every
@@ -221,6 +222,10 @@ def test_stream_k_matches_reference(h, key):
     the last contributor): within fp32 accumulation error of the reference — one block a unit (G = W), tiles of one
     to four contributors, blocks over many tiles (G = 3), M staged (1, 3) and loaded (9); the tickets come back zero
     (compare)."""
+    _built_matches_reference(h, key)
+
+
+def _built_matches_reference(h, key):
     h.build([key])
     case = make_case(key, "cuda", seed=len(key.name))
     h.run(case)
@@ -228,6 +233,18 @@ def test_stream_k_matches_reference(h, key):
     y = case.outputs["y"]
     if y.dtype == torch.float32:
         assert _rel_l2(y, case.reference()["y"].to(y.device)) <= REL_L2
+
+
+FEWER_WARPS = [replace(gemv.make_key("q4_k", n, k, m, TARGET, epi, out), warps=w)
+               for n, k, epi, out in ((34816, 5120, "silu_mul", "bf16"), (200, 768, "residual", "f32"))
+               for w in (1, 2) for m in (1, 3, 9)]
+
+
+@pytest.mark.parametrize("key", FEWER_WARPS, ids=[k.name for k in FEWER_WARPS])
+def test_fewer_warps_a_tile_match_reference(h, key):
+    """One or two warps a row tile (`warps`, an experiment rule for the gate/up: a warp walks more of a tile's units,
+    fewer warps share its sum): within fp32 accumulation error of the reference, M staged (1, 3) and loaded (9)."""
+    _built_matches_reference(h, key)
 
 
 def test_kquant_27b_buckets_bind_with_device_random_weights():
