@@ -28,7 +28,7 @@ if part h31; then
 fi
 G=/tmp/qwen3.8-27b-q4_k_m.gguf
 W1=${W1:-"q4_k/34816x5120/m8:warps=1,min_blocks=16;q4_k/34816x5120:warps=1"}
-W2=${W2:-"q4_k/34816x5120/m8:warps=2,min_blocks=8;q4_k/34816x5120:warps=2"}
+W2=${W2-"q4_k/34816x5120/m8:warps=2,min_blocks=8;q4_k/34816x5120:warps=2"}
 if part w1; then
   eval "$(sed -n '/^gguf_ab() {/,/^}/p' lab/gpu_session25.sh)"
   eval "$(sed -n '/^q4g64_beside() {/,/^}/p' lab/gpu_session26.sh)"
@@ -37,8 +37,8 @@ if part w1; then
   timeout 60 python3 -m pytest -m gpu tests/gpu/test_kquant_gpu.py -k "(invariance and silu_mul-warps) or fewer_warps" -q -rf \
     -p no:cacheprovider > $OUT/w1_tests.log 2>&1; echo "warps=1/2 tests: rc $?"; shown $OUT/w1_tests.log 3
   stamp "w1 tests done"
-  gguf_ab w1 "base|$W1|$W2"; stamp "w1 step done"
-  q4g64_beside w1; stamp "w1 done"
+  gguf_ab w1 "base|$W1${W2:+|$W2}"; stamp "w1 step done"        # (W2= BESIDE=0: the short call)
+  [ "${BESIDE:-1}" = 1 ] && { q4g64_beside w1; stamp "w1 done"; }
 fi
 if part arch; then
   for w in q4g64 gguf; do                # (in order of need: whatever finishes comes back if the call is cut)
