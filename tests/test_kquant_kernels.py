@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-from compiler import codegen
 from compiler.kernels import embed, gated_rmsnorm, gemv, gemv_rules
 from compiler.kernels.weight_layout import pack_kquant_for_device
 from compiler.kquant import KFORMATS, dequantize, random_kquant
