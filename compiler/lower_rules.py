@@ -19,7 +19,6 @@ from .kernels import (KernelKey, attn_combine, attn_decode, attn_prefill, concat
 from .lower_ctx import Arg, Ctx, Lowered, LoweringError, Val
 from .lower_gdn import GDN_RULES
 from .lower_vision import VISION_RULES
-from .options import CompileOptions
 from .plan import NULL, Collective, Const, Input, State, Weight
 from .spec import DRAFT_HEAD
 from .targets import Target
@@ -30,13 +29,13 @@ EMBEDDING = "embed_tokens.weight"
 
 # ---------------------------------------------------------------------------------------------- matmul
 @lru_cache(maxsize=4096)        # a forward multiplies a few shapes hundreds of times; a key is immutable
-def matmul_key(fmt: str, n: int, k: int, m: int, target: Target, epilogue: str = "none", out_dtype: str = "bf16",
-               options: CompileOptions = CompileOptions()) -> KernelKey:
+def matmul_key(fmt: str, n: int, k: int, m: int, target: Target, epilogue: str = "none",
+               out_dtype: str = "bf16") -> KernelKey:
     """The skinny GEMV up to 32 rows (decode, verify, cohorts, a prefill's last-token head), the prefill
     GEMM above: on Hopper warpgroup MMA where the arch and format allow (gemm_wg; never a GGUF k-quant),
-    else mma.sync."""
+    else mma.sync. The shipped key: experiment rules apply in `_matmul`, after the passes' folds."""
     if m <= 32:
-        return gemv.make_key(fmt, n, k, m, target, epilogue, out_dtype, options.gemv)
+        return gemv.make_key(fmt, n, k, m, target, epilogue, out_dtype)
     make = gemm_wg.make_key if gemm_wg.eligible(fmt, n, k, m, target) else gemm.make_key
     return make(fmt, n, k, m, target, epilogue, out_dtype)
 
@@ -63,15 +62,13 @@ def _matmul(ctx: Ctx, e: Eqn, x: Var, weights: list[Var], epilogue: str = "none"
     # the vocabulary heads and the tiny a/b projections write fp32 (logits; the GDN gates read fp32)
     out = "f32" if epilogue == "none" and (name in ("lm_head.weight", EMBEDDING, DRAFT_HEAD) or n < 64) else "bf16"
     fmt = ctx.weight_format[w.uid]
-    # experiment rules (options.gemv) apply to the folded key: its own checks judge them with the folds in place
-    rules = ctx.options.gemv if folds.fields else ""
-    options = replace(ctx.options, gemv="") if rules else ctx.options
-    key = matmul_key(fmt, n, w.shape[1], x.shape[0], ctx.target, epilogue, out, options)
+    key = matmul_key(fmt, n, w.shape[1], x.shape[0], ctx.target, epilogue, out)
     if folds.fields:
         if key.family != "gemv":
             raise LoweringError(f"{e.prim}: needs the decode GEMV (M = {x.shape[0]} rows), not a prefill GEMM")
         key = replace(key, **dict(folds.fields))
-        key = gemv_rules.apply_overrides(key, rules) if rules else key
+    if key.family == "gemv" and ctx.options.gemv:   # experiment rules, judged by the key's checks with its folds
+        key = gemv_rules.apply_overrides(key, ctx.options.gemv)
     args: dict[str, Arg] = {"y": Val(e.outputs[0]), "x": Val(x), **ctx.planes(name, fmt),
                             "res": NULL if res is None else Val(res), **dict(folds.args)}
     out_dtype = out if out == "f32" else None
