@@ -2,11 +2,12 @@
 
 Tile and split choices read these numbers; nothing here touches CUDA. `lookup("rtx3090")` or
 `lookup("sm_86")` (an arch alone maps to that arch's reference card); unknown names raise TargetError.
+`arch_path_target` picks the code a device runs: its own, another card's, or another arch's at the device's SMs.
 """
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -68,11 +69,14 @@ def supports_pdl(arch: str) -> bool:
     return int(parse_arch(arch)[3:]) >= 90
 
 
-def arch_path_target(device_arch: str, path: str | None = None) -> Target:
+def arch_path_target(device_arch: str, path: str | None = None, device_sms: int | None = None) -> Target:
     """The target whose code a device of `device_arch` (`sm_XX`) runs: its own (`path` None), or the card or arch
-    `path` names (`sm_86`, `rtx3090`), whose kernels run there as compute_XX PTX that the driver JIT-compiles —
-    tile choices, PDL and gemm_wg all follow the path's arch, so the sm_86 path on an H200 is the code a 3090
-    runs. PTX runs on its own compute capability and newer: a path above the device's is a TargetError."""
+    `path` names, whose kernels run there as compute_XX PTX that the driver JIT-compiles — PDL and gemm_wg follow
+    the path's arch. A card (`rtx3090`) gives that card's kernels exactly: its tiles, and grids sized for its SMs
+    (on a 132-SM H200 a 3090's one-wave grid of 82 × k blocks leaves 50 SMs idle). An arch alone (`sm_86`) gives
+    that arch's code — its features and shared-memory limits — with the grids sized for the device it runs on
+    (`device_sms`, else the device arch's reference card): the code path's efficiency apart from the SM count.
+    PTX runs on its own compute capability and newer: a path above the device's is a TargetError."""
     if path is None:
         return lookup(parse_arch(device_arch))
     target = lookup(path)
@@ -83,7 +87,13 @@ def arch_path_target(device_arch: str, path: str | None = None) -> Target:
         raise TargetError(f"arch path {target.arch} ({target.name}) cannot run on this {m.group(1)[:-1]}."
                           f"{m.group(1)[-1]} device: {target.ptx_arch} PTX needs compute capability "
                           f"{target.cc // 10}.{target.cc % 10} or newer; choose sm_{m.group(1)} or an older arch")
-    return target
+    if path.strip().lower() in TARGETS:
+        return target
+    device = TARGETS[ARCH_DEFAULT[f"sm_{m.group(1)}"]] if f"sm_{m.group(1)}" in ARCH_DEFAULT else target
+    sms = device_sms or device.sms
+    if sms == target.sms:
+        return target
+    return replace(target, name=f"{target.arch}@{sms}sm", sms=sms, l2_bytes=device.l2_bytes)
 
 
 def lookup(name: str) -> Target:

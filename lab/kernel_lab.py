@@ -5,7 +5,7 @@ kernels run in a decode step, overlapping under programmatic launch on sm_90+). 
 and prints a short table last.
 
   python -m lab.kernel_lab --out lab.json [--only gemv,gdn_step] [--iters 50]   (from the repo root)
-  python -m lab.kernel_lab --only buckets,verify --arch-path sm_86     (the 3090's kernels, as PTX the driver JITs)
+  python -m lab.kernel_lab --only buckets,verify --arch-path rtx3090   (the 3090's kernels, as PTX the driver JITs)
 """
 from __future__ import annotations
 
@@ -562,13 +562,15 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--only", default="", help="comma-separated labels: gemv9,gemv,kquant,kqlean,q6lean,kqsplits,streamk,gguf_step,kquant_gemm,vision,buckets,verify,gdn_step,gdn_chunk,gdn_conv,attn_decode,prefill,gemm_sweep,gemm_27b,wg_27b,wg_sweep,sweep,warps,tune,misc")
     ap.add_argument("--ms", default="1,4,8,16,32", help="M values of the gemv and kquant groups")
-    ap.add_argument("--arch-path", default=None, help="time another card's kernels (e.g. sm_86: the 3090's keys and "
-                    "tiles, built as PTX the driver JIT-compiles, no PDL), as `run --arch-path` runs them")
+    ap.add_argument("--arch-path", default=None, help="time another card's kernels (rtx3090: the 3090's keys and "
+                    "tiles, built as PTX the driver JIT-compiles, no PDL) or another arch's sized for this GPU's SMs "
+                    "(sm_86), as `run --arch-path` runs them")
     ap.add_argument("--gemv-variant", action="append", default=[], help="a NINFER_GEMV rule set (repeatable): the "
                     "gguf_step group's keys timed again with it, e.g. q4_k/34816x5120:stream_k=528,min_blocks=4")
     args = ap.parse_args(argv)
     major, minor = torch.cuda.get_device_capability()
-    target = arch_path_target(f"sm_{major}{minor}", args.arch_path)
+    target = arch_path_target(f"sm_{major}{minor}", args.arch_path,
+                              torch.cuda.get_device_properties(0).multi_processor_count)
     if args.arch_path:
         global KERNELS
         KERNELS = KernelCache(build_root(), jobs=os.cpu_count(), jit_ptx=True)

@@ -69,7 +69,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=50, help="replays per timing (median)")
     ap.add_argument("--omission", default="", help="comma-separated indices of variants to profile")
-    ap.add_argument("--arch-path", default=None, help="plan and run another arch's code path (sm_86: the RTX 3090's)")
+    ap.add_argument("--arch-path", default=None, help="plan and run another card's code path (rtx3090: the RTX 3090's "
+                    "kernels; sm_86: that arch's code sized for this GPU's SMs)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     variants = [v.strip() for v in args.variants.split("|")]

@@ -37,7 +37,11 @@ def _plans(arch: str):
 
 def test_arch_path_target_selection_and_refusal():
     assert arch_path_target("sm_90").name == "h200"
-    assert arch_path_target("sm_90", "sm_86").name == arch_path_target("sm_90", "rtx3090").name == "rtx3090"
+    card, arch = arch_path_target("sm_90", "rtx3090"), arch_path_target("sm_90", "sm_86")
+    assert card == lookup("rtx3090")                                   # a card: its kernels exactly, 82 SMs
+    assert (arch.arch, arch.sms, arch.smem_per_sm, arch.name) == ("sm_86", 132, card.smem_per_sm, "sm_86@132sm")
+    assert arch_path_target("sm_90", "sm_86", 114).sms == 114          # the device's own SM count when given
+    assert arch_path_target("sm_86", "sm_86", 82) == card               # on a 3090 the arch path is the card
     assert arch_path_target("sm_89", "sm_80").arch == "sm_80"
     assert arch_path_target("sm_86", "sm_86").arch == "sm_86"
     assert arch_path_target("sm_120", "sm_86").arch == "sm_86"        # a newer card than the table knows runs it too
@@ -50,6 +54,10 @@ def test_arch_path_target_selection_and_refusal():
         arch_path_target("sm_90", "gtx1080")
 
 
+def _props(sms: int):
+    return type("Props", (), {"multi_processor_count": sms})
+
+
 def test_backend_refuses_a_path_the_device_cannot_run_before_any_device_work(monkeypatch):
     """GpuBackend picks the target first: an sm_90 path on an sm_86 card fails with the reason, before the
     memory plan, the context or the weights are touched (weights=None would fail any of them)."""
@@ -58,10 +66,13 @@ def test_backend_refuses_a_path_the_device_cannot_run_before_any_device_work(mon
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
     with pytest.raises(TargetError, match="cannot run on this 8.6 device"):
         gpu_backend.GpuBackend(TINY, None, arch_path="sm_90")
-    assert gpu_backend.device_target(torch.device("cuda"), "sm_86").arch == "sm_86"
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert gpu_backend.device_target(torch.device("cuda")).arch == "sm_90"
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: _props(82))
     assert gpu_backend.device_target(torch.device("cuda"), "sm_86").name == "rtx3090"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: _props(132))
+    assert gpu_backend.device_target(torch.device("cuda")).arch == "sm_90"
+    assert gpu_backend.device_target(torch.device("cuda"), "rtx3090").name == "rtx3090"
+    assert gpu_backend.device_target(torch.device("cuda"), "sm_86").name == "sm_86@132sm"
 
 
 def test_sm86_path_plans_have_no_pdl_and_no_gemm_wg():

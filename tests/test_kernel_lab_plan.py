@@ -1,7 +1,7 @@
 """lab/kernel_lab.py's plan on the CPU (no kernel runs): the `buckets` and `verify` groups carry the 27B plans'
 decode GEMVs with their launch counts, and the verify variants are what they say — the shipped keys, session 19's
 keys (the baseline the next runs compare with) and neighbours that never change a bit — on the H200's path and the
-3090's (`--arch-path sm_86`)."""
+3090's (`--arch-path rtx3090`)."""
 from collections import Counter
 from dataclasses import fields
 

@@ -23,7 +23,7 @@ import torch
 from compiler.buckets import cohort_sizes, profile_of
 from compiler.options import CompileOptions
 from compiler.spec import ModelSpec
-from compiler.targets import Target, arch_path_target
+from compiler.targets import TARGETS, Target, arch_path_target
 
 from ninfer_gen.executor.cuda_module import KernelCache, primary_context
 from ninfer_gen.executor.device_weights import DeviceWeights
@@ -42,8 +42,13 @@ def device_arch(device: torch.device) -> str:
 
 def device_target(device: torch.device, arch_path: str | None = None) -> Target:
     """The target card entry for the GPU we run on (by compute capability), or the arch path's: another
-    card's kernels, run as PTX (compiler.targets.arch_path_target refuses a path newer than the device)."""
-    return arch_path_target(device_arch(device), arch_path)
+    card's kernels, or another arch's sized for this GPU's SMs, run as PTX (compiler.targets.arch_path_target
+    refuses a path newer than the device)."""
+    target = arch_path_target(device_arch(device), arch_path)            # a refusal comes before any device query
+    if arch_path is None or arch_path.strip().lower() in TARGETS:
+        return target
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return arch_path_target(device_arch(device), arch_path, sms)
 
 
 @dataclass(eq=False)

@@ -1,4 +1,4 @@
-"""GPU tier for arch paths (issue 32, "Ampere on the H200"): the sm_86 path — the RTX 3090's kernels, with
+"""GPU tier for arch paths (issue 32, "Ampere on the H200"): the rtx3090 path — the RTX 3090's kernels, with
 its tile choices, no PDL and no gemm_wg — runs on this (newer) GPU as compute_86 PTX that the driver
 JIT-compiles, beside the native path, on the shipped small model; and ReplaySSM's commit equals plain
 steps bit for bit on that path (tiny spec).
@@ -23,7 +23,7 @@ from ninfer_gen.cli.env import build_root
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ROOT / "models/qwen3.8-small-py"
-PATH = "sm_86"
+PATH, ARCH = "rtx3090", "sm_86"        # the card's kernels exactly (tiles and grids for its 82 SMs)
 REL_L2_MAX, REL_L2_MEAN, AGREE, TIE = 4e-2, 2e-2, 0.95, 0.05
 
 
@@ -71,9 +71,9 @@ def test_the_path_runs_ptx_without_pdl_or_gemm_wg(paths):
     from compiler.build_cache import find_built
 
     native, path = paths["native"], paths[PATH]
-    assert path.target.arch == PATH and path.kernels.jit_ptx and not native.kernels.jit_ptx
+    assert path.target.arch == ARCH and path.kernels.jit_ptx and not native.kernels.jit_ptx
     keys = path.exe.keys()
-    assert not {k.family for k in keys} & {"gemm_wg", "xperm"} and all(k.arch == PATH for k in keys)
+    assert not {k.family for k in keys} & {"gemm_wg", "xperm"} and all(k.arch == ARCH for k in keys)
     assert all(find_built(k, path.kernels.root, ptx_only=True).ptx.is_file() for k in keys)   # build/sm_86-ptx/...
     seq = path.new_sequence()
     try:
