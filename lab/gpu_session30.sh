@@ -5,8 +5,8 @@
 #   PART=arch (the 3090's kernels beside sm_90: Q4G64 76.7 / 83.1 %, GGUF 64.4 / 76.3 %).
 # PART=arch2: the two arch paths apart — `rtx3090` (the card's kernels exactly: grids for its 82 SMs, so on a 132-SM
 #   GPU a one-wave stream-K grid leaves 50 SMs idle) and `sm_86` (the same arch's code, grids for this GPU's SMs) —
-#   first the arch-path GPU cases (now on `rtx3090`), then the plain step of the GGUF and of the Q4G64 27B on `sm_86`,
-#   the GGUF on `rtx3090` and on the native path again (same call).
+#   the plain step of the GGUF and of the Q4G64 27B on `sm_86`, the GGUF on `rtx3090` and both on the native path
+#   (same call), then the GPU tier (its arch-path cases now on `rtx3090`).
 source lab/gpu_script_env.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 G=/tmp/qwen3.8-27b-q4_k_m.gguf
@@ -19,9 +19,6 @@ bench() {  # TAG WEIGHTS-ARGS... : one plain-decode bench, its figures shown, it
   stamp "$tag done"
 }
 if part arch2; then
-  timeout 200 python3 -m pytest -m gpu tests/gpu/test_arch_path_gpu.py -q -rf -s -p no:cacheprovider \
-    > $OUT/arch_tests.log 2>&1; echo "arch-path tests: rc $?"; shown $OUT/arch_tests.log 12
-  stamp "arch-path tests done"
   [ -f $G ] || { timeout 300 python3 -m tools.synth_gguf $G --device cuda > /dev/null 2>&1; echo "GGUF write: rc $?"; }
   stamp "GGUF ready"
   bench gguf_sm86 --weights $G --arch-path sm_86
@@ -29,4 +26,5 @@ if part arch2; then
   bench gguf_rtx3090 --weights $G --arch-path rtx3090
   bench gguf_native --weights $G
   bench q4g64_native model_specs/qwen3.8-27b.yaml --no-vision
+  TESTS_S=200 PART=tests bash lab/gpu_session14.sh | tail -4; stamp "tier done"     # the arch-path cases on rtx3090
 fi
