@@ -6,7 +6,7 @@
 # PART=arch2: the two arch paths apart — `rtx3090` (the card's kernels exactly: grids for its 82 SMs, so on a 132-SM
 #   GPU a one-wave stream-K grid leaves 50 SMs idle) and `sm_86` (the same arch's code, grids for this GPU's SMs) —
 #   the plain step of the GGUF and of the Q4G64 27B on `sm_86`, the GGUF on `rtx3090` and both on the native path
-#   (same call), then the GPU tier (its arch-path cases now on `rtx3090`).
+#   (same call), then the GPU tier (its arch-path cases now on `rtx3090`), then MTP3 on the GGUF's sm_86 path.
 source lab/gpu_script_env.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 G=/tmp/qwen3.8-27b-q4_k_m.gguf
@@ -27,4 +27,6 @@ if part arch2; then
   bench gguf_native --weights $G
   bench q4g64_native model_specs/qwen3.8-27b.yaml --no-vision
   TESTS_S=200 PART=tests bash lab/gpu_session14.sh | tail -4; stamp "tier done"     # the arch-path cases on rtx3090
+  bench gguf_sm86_mtp3 --weights $G --arch-path sm_86 --draft 3 --accept-prob 0.8 --draft-vocab 32768
+  grep -a "per round\|tok/s\|plain" /tmp/bench_gguf_sm86_mtp3.log | tail -8
 fi
