@@ -17,6 +17,8 @@
 #   the Q4G64 27B (issue 32: last measured in session 15) and the Q4_K_M GGUF (its sm_86 stream-K grids, never run);
 #   then MTP3 on the GGUF (issue 34; last run in session 27).
 # PART=long: issue 31's figures (lab/gpu_session25.sh PART=long), on an H200 if one is lent.
+# (PART=arch ran in session 30 on d231bd3, where `--arch-path sm_86` was the rtx3090 card's kernels; since ba458bb
+#   that is `--arch-path rtx3090`, and `sm_86` sizes the grids for the device: lab/gpu_session30.sh PART=arch2.)
 source lab/gpu_script_env.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if part h31; then
