@@ -7,6 +7,7 @@
 #   GPU a one-wave stream-K grid leaves 50 SMs idle) and `sm_86` (the same arch's code, grids for this GPU's SMs) —
 #   the plain step of the GGUF and of the Q4G64 27B on `sm_86`, the GGUF on `rtx3090` and both on the native path
 #   (same call), then the GPU tier (its arch-path cases now on `rtx3090`), then MTP3 on the GGUF's sm_86 path.
+# PART=c8: the GGUF on the sm_86 path at C1 and C8 (MTP3, adaptive K, plain; the cohort bench).
 source lab/gpu_script_env.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 G=/tmp/qwen3.8-27b-q4_k_m.gguf
@@ -29,4 +30,12 @@ if part arch2; then
   TESTS_S=200 PART=tests bash lab/gpu_session14.sh | tail -4; stamp "tier done"     # the arch-path cases on rtx3090
   bench gguf_sm86_mtp3 --weights $G --arch-path sm_86 --draft 3 --accept-prob 0.8 --draft-vocab 32768
   grep -a "per round\|tok/s\|plain" /tmp/bench_gguf_sm86_mtp3.log | tail -8
+fi
+if part c8; then      # a 3090 user's case on its code path: the GGUF at C1 and C8 with MTP3, adaptive K and plain
+  [ -f $G ] || { timeout 300 python3 -m tools.synth_gguf $G --device cuda > /dev/null 2>&1; echo "GGUF write: rc $?"; }
+  stamp "GGUF ready"
+  timeout ${C8_S:-380} python3 -m ninfer_gen.cli bench --weights $G --arch-path ${C8_PATH:-sm_86} --concurrency 1,8 --draft 3 \
+    --accept-prob 0.8 --draft-vocab 32768 --output-tokens 256 --adaptive --json $OUT/bench_gguf_c8.json \
+    > $OUT/bench_gguf_c8.log 2>&1
+  echo "GGUF C1/C8 cohort bench: rc $?"; shown $OUT/bench_gguf_c8.log 30; stamp "c8 done"
 fi
