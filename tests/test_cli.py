@@ -47,6 +47,8 @@ def test_max_context_is_the_limit_asked_not_its_pages(capsys, context):
     (["check", "missing.yaml"], "spec file not found"),
     (["run", "--weights", "no/such/dir.yaml", "--prompt", "x"], "spec file not found"),
     (["run", "--weights", TINY, "--prompt", "x", "--random-weights", "--backend", "reference"], "use it with --backend gpu"),
+    (["run", "--weights", TINY, "--prompt", "x", "--arch-path", "sm_86", "--backend", "reference"],
+     "--arch-path sm_86 chooses the GPU's code path: use it with --backend gpu"),
     (["run", "--weights", TINY, "--prompt", "x", "--top-p", "0"], "top_p"),
     (["run", "--weights", TINY, "--prompt", "x", "--vision-kernels"], "use it with backend 'gpu'"),
     (["build", TINY, "--target", "gtx1080"], "unknown target 'gtx1080'"),

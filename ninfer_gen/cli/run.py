@@ -45,6 +45,8 @@ def cmd_run(args) -> int:
     else:
         if args.random_weights:
             raise ValueError("--random-weights draws weights on the GPU: use it with --backend gpu")
+        if args.arch_path is not None:
+            raise ValueError(f"--arch-path {args.arch_path} chooses the GPU's code path: use it with --backend gpu")
         model = ninfer_gen.load(args.weights, backend=args.backend, dtype=args.dtype, quantize=args.quantize,
                                 device=args.device, max_context=args.max_context, verify=not args.no_verify,
                                 tp=args.tp, vision=not args.no_vision, vision_kernels=args.vision_kernels)
