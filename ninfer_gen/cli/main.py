@@ -276,7 +276,7 @@ def _bench_arguments(p) -> None:
     p.add_argument("--state-mode", choices=("replayssm", "snapshot"), default="replayssm",
                    help="with --draft: ReplaySSM (records; rounds timed fused and eager) or the "
                    "snapshot design (K+1 GDN state copies per lane; fused rounds), for comparison")
-    p.add_argument("--arch-path", default=None, metavar="sm_XX", help="run another card's code path as compute_XX "
+    p.add_argument("--arch-path", default=None, metavar="CARD|sm_XX", help="run another card's code path as compute_XX "
                    "PTX the driver JIT-compiles on this GPU: rtx3090 builds the RTX 3090's kernels exactly (no PDL, "
                    "no warpgroup MMA, grids for its 82 SMs); sm_86 the same arch's code with grids sized for this "
                    "GPU's SMs (default: the GPU's own arch)")

@@ -213,7 +213,7 @@ def add_run_parser(sub) -> None:
     r.add_argument("--state-mode", choices=("replayssm", "snapshot"), default="replayssm",
                    help="gpu: replayssm (default): verify logs per-token records and folds the accepted ones; "
                    "snapshot: verify keeps K+1 copies of the GDN state (the common design, for comparison)")
-    r.add_argument("--arch-path", default=None, metavar="sm_XX", help="gpu: run another card's code path as PTX "
+    r.add_argument("--arch-path", default=None, metavar="CARD|sm_XX", help="gpu: run another card's code path as PTX "
                    "the driver JIT-compiles: rtx3090 (the RTX 3090's kernels exactly) or sm_86 (that arch's code, "
                    "grids sized for this GPU's SMs); default: the GPU's own")
     r.add_argument("--draft-vocab", default=None, help="gpu: a draft_vocab.json (ninfer-gen draft-vocab): the MTP "

@@ -23,7 +23,7 @@ import torch
 from compiler.buckets import cohort_sizes, profile_of
 from compiler.options import CompileOptions
 from compiler.spec import ModelSpec
-from compiler.targets import TARGETS, Target, arch_path_target
+from compiler.targets import Target, arch_path_target
 
 from ninfer_gen.executor.cuda_module import KernelCache, primary_context
 from ninfer_gen.executor.device_weights import DeviceWeights
@@ -45,7 +45,7 @@ def device_target(device: torch.device, arch_path: str | None = None) -> Target:
     card's kernels, or another arch's sized for this GPU's SMs, run as PTX (compiler.targets.arch_path_target
     refuses a path newer than the device)."""
     target = arch_path_target(device_arch(device), arch_path)            # a refusal comes before any device query
-    if arch_path is None or arch_path.strip().lower() in TARGETS:
+    if arch_path is None:
         return target
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     return arch_path_target(device_arch(device), arch_path, sms)
@@ -85,8 +85,9 @@ class GpuBackend(SequencePool):
         `draft_vocab`: token ids the MTP drafts from (a reduced head of those LM-head rows; None: all);
         `kv_pool_tokens`: one KV pool of that many tokens shared by the lanes (default: cohorts × context);
         `prefix_states`: GDN states the prefix cache may keep (device memory, in the plan; 0: no prefix cache);
-        `arch_path`: run another, older card's code path (`sm_86` or `rtx3090` on an H200: its tiles, no PDL, no
-        gemm_wg), as compute_XX PTX the driver JIT-compiles (None: the device's own arch, as cubins); `vision`: the
+        `arch_path`: run another, older card's code path as compute_XX PTX the driver JIT-compiles (`rtx3090`: that
+        card's kernels exactly; `sm_86`: that arch's, no PDL, no gemm_wg, with grids sized for this device's SMs;
+        None: the device's own arch, as cubins); `vision`: the
         tower's tensors (canonical `visual.*` names, float, host or device) of a spec with a vision section — the
         profile then takes prompts with images (M-RoPE buckets, image tokens in a prompt's pieces) and `encode`
         runs the tower (None: text only); `vision_patches`: the largest image (in patches) the memory plan
