@@ -10,6 +10,7 @@ import torch
 from compiler import reference_vision
 from compiler.kernels import (argmax, attn_decode, embed, embed_images, gated_rmsnorm, gdn_conv, gdn_step, gemm,
                               gemm_wg, gemv, qk_rope_kv, rmsnorm)
+from compiler.kernels.gemv_rules import apply_overrides
 from compiler.kernels.weight_layout import FORMATS, dequantize, pack_for_device, random_qmatrix, unpack_from_device
 from compiler.options import CompileOptions
 from compiler.targets import lookup
@@ -111,13 +112,18 @@ def test_gemv_stream_fields_follow_the_shape_and_m():
         assert len({(key.warps, key.splits) for key in keys}) == 1
 
 
+def _ruled(*args, rules: str):
+    """The shipped GEMV key of `args` (gemv.make_key) under experiment rules, as the lowering applies them."""
+    return apply_overrides(gemv.make_key(*args), rules)
+
+
 def test_gemv_experiment_override_and_bad_stream_fields():
     """CompileOptions.gemv rules replace key fields where the result is a valid key; a malformed rule
     is refused when the options are made, naming itself."""
     h200 = lookup("h200")
-    plain = gemv.make_key("q4g64", 34816, 5120, 1, h200, "silu_mul", overrides="prefetch=0,interleave=0")
+    plain = _ruled("q4g64", 34816, 5120, 1, h200, "silu_mul", rules="prefetch=0,interleave=0")
     assert plain.name == "gemv_q4g64_n34816_k5120_m1_silu_w4t1_b6_sm90"
-    assert gemv.make_key("q4g64", 34816, 5120, 1, h200, "silu_mul", overrides="prefetch=9").prefetch == 0  # invalid: kept
+    assert _ruled("q4g64", 34816, 5120, 1, h200, "silu_mul", rules="prefetch=9").prefetch == 0  # invalid: kept
     with pytest.raises(ValueError, match="'prefetch=two' needs a value"):
         CompileOptions(gemv="prefetch=two")
     with pytest.raises(ValueError, match="'ring' is not one of"):
@@ -133,16 +139,16 @@ def test_gemv_override_rules_by_shape():
     """';'-separated rules, a rule limited to one NxK shape; the first rule that applies wins."""
     h200 = lookup("h200")
     rules = "5120x6144:min_blocks=3,warps=4;prefetch=1"
-    out = gemv.make_key("q5g64", 5120, 6144, 1, h200, "residual", overrides=rules)
+    out = _ruled("q5g64", 5120, 6144, 1, h200, "residual", rules=rules)
     # (the fields a rule does not name keep the shipped choice: stage_x, from the 8-warp default)
     assert (out.min_blocks, out.warps, out.prefetch) == (3, 4, 0) and out.name.endswith("_w4t1_b3_xs_sm90")
-    assert gemv.make_key("q4g64", 34816, 5120, 1, h200, "silu_mul", overrides=rules).prefetch == 1  # the catch-all
+    assert _ruled("q4g64", 34816, 5120, 1, h200, "silu_mul", rules=rules).prefetch == 1  # the catch-all
     with pytest.raises(ValueError, match="is not a shape NxK"):
         CompileOptions(gemv="5120by6144:prefetch=1")
     both = "10240x5120/m8:min_blocks=3"         # a shape and rows together: each must hold
-    got = {m: gemv.make_key("q5_k", 10240, 5120, m, h200, overrides=both).min_blocks for m in (1, 8, 16)}
-    assert got == {1: 3, 8: 3, 16: 2} and gemv.make_key("q5_k", 6144, 5120, 1, h200, overrides=both).min_blocks == 3
-    assert gemv.make_key("q4_k", 6144, 5120, 1, h200, overrides=both).min_blocks == 2
+    got = {m: _ruled("q5_k", 10240, 5120, m, h200, rules=both).min_blocks for m in (1, 8, 16)}
+    assert got == {1: 3, 8: 3, 16: 2} and _ruled("q5_k", 6144, 5120, 1, h200, rules=both).min_blocks == 3
+    assert _ruled("q4_k", 6144, 5120, 1, h200, rules=both).min_blocks == 2
     with pytest.raises(ValueError, match="is not a shape NxK"):
         CompileOptions(gemv="10240x5120/n8:prefetch=1")
 
@@ -152,12 +158,12 @@ def test_gemv_override_rules_by_rows_and_fallthrough():
     next rule (a k-quant-only field leaves other formats to the catch-all)."""
     h200 = lookup("h200")
     rules = "m8:code_bias=0,kq_lean=0,stage_w=3,min_blocks=4;m8:min_blocks=4;prefetch=1"
-    q4 = [gemv.make_key("q4_k", 34816, 5120, m, h200, "silu_mul", overrides=rules) for m in (1, 8, 16)]
+    q4 = [_ruled("q4_k", 34816, 5120, m, h200, "silu_mul", rules=rules) for m in (1, 8, 16)]
     assert [(k.code_bias, k.stage_w, k.min_blocks) for k in q4] == [(False, 3, 4), (False, 3, 4), (True, 0, 2)]
-    assert gemv.make_key("q4_k", 34816, 5120, 1, h200, "silu_mul", overrides="code_bias=0").code_bias  # kq_lean needs it
-    q6 = gemv.make_key("q6_k", 5120, 17408, 4, h200, "residual", overrides=rules)
+    assert _ruled("q4_k", 34816, 5120, 1, h200, "silu_mul", rules="code_bias=0").code_bias  # kq_lean needs it
+    q6 = _ruled("q6_k", 5120, 17408, 4, h200, "residual", rules=rules)
     assert (q6.stage_w, q6.min_blocks) == (2, 4)          # 3 stages of Q6_K rows: over STAGE_W_LIMIT, the next rule
-    q4g64 = gemv.make_key("q4g64", 34816, 5120, 1, h200, "silu_mul", overrides=rules)
+    q4g64 = _ruled("q4g64", 34816, 5120, 1, h200, "silu_mul", rules=rules)
     assert (q4g64.min_blocks, q4g64.stage_w) == (4, 0)        # k-quant fields: not this format's; the next rule
     with pytest.raises(ValueError, match="rows mR / mA-B"):
         CompileOptions(gemv="mx:prefetch=1")
@@ -170,9 +176,9 @@ def test_gemv_override_rules_by_format():
     pass on to the next rule; an unknown name is refused with the selectors it may be."""
     h200 = lookup("h200")
     rules = "q6_k/5120x17408:splits=3;5120x17408:splits=2"
-    got = {f: gemv.make_key(f, 5120, 17408, 1, h200, "residual", overrides=rules).splits for f in ("q6_k", "q4_k")}
+    got = {f: _ruled(f, 5120, 17408, 1, h200, "residual", rules=rules).splits for f in ("q6_k", "q4_k")}
     assert got == {"q6_k": 3, "q4_k": 2}
-    assert gemv.make_key("q6_k", 5120, 6144, 1, h200, "residual", overrides="q6_k/5120x17408:splits=3").splits == 1
+    assert _ruled("q6_k", 5120, 6144, 1, h200, "residual", rules="q6_k/5120x17408:splits=3").splits == 1
     with pytest.raises(ValueError, match="or a weight format"):
         CompileOptions(gemv="q7_k/5120x17408:splits=3")
 
@@ -183,7 +189,7 @@ def test_gemv_rows_range_rules_set_row_tiles_and_load_depth():
     static shared memory are refused (and the rule falls through)."""
     h200 = lookup("h200")
     rules = "m9-32:tiles=4,depth=1;m9-32:tiles=2,depth=2"
-    keys = {m: gemv.make_key("q5g64", 5120, 6144, m, h200, "residual", overrides=rules) for m in (8, 9, 16, 32)}
+    keys = {m: _ruled("q5g64", 5120, 6144, m, h200, "residual", rules=rules) for m in (8, 9, 16, 32)}
     assert (keys[8].tiles, keys[8].depth) == (1, 0)                       # outside the range: shipped
     assert (keys[16].tiles, keys[16].depth) == (4, 1) and keys[16].name.endswith("_d1_sm90")
     # 8 warps × 4 tiles × 4 column tiles × 512 B = 64 KiB of reduction: over 48 KiB, so the second rule
@@ -196,7 +202,7 @@ def test_gemv_rows_range_rules_set_row_tiles_and_load_depth():
         replace(keys[8], depth=9)
     with pytest.raises(ValueError, match="one unit at a time"):
         replace(gemv.make_key("q4_k", 34816, 5120, 1, h200, "silu_mul"), depth=2)
-    early = {m: gemv.make_key("q4g64", 10240, 5120, m, h200, overrides="m9-32:x_early=1,depth=1") for m in (8, 32)}
+    early = {m: _ruled("q4g64", 10240, 5120, m, h200, rules="m9-32:x_early=1,depth=1") for m in (8, 32)}
     assert not early[8].x_early and early[32].x_early and early[32].name.endswith("_d1_xe_sm90")
     with pytest.raises(ValueError, match="no x_early"):
         replace(gemv.make_key("q6_k", 5120, 17408, 32, h200, "residual"), x_early=True)

@@ -29,7 +29,6 @@ from ..reference_fused import inverse_rms, norm_tile_sums
 from ..targets import Target
 from . import KernelKey, Launch, Param, ceil_div
 from .gemv_config import STAGE_X_LIMIT, config, load_batches, order_depth, staged_bytes, stream_config, unit_of
-from .gemv_rules import apply_overrides
 from .weight_layout import FORMATS, dequantize, group_of
 
 EPILOGUES = ("none", "residual", "silu_mul")
@@ -213,13 +212,12 @@ def stage_x_bytes(key: Key) -> int:
 
 
 def make_key(fmt: str, n: int, k: int, m: int, target: Target, epilogue: str = "none",
-             out_dtype: str = "bf16", overrides: str = "") -> Key:
-    """The shipped key of one decode matrix multiply; `overrides` (CompileOptions.gemv) are experiment
-    rules that may replace some fields (gemv_rules)."""
+             out_dtype: str = "bf16") -> Key:
+    """The shipped key of one decode matrix multiply (experiment rules, CompileOptions.gemv, replace its fields in
+    the lowering, after the passes' folds: gemv_rules.apply_overrides from lower_rules._matmul)."""
     warps, tiles, splits, stream_k = config(fmt, n, k, m, target)
-    key = Key(fmt, n, k, m, epilogue, out_dtype, warps, tiles, target.arch, splits, stream_k=stream_k,
-              **stream_config(fmt, n, k, m, warps, target, epilogue, splits, stream_k))
-    return apply_overrides(key, overrides) if overrides else key
+    return Key(fmt, n, k, m, epilogue, out_dtype, warps, tiles, target.arch, splits, stream_k=stream_k,
+               **stream_config(fmt, n, k, m, warps, target, epilogue, splits, stream_k))
 
 
 def norm_outputs(key: Key, y: torch.Tensor, norm_w: torch.Tensor) -> dict[str, torch.Tensor]:

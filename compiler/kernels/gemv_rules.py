@@ -1,7 +1,7 @@
 """gemv_rules: experiment rules for decode-GEMV key fields (CompileOptions.gemv, `NINFER_GEMV`): how units stream
 and the registers, for A/B runs of a whole step without a code change. A rule replaces fields of the shipped key
-where the result is a valid key (the key's own checks decide); `gemv.make_key` applies them, and the lowering
-applies them to a projection's key after the passes' folds (lower_rules._matmul).
+where the result is a valid key (the key's own checks decide); the lowering applies them to a projection's key
+after the passes' folds (lower_rules._matmul), the kernel lab to the keys it times.
 
     "prefetch=2,interleave=0"                   every key
     "5120x6144:min_blocks=3;prefetch=1"        the first rule that applies and gives a valid key wins

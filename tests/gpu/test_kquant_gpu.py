@@ -242,8 +242,9 @@ FEWER_WARPS = [replace(gemv.make_key("q4_k", n, k, m, TARGET, epi, out), warps=w
 
 @pytest.mark.parametrize("key", FEWER_WARPS, ids=[k.name for k in FEWER_WARPS])
 def test_fewer_warps_a_tile_match_reference(h, key):
-    """One or two warps a row tile (`warps`, an experiment rule for the gate/up: a warp walks more of a tile's units,
-    fewer warps share its sum): within fp32 accumulation error of the reference, M staged (1, 3) and loaded (9)."""
+    """One or two warps a row tile (`warps`, a field rules may set: a warp walks more of a tile's units, fewer warps
+    share its sum; as the gate/up's shipped choice refuted in session 30): within fp32 accumulation error of the
+    reference, M staged (1, 3) and loaded (9)."""
     _built_matches_reference(h, key)
 
 
