@@ -3,8 +3,13 @@ block table) against their references at positions past 32,768 and 100,000 — q
 append), attn_decode + attn_combine for a decode row and a verify's 4 rows (and the shared-memory ring against
 the direct loads, the keys split's early first copies against none, bit for bit), attn_prefill for a chunk at the
 end of 128K — at the 27B's attention shape; and greedy decoding with K = 3 drafts equal to plain greedy token for token after real random-token prompts of 40,000 and
-100,000 tokens (the tiny spec made to hold 131,072 positions; the one-graph fused rounds).
+100,000 tokens (the tiny spec made to hold 131,072 positions; the one-graph fused rounds) — where the random MTP head's
+drafts are all rejected — and after 100,000 tokens of real text ending in a passage said twice, on the shipped small
+model (trained: some of its drafts are accepted, so accepted drafts commit at long context too).
 Run: pytest -m gpu tests/gpu/test_long_context_gpu.py -q -s"""
+import sysconfig
+from pathlib import Path
+
 import pytest
 import torch
 import yaml
@@ -192,3 +197,53 @@ def test_greedy_with_drafts_equals_plain_greedy_after_a_long_prompt(long_tiny, n
         at = next(j for j, (a, b) in enumerate(zip(plain, spec)) if a != b)
         pytest.fail(f"after {n} prompt tokens, greedy with drafts parts from plain greedy at token {at}")
     print(f"{n} tokens: acceptance {stats.acceptance:.3f} over {stats.rounds} rounds")
+
+
+SMALL = Path(__file__).resolve().parents[2] / "models/qwen3.8-small-py"
+
+
+@pytest.fixture(scope="module")
+def long_small():
+    """The shipped small model (trained, with its MTP layer) made to hold 131,072 positions, on the GPU backend built
+    for K = 3."""
+    from dataclasses import replace
+
+    import ninfer_gen
+    from ninfer_gen.cli.env import build_root
+    from ninfer_gen.executor.device_weights import from_host
+    from ninfer_gen.executor.gpu_backend import GpuBackend
+    from ninfer_gen.weights.checkpoint import load_checkpoint, quantize_weights
+
+    spec, tensors = load_checkpoint(SMALL, require_mtp=True)
+    spec = replace(spec, model=replace(spec.model, max_position_embeddings=262144),
+                   runtime=replace(spec.runtime, draft_tokens=3, max_context=CONTEXT))
+    backend = GpuBackend(spec, from_host(spec, quantize_weights(spec, tensors)), max_context=CONTEXT,
+                         build_root=build_root())
+    return ninfer_gen.Model(spec, backend, SMALL, "gpu")
+
+
+def test_greedy_with_accepted_drafts_equals_plain_greedy_after_100k_tokens(long_small):
+    """Python from the standard library up to 100,000 tokens, its last 4,096 a 2,048-token passage said twice: the
+    trained MTP head's drafts are accepted (on the reference backend at 6,000 tokens: 15 of 54, 18 rounds), so the
+    rounds commit accepted drafts at positions past 100,000 — the output still plain greedy's, token for token."""
+    from ninfer_gen.sampling import SamplingParams
+    from ninfer_gen.speculative import Stats
+
+    n, passage = 100_000, 2048
+    ids = []
+    for f in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        ids += long_small.tokenizer.encode(f.read_text(errors="replace"))
+        if len(ids) >= n:
+            break
+    prompt = ids[:n - 2 * passage] + 2 * ids[n - 2 * passage:n - passage]
+    assert len(prompt) == n
+    plain = long_small.generate(prompt, 64)
+    stats = Stats()
+    spec = list(long_small.stream(prompt, 64, SamplingParams(), None, draft=3, stats=stats))
+    assert len(plain) == len(spec) == 64
+    if spec != plain:
+        at = next(j for j, (a, b) in enumerate(zip(plain, spec)) if a != b)
+        pytest.fail(f"after {n} prompt tokens, greedy with drafts parts from plain greedy at token {at}")
+    print(f"{n} tokens, small model: acceptance {stats.acceptance:.3f} over {stats.rounds} rounds, "
+          f"{stats.accepted} drafts accepted")
+    assert stats.accepted > 0, "no draft accepted: the commit of accepted drafts went untested"
