@@ -13,6 +13,11 @@ fi
 if part c8; then
   PART=c8 bash lab/gpu_session30.sh
 fi
+# PART=pf: L2 prefetches of whole row tiles on the shipped staged k-quant keys (the next block's tile, its own).
+if part pf; then
+  timeout ${PF_S:-200} python3 -m lab.kq_lanes --pf --out $OUT/pf.json > $OUT/pf.log 2>&1
+  echo "kq_lanes --pf: rc $?"; shown $OUT/pf.log 60; stamp "pf done"
+fi
 # PART=i32: issue 32's lines on the current tree, one call — the Q4G64 27B's C1 bench (plain fraction of the read
 #   ceiling, launches, MTP3 round / step, every K: --per-k), the sm_86 path's plain step, then the cohort bench (C1 and
 #   C8: fixed K = 3, adaptive, plain) at each accept probability in PS. ≤ 8 files: one log, the JSONs.

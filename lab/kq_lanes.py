@@ -9,6 +9,8 @@ the same bits as the shipped key, which this script checks on the GPU before tim
   python -m lab.kq_lanes --out lanes.json             GPU: the 27B GGUF step's Q4_K / Q5_K GEMV keys (their folds),
                                                       shipped vs lane order (ahead 1 / 2, register caps), bits
                                                       compared, then timed chained; Σ launches × µs per variant
+  python -m lab.kq_lanes --pf --out pf.json           the same for L2 prefetches of whole row tiles (PfKey: the next
+                                                      block's tile, its own) on the shipped staged layout
 
 Prediction (lab/NOTES.md session 31): the Q4_K gate/up 38.9 → 35–36 µs chained (the ring's ~10 % of a unit's issue
 slots gone, each load one 512-byte warp instruction), the step's Q4_K/Q5_K GEMVs −3…−6 %.
@@ -50,6 +52,39 @@ class LanesKey(gemv.Key):
 
     def _name_parts(self):
         return super()._name_parts() + [f"ln{self.ahead}"]
+
+
+@dataclass(frozen=True)
+class PfKey(gemv.Key):
+    """A shipped staged k-quant key with L2 prefetches of whole row tiles (lab/templates/gemv_kq_pf.cu.j2): `pf_next`
+    tiles ahead (the block that takes this slot next), `pf_own` its own tile at the start."""
+    pf_next: int = 0
+    pf_own: bool = False
+    template_dir = LAB_TEMPLATES
+
+    @property
+    def template(self) -> str:
+        return "gemv_kq_pf.cu.j2"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.stage_w or self.stream_k or self.splits != 1 or self.pf_next < 0:
+            raise ValueError("kq_lanes: L2 tile prefetch needs a staged one-tile-a-block key (no splits, no stream-K)")
+
+    def _name_parts(self):
+        return super()._name_parts() + ([f"pn{self.pf_next}"] if self.pf_next else []) + (["po"] if self.pf_own else [])
+
+
+def pf_variants(key, sms: int) -> list:
+    """The tile prefetch variants of a staged one-tile-a-block key: its own tile; multi-wave grids also the tile one
+    and two waves of four blocks an SM ahead."""
+    if not key.stage_w or key.stream_k or key.splits != 1:
+        return []
+    vs = [PfKey(**key.fields(), pf_own=True)]
+    if -(-key.n // 16) > 4 * sms:
+        vs += [PfKey(**key.fields(), pf_next=4 * sms), PfKey(**key.fields(), pf_next=8 * sms),
+               PfKey(**key.fields(), pf_next=4 * sms, pf_own=True)]
+    return vs
 
 
 def lanes_of(key: gemv.Key, ahead: int = 1, **fields) -> LanesKey:
@@ -114,8 +149,8 @@ def check() -> None:
         print(f"{fmt}: lane order gives every lane the bytes load_unit reads (3 units × 32 lanes)")
 
 
-def step_keys():
-    """(key, launches in the plain step) for the 27B Q4_K_M GGUF step's Q4_K / Q5_K GEMVs (lab.kernel_lab's plan)."""
+def step_keys(fmts=tuple(CODE_OFF)):
+    """(key, launches in the plain step) for the 27B Q4_K_M GGUF step's GEMVs of `fmts` (lab.kernel_lab's plan)."""
     from collections import Counter
 
     from compiler.targets import arch_path_target, lookup
@@ -129,7 +164,7 @@ def step_keys():
     label, thunks = next(gguf_step_plan(target, target.l2_bytes))
     out = Counter()
     for th in thunks:
-        if th.key.fmt in CODE_OFF:
+        if th.key.fmt in fmts:
             out[th.key] += th.in_plan
     return target, list(out.items())
 
@@ -181,14 +216,16 @@ def main(argv=None) -> None:
     ap.add_argument("--keys", action="store_true", help="print the step's keys and their variants (no GPU)")
     ap.add_argument("--out", default="", help="JSON results (GPU)")
     ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--pf", action="store_true", help="time the L2 tile-prefetch variants (PfKey) instead of lane order")
     args = ap.parse_args(argv)
     if args.check:
         check()
         return
-    target, keys = step_keys()
+    target, keys = step_keys(("q4_k", "q5_k", "q6_k") if args.pf else tuple(CODE_OFF))
+    pick = (lambda key: pf_variants(key, target.sms)) if args.pf else variants
     if args.keys:
         for key, n in keys:
-            print(n, key.name, [v.name for v in variants(key)])
+            print(n, key.name, [v.name for v in pick(key)])
         return
 
     from lab.kernel_lab import KERNELS
@@ -196,7 +233,7 @@ def main(argv=None) -> None:
 
     copy = copy_bandwidth()
     print(f"copy {copy:.0f} GB/s, {torch.cuda.get_device_name()}", flush=True)
-    all_keys = [k for key, _ in keys for k in (key, *variants(key))]
+    all_keys = [k for key, _ in keys for k in (key, *pick(key))]
     KERNELS.build(all_keys)
     rows, totals = [], {"shipped": 0.0}
     for key, n_in_plan in keys:
@@ -205,8 +242,9 @@ def main(argv=None) -> None:
         row = {"key": key.name, "in_plan": n_in_plan, "shipped_us": base_us, "variants": {}}
         totals["shipped"] += n_in_plan * base_us
         print(f"{key.name} ×{n_in_plan}: shipped {base_us:.2f} us", flush=True)
-        for v in variants(key):
-            tag = f"ahead{v.ahead}" + (f"-b{v.min_blocks}" if v.min_blocks != key.min_blocks else "")
+        for v in pick(key):
+            tag = (f"pn{v.pf_next}" + ("-own" if v.pf_own else "") if v.pf_next else "own") if isinstance(v, PfKey) \
+                else f"ahead{v.ahead}" + (f"-b{v.min_blocks}" if v.min_blocks != key.min_blocks else "")
             try:
                 out, us = run_variant(v, copies, args.iters)
                 bits = all(same_bits(out[k], t) for k, t in ref.items())
