@@ -6,8 +6,11 @@ an engine step runs both. A draft is accepted with probability p, in order (the 
     python -m lab.draft_policy_sim            # the shipped policy (pooled over the cohort, as the engine asks it)
                                               # and session 13's per-lane rule vs plain and fixed K
 
-The default costs are the H100's of session 15 (27B, 32K draft head): c = 1.23 / 1.21 / 1.67 / 2.10 for 1 / 2 / 4 / 8
-lanes; a plain step of 8 lanes 1.49× one lane's (C8 plain 768.8 vs C1 144.2 tok/s end to end).
+The costs are the H100's of session 31 (27B, 32K draft head): the policy sees the start-up table (TABLE: 1.21 / 1.20 /
+1.47 / 1.81 for 1 / 2 / 4 / 8 lanes, graph replays of padded rows), while rounds really cost what the cohort bench's
+decode rates give (COSTS: 1.23 at C1, 1.66 at C8 — C2 and C4 scaled alike); a plain step of 8 lanes 1.32× one lane's
+(C8 plain 915 vs C1 151 decode tok/s). Session 15's costs (1.23 / 1.21 / 1.67 / 2.10, step(8) 1.49) are kept as
+COSTS15 for `--costs 15`.
 """
 from __future__ import annotations
 
@@ -16,12 +19,15 @@ import random
 
 from ninfer_gen.engine.draft_policy import DraftPolicy
 
-COSTS = {1: 1.23, 2: 1.21, 4: 1.67, 8: 2.10}
+TABLE = {1: 1.21, 2: 1.20, 4: 1.47, 8: 1.81}          # what the policy is told (start-up table, session 31)
+COSTS = {1: 1.23, 2: 1.20, 4: 1.35, 8: 1.66}          # what a round costs in the engine (cohort bench, session 31)
+COSTS15 = {1: 1.23, 2: 1.21, 4: 1.67, 8: 2.10}        # session 15's table, taken as true then
+STEP_GROWTH = 0.046                                    # a plain step of b lanes: 1 + STEP_GROWTH·(b − 1) one-lane steps
 BUCKETS = (1, 2, 4, 8)
 
 
 def step_time(b: int) -> float:
-    return 1.0 + 0.07 * (b - 1)
+    return 1.0 + STEP_GROWTH * (b - 1)
 
 
 def bucket(n: int) -> int:
@@ -29,10 +35,12 @@ def bucket(n: int) -> int:
 
 
 def simulate(policy: DraftPolicy | None, lanes: int, p: float, k: int = 3, tokens: int = 256, seed: int = 0,
-             fixed: bool = False, per_lane: bool = False) -> float:
+             fixed: bool = False, per_lane: bool = False, costs: dict | None = None) -> float:
     """Tokens per unit time (a one-lane plain step = 1) of `lanes` lanes; `policy` None with fixed False: plain.
     The policy is asked as the engine asks it (Engine._choose_drafts: the drafting lanes' pooled counts), or
-    `per_lane` as session 13's engine did (each lane's own counts)."""
+    `per_lane` as session 13's engine did (each lane's own counts). `costs`: what rounds really cost (COSTS by
+    default) — the policy's table (its round_cost) is its view, which may be off."""
+    costs = costs or COSTS
     rng = random.Random(seed)
     made = [0] * lanes
     rounds = [0] * lanes
@@ -45,16 +53,17 @@ def simulate(policy: DraftPolicy | None, lanes: int, p: float, k: int = 3, token
         if policy is not None and not fixed and spec:
             if per_lane:
                 for i in spec:
-                    if not policy.keep_drafting(rounds[i], accepted[i], len(spec)):
+                    if not policy.keep_drafting(rounds[i], accepted[i], k * rounds[i], len(spec)):
                         drafting[i] = False
-            elif not policy.keep_drafting(sum(rounds[i] for i in spec), sum(accepted[i] for i in spec), len(spec)):
+            elif not policy.keep_drafting(sum(rounds[i] for i in spec), sum(accepted[i] for i in spec),
+                                         k * sum(rounds[i] for i in spec), len(spec)):
                 for i in spec:
                     drafting[i] = False
             spec = [i for i in live if drafting[i]]
         plain = [i for i in live if not drafting[i]]
         if spec:
             b = bucket(len(spec))
-            t += COSTS[b] * step_time(b)
+            t += costs[b] * step_time(b)
             for i in spec:
                 a = 0
                 while a < k and rng.random() < p:
@@ -69,13 +78,15 @@ def simulate(policy: DraftPolicy | None, lanes: int, p: float, k: int = 3, token
     return sum(min(m, tokens) for m in made) / t
 
 
-def table(policy: DraftPolicy, seeds: int = 40) -> list[tuple]:
+def table(policy: DraftPolicy, seeds: int = 40, costs: dict | None = None, ps=(0.2, 0.5, 0.8)) -> list[tuple]:
+    """(lanes, p, adaptive/plain, adaptive/best of plain and fixed K, fixed/plain, per-lane rule/plain) at C1, C8."""
     rows = []
     for lanes in (1, 8):
-        for p in (0.2, 0.5, 0.8):
-            mean = lambda **kw: sum(simulate(seed=s, lanes=lanes, p=p, **kw) for s in range(seeds)) / seeds  # noqa: E731
+        for p in ps:
+            mean = lambda **kw: sum(simulate(seed=s, lanes=lanes, p=p, costs=costs, **kw)  # noqa: E731
+                                    for s in range(seeds)) / seeds
             plain, fixed, adaptive = mean(policy=None), mean(policy=None, fixed=True), mean(policy=policy)
-            old = mean(policy=DraftPolicy(policy.round_cost, min_rounds=8, margin=policy.margin), per_lane=True)
+            old = mean(policy=DraftPolicy(policy.round_cost, min_rounds=8, margin=policy.margin, z=0.0), per_lane=True)
             rows.append((lanes, p, adaptive / plain, adaptive / max(plain, fixed), fixed / plain, old / plain))
     return rows
 
@@ -83,9 +94,18 @@ def table(policy: DraftPolicy, seeds: int = 40) -> list[tuple]:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=40)
+    ap.add_argument("--z", type=float, default=DraftPolicy({}).z, help="the policy's standard errors (0: the point "
+                    "estimate, sessions 17–30)")
+    ap.add_argument("--costs", choices=("31", "15"), default="31", help="31: the policy told TABLE while rounds cost "
+                    "COSTS; 15: session 15's costs as both")
     args = ap.parse_args(argv)
     print(f"{'C':>2} {'p':>4} {'adaptive/plain':>15} {'adaptive/best':>14} {'fixed/plain':>12} {'per lane/plain':>15}")
-    for lanes, p, vs_plain, vs_best, fixed, old in table(DraftPolicy(COSTS), args.seeds):
+    told, true = (TABLE, COSTS) if args.costs == "31" else (COSTS15, COSTS15)
+    if args.costs == "15":
+        global STEP_GROWTH
+        STEP_GROWTH = 0.07
+    for lanes, p, vs_plain, vs_best, fixed, old in table(DraftPolicy(told, z=args.z), args.seeds, true,
+                                                          (0.2, 0.35, 0.5, 0.8)):
         print(f"{lanes:>2} {p:>4} {vs_plain:>15.3f} {vs_best:>14.3f} {fixed:>12.3f} {old:>15.3f}")
 
 

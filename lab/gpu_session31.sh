@@ -56,3 +56,14 @@ if part i31; then
     rm -f $OUT/i31_agent_$p.png; stamp "agent $p done"
   done
 fi
+# PART=adapt: the adaptive draft length after its two fixes (the round cost measured on throwaway lanes through the
+#   adapter; a drop only beyond z standard errors): the cohort bench, C1 and C8, fixed K / adaptive / plain, each p.
+if part adapt; then
+  for p in ${PS:-0.5 0.2 0.8}; do
+    timeout ${COHORT_S:-150} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --no-vision --concurrency 1,8 \
+      --draft 3 --accept-prob $p --draft-vocab 32768 --output-tokens ${TOKENS:-256} --adaptive \
+      --json $OUT/adapt_cohort_$p.json > /tmp/adapt_cohort_$p.log 2>&1
+    echo "cohort bench p=$p: rc $?" | tee -a $OUT/adapt.log; shown /tmp/adapt_cohort_$p.log 24 | tee -a $OUT/adapt.log
+    rm -f $OUT/adapt_cohort_$p.png; stamp "adapt $p done"
+  done
+fi

@@ -320,12 +320,13 @@ class Engine:
             self._emit(live, out)
 
     def _choose_drafts(self, lanes: list[LaneState]) -> None:
-        """Adaptive draft length, decided for the cohort (engine.draft_policy): when the drafting lanes' rounds
-        together return fewer tokens than a round of their bucket costs in plain steps, they all drop to K = 0 for
-        the rest of their requests."""
+        """Adaptive draft length, decided for the cohort (engine.draft_policy): once the drafting lanes' rounds
+        together clearly return fewer tokens than a round of their bucket costs in plain steps (beyond the
+        measurement's noise), they all drop to K = 0 for the rest of their requests."""
         drafting = [lane for lane in lanes if lane.k]
         if drafting and not self.policy.keep_drafting(sum(lane.stats.rounds for lane in drafting),
-                                                      sum(lane.stats.accepted for lane in drafting), len(drafting)):
+                                                      sum(lane.stats.accepted for lane in drafting),
+                                                      sum(lane.stats.drafted for lane in drafting), len(drafting)):
             for lane in drafting:
                 lane.k = 0
 

@@ -32,12 +32,13 @@ from ninfer_gen.lanes.contract import Capabilities, LaneBackend, LaneState, chec
 from ninfer_gen.lanes.gpu_prompt import run_chunks
 from ninfer_gen.lanes.images import check_images, open_images
 from ninfer_gen.lanes.reuse import MtpTail, PrefixReuse
-from ninfer_gen.lanes.round_costs import ACCEPTANCE_OF, measure_round_costs
+from ninfer_gen.lanes.round_costs import measure_round_costs
 from ninfer_gen.lanes.round_rows import FIELD, RoundRows, idle_rows
 from ninfer_gen.sampling import Sampler, distribution
 from ninfer_gen.speculative import Drafter, accept_greedy, accept_sampled, truncate
 
 ROUND_MODES = ("fused", "eager")
+ACCEPTANCE_OF = {True: "greedy", False: "sampled"}    # all lanes greedy → the round graph kind
 
 
 class _Lane:
