@@ -1,44 +1,67 @@
 """round_costs: what a speculative round costs in plain steps on the GPU, per cohort bucket — measured once at
-start-up by replaying each round graph and its bucket's step graph (Capabilities.round_cost; the engine's
-adaptive draft length, engine.draft_policy, reads it). Every row is padded meanwhile: no state is touched,
-and the weights stream as in a real round. What this leaves out (session 31, 27B, H100): padded rows (slot −1) move
-no GDN state and no fold, and a plain step's host read of its token is not timed, so a C8 round reads 1.81 plain
-steps where the cohort bench's decode rates give 1.58–1.66 (C1: 1.21 against 1.23); the policy's wait for evidence
-(engine.draft_policy) absorbs it at the accept rates the issue names. A measurement on throwaway lanes through the
-adapter (branch `round-costs-lanes`) waits for a GPU run."""
+start-up (Capabilities.round_cost; the engine's adaptive draft length, engine.draft_policy, reads it) by running
+throwaway lanes through the adapter's own calls: b lanes of a one-token prompt opened and prefilled, `iters` rounds
+of them timed back to back (rounds in flight, as the engine runs them), then `iters` plain steps of the same lanes
+(the host's read of each step's token between them), then released. So each figure holds what the engine's rounds
+and steps really move and wait for: the GDN states and records of real slots, the fold, the host's gaps — a graph
+replay of padded rows (slot −1: the GDN kernels skip them), timed before session 31, left the states out and put a
+C8 round at 1.81 plain steps where the cohort bench measured 1.58–1.66 (27B, H100). The engine's own work between
+calls is not in it."""
 from __future__ import annotations
+
+import time
 
 import torch
 
-from ninfer_gen.lanes.round_rows import idle_rows
+from ninfer_gen.lanes.contract import LaneState
+from ninfer_gen.sampling import SamplingParams
+
+def _period_s(call, n: int, device) -> float:
+    """Seconds per call of `call()`, n calls back to back after two warm-up calls, the device drained around them."""
+    call()
+    call()
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        call()
+    torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) / n
 
 
-def _replay_ms(run, n: int) -> float:
-    """Median device time (ms) of `run()` (a graph replay), n times back to back after one warm-up."""
-    run()
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
-    events[0].record()
-    for e in events[1:]:
-        run()
-        e.record()
-    torch.cuda.synchronize()
-    times = sorted(a.elapsed_time(b) for a, b in zip(events, events[1:]))
-    return times[len(times) // 2]
-
-def measure_round_costs(lanes, replays: int = 12) -> tuple[tuple[int, float], ...]:
-    """(bucket, a round's device time / a plain step's) for every round bucket of the GPU lanes `lanes`
-    (lanes.gpu.GpuLanes) that has a step bucket of the same size."""
+def measure_round_costs(lanes, iters: int = 12) -> tuple[tuple[int, float], ...]:
+    """(bucket, a round's time / a plain step's) for every round bucket of the GPU lanes `lanes` (lanes.gpu.GpuLanes,
+    nothing open yet) that has a step bucket of the same size and fits its slots. No prefix checkpoint is taken."""
     be, costs = lanes.be, []
-    acceptance = "coin" if lanes.accept_prob is not None else "greedy"
-    for b in lanes.round_sizes:
-        if b not in lanes.step_sizes:
-            continue
-        rnd, step = lanes.round_graph(b, acceptance), be.bucket("step", b, 1)
-        step.inputs.set([], [], [], [])
-        restore = idle_rows(be, lanes.rows.device, b)
-        try:
-            times = [_replay_ms(lambda: rnd.run(True), replays), _replay_ms(lambda: step.run(True), replays)]
-        finally:
-            restore()
-        costs.append((b, times[0] / times[1]))
+    reuse, lanes.reuse = lanes.reuse, None
+    try:
+        for b in lanes.round_sizes:
+            if b not in lanes.step_sizes or b > lanes.caps.lanes:
+                continue
+            probe = [LaneState(lane=i, prompt=[0], sampling=SamplingParams(), stop=frozenset(), k=lanes.k,
+                               max_context=lanes.caps.max_context) for i in range(b)]
+            try:
+                for lane in probe:
+                    lanes.open(lane)
+                for lane, out in lanes.prefill_many([(lane, [0], True) for lane in probe]).items():
+                    if isinstance(out, BaseException):
+                        raise out
+                for lane in probe:
+                    lane.budget = lane.room
+
+                def step():
+                    for lane, out in lanes.round(probe).items():
+                        if isinstance(out, BaseException):
+                            raise out
+                rnd = _period_s(step, iters, be.device)
+                for lane in probe:
+                    lane.k = 0
+                plain = _period_s(step, iters, be.device)
+            finally:
+                for lane in probe:
+                    if lane.seq is not None:
+                        lane.finish = "cancelled"
+                        lanes.release(lane)
+            costs.append((b, rnd / plain))
+    finally:
+        lanes.reuse = reuse
     return tuple(costs)

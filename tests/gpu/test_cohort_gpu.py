@@ -2,7 +2,7 @@
 16 requests of different lengths (greedy, K = 0 and K = 3 mixed, one seeded sampled request) give the same
 tokens alone and in cohorts of 2, 4 and 8 with requests joining and leaving mid-stream; a lone request
 equals Model.generate; nothing is captured or compiled at request time (every bucket and round graph
-exists after start-up); every slot and page is free afterwards, after the start-up's round costs too; a lane near its context end finishes with
+exists after start-up); every slot and page is free afterwards, the start-up's round-cost lanes' too; a lane near its context end finishes with
 plain steps; the prefix cache's state and page copies are exact, and a second turn restores its
 prefix and equals the same request without reuse. Run: pytest -m gpu tests/gpu/test_cohort_gpu.py -q -s"""
 import random
@@ -117,9 +117,9 @@ def test_a_lone_request_equals_model_generate(model, lanes):
         assert got == model.generate(list(r.prompt), r.max_tokens, draft=r.draft), f"prompt of {len(r.prompt)}"
 
 
-def test_round_costs_are_measured_for_every_bucket_and_leave_nothing_behind(model, lanes):
-    """Start-up measured a round's cost in plain steps for every cohort bucket (lanes.round_costs); afterwards no
-    slot or page is held, and a request's tokens are plain decoding's."""
+def test_round_costs_come_from_throwaway_lanes_that_leave_nothing_behind(model, lanes):
+    """Start-up measured a round's cost in plain steps for every cohort bucket by running throwaway lanes through the
+    adapter (lanes.round_costs); afterwards no slot or page is held, and a request's tokens are plain decoding's."""
     costs = dict(lanes.caps.round_cost)
     print(f"round cost in plain steps: {costs}")
     assert set(costs) == {b for b in lanes.round_sizes if b in lanes.step_sizes}
