@@ -6,11 +6,12 @@ an engine step runs both. A draft is accepted with probability p, in order (the 
     python -m lab.draft_policy_sim            # the shipped policy (pooled over the cohort, as the engine asks it)
                                               # and session 13's per-lane rule vs plain and fixed K
 
-The costs are the H100's of session 31 (27B, 32K draft head): the policy sees the start-up table (TABLE: 1.21 / 1.20 /
-1.47 / 1.81 for 1 / 2 / 4 / 8 lanes, graph replays of padded rows), while rounds really cost what the cohort bench's
-decode rates give (COSTS: 1.23 at C1, 1.66 at C8 — C2 and C4 scaled alike); a plain step of 8 lanes 1.32× one lane's
-(C8 plain 915 vs C1 151 decode tok/s). Session 15's costs (1.23 / 1.21 / 1.67 / 2.10, step(8) 1.49) are kept as
-COSTS15 for `--costs 15`.
+The costs are the H100's of session 31 (27B, 32K draft head): rounds really cost what the cohort bench's decode rates
+give (COSTS: 1.23 at C1, 1.66 at C8 — C2 and C4 scaled alike), a plain step of 8 lanes 1.32× one lane's (C8 plain
+915 vs C1 151 decode tok/s). The policy is told TABLE — the start-up measurement on throwaway lanes (1.21 / 1.19 /
+1.43 / 1.66 for 1 / 2 / 4 / 8 lanes) — or with `--told padded` PADDED, the graph replays of padded rows it was told
+before (1.21 / 1.20 / 1.47 / 1.81: no GDN state moved). Session 15's costs (1.23 / 1.21 / 1.67 / 2.10, step(8) 1.49)
+are kept as COSTS15 for `--costs 15`.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import random
 
 from ninfer_gen.engine.draft_policy import DraftPolicy
 
-TABLE = {1: 1.21, 2: 1.20, 4: 1.47, 8: 1.81}          # what the policy is told (start-up table, session 31)
+TABLE = {1: 1.21, 2: 1.19, 4: 1.43, 8: 1.66}          # what the policy is told: start-up, throwaway lanes (s31)
+PADDED = {1: 1.21, 2: 1.20, 4: 1.47, 8: 1.81}         # ... before: graph replays of padded rows (session 31)
 COSTS = {1: 1.23, 2: 1.20, 4: 1.35, 8: 1.66}          # what a round costs in the engine (cohort bench, session 31)
 COSTS15 = {1: 1.23, 2: 1.21, 4: 1.67, 8: 2.10}        # session 15's table, taken as true then
 STEP_GROWTH = 0.046                                    # a plain step of b lanes: 1 + STEP_GROWTH·(b − 1) one-lane steps
@@ -96,11 +98,13 @@ def main(argv=None) -> None:
     ap.add_argument("--seeds", type=int, default=40)
     ap.add_argument("--z", type=float, default=DraftPolicy({}).z, help="the policy's standard errors (0: the point "
                     "estimate, sessions 17–30)")
-    ap.add_argument("--costs", choices=("31", "15"), default="31", help="31: the policy told TABLE while rounds cost "
-                    "COSTS; 15: session 15's costs as both")
+    ap.add_argument("--costs", choices=("31", "15"), default="31", help="31: rounds cost COSTS, the policy told "
+                    "--told; 15: session 15's costs as both")
+    ap.add_argument("--told", choices=("lanes", "padded"), default="lanes", help="the table the policy is told "
+                    "(session 31): TABLE (throwaway lanes) or PADDED (padded graph replays)")
     args = ap.parse_args(argv)
     print(f"{'C':>2} {'p':>4} {'adaptive/plain':>15} {'adaptive/best':>14} {'fixed/plain':>12} {'per lane/plain':>15}")
-    told, true = (TABLE, COSTS) if args.costs == "31" else (COSTS15, COSTS15)
+    told, true = ({"lanes": TABLE, "padded": PADDED}[args.told], COSTS) if args.costs == "31" else (COSTS15, COSTS15)
     if args.costs == "15":
         global STEP_GROWTH
         STEP_GROWTH = 0.07

@@ -10,14 +10,15 @@ requests, only once T + z·se < c(B) · (1 + margin), se being T's standard erro
 round's kept drafts spread as a chain of coins at the measured acceptance: chain_variance). The decision is made
 once, so a lane does not pay the transition (the pending fold, its row) back and forth — and so it waits for
 evidence: judged on the point estimate after 16 lane-rounds (se ≈ 0.26 at acceptance 0.5), a C8 cohort at T ≈ 1.88
-against a measured c(8) of 1.81 dropped in 97 % of its lane-rounds, 0.87× fixed K (27B, H100, session 31).
+against c(8) = 1.81 (then measured on padded rows; lanes.round_costs now gives 1.66) dropped in 97 % of its
+lane-rounds, 0.87× fixed K (27B, H100, session 31); with both fixes 1.00× fixed K there.
 
 Why for the cohort and not per lane: an engine step with some lanes drafting and some not runs a round AND a plain
 step, so a cohort split in two pays for both, while a lane riding along in a round that runs anyway costs almost
 nothing (decode is bandwidth-bound). Per lane (session 13's rule, 8 rounds each), the 27B at C8 on the H100 gave
-0.92× plain at acceptance 0.2 (`bench --adaptive`); lab/draft_policy_sim.py models the cohort with that run's
-costs: per lane 0.95× plain at p 0.2 and 0.73× at p 0.5 (fixed K 0.87×: the split cohort), pooled over 16
-lane-rounds ≥ 0.99× plain and ≥ 0.98× the better of plain and fixed K at C1 and C8, p 0.2 / 0.5 / 0.8.
+0.92× plain at acceptance 0.2 (`bench --adaptive`); lab/draft_policy_sim.py models the cohort with session 31's
+costs: per lane 0.93× plain at p 0.2 and 0.64× at p 0.5 (the split cohort); pooled, ≥ 0.98× plain and ≥ 0.98× the
+better of plain and fixed K at C1 and C8, p 0.2 / 0.35 / 0.5 / 0.8, told either start-up table.
 
 Why only K or 0: on the GPU a lane asking k < K runs in the K-bucket (its verify computes K + 1 columns), so
 its round costs what a K round costs and returns fewer tokens; K is never worse than a smaller k there. With
