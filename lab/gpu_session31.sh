@@ -1,11 +1,22 @@
 #!/usr/bin/env bash
 # Session 31's device calls (logs to $OUT as it goes; a call brings back at most 8 files). Results in
-# lab/results/s31_*, the account in lab/NOTES.md (session 31).
+# lab/results/s31_*, the account in lab/NOTES.md (session 31). Ran (H100): lanes,c8; i32 (PS=0.8); i32,i31 (PS="0.5 0.2",
+# ASESS=1); pf; adapt (PS=0.5, then 0.2).
 # PART=lanes: the step's Q4_K / Q5_K GEMV keys on the lane-order unit layout (lab/kq_lanes.py, an experiment beside
 #   tile order): each variant's bits against the shipped key on the same blocks, then chained µs and Σ launches × µs.
 # PART=c8: lab/gpu_session30.sh's (the GGUF on the sm_86 path at C1 and C8).
 source lab/gpu_script_env.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+cohorts() {  # TAG P...: the cohort bench (C1, C8: fixed K = 3, adaptive, plain) at each accept probability, logs to $OUT/TAG.log
+  local tag=$1 p; shift
+  for p in "$@"; do
+    timeout ${COHORT_S:-150} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --no-vision --concurrency 1,8 \
+      --draft 3 --accept-prob $p --draft-vocab 32768 --output-tokens ${TOKENS:-256} --adaptive \
+      --json $OUT/${tag}_cohort_$p.json > /tmp/${tag}_cohort_$p.log 2>&1
+    echo "cohort bench p=$p: rc $?" | tee -a $OUT/$tag.log; shown /tmp/${tag}_cohort_$p.log 24 | tee -a $OUT/$tag.log
+    rm -f $OUT/${tag}_cohort_$p.png; stamp "$tag $p done"
+  done
+}
 if part lanes; then
   timeout ${LANES_S:-240} python3 -m lab.kq_lanes --out $OUT/lanes.json > $OUT/lanes.log 2>&1
   echo "kq_lanes: rc $?"; shown $OUT/lanes.log 40; stamp "lanes done"
@@ -28,13 +39,7 @@ if part i32; then
   timeout ${ARCH_S:-120} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --no-vision --arch-path sm_86 \
     --output-tokens 256 --repeats 1 --prefill '' --json $OUT/i32_sm86.json > /tmp/i32_sm86.log 2>&1
   echo "sm_86 bench: rc $?" | tee -a $OUT/i32.log; shown /tmp/i32_sm86.log 20 | tee -a $OUT/i32.log; stamp "sm86 done"
-  for p in ${PS:-0.8 0.5 0.2}; do
-    timeout ${COHORT_S:-150} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --no-vision --concurrency 1,8 \
-      --draft 3 --accept-prob $p --draft-vocab 32768 --output-tokens ${TOKENS:-256} --adaptive \
-      --json $OUT/i32_cohort_$p.json > /tmp/i32_cohort_$p.log 2>&1
-    echo "cohort bench p=$p: rc $?" | tee -a $OUT/i32.log; shown /tmp/i32_cohort_$p.log 24 | tee -a $OUT/i32.log
-    rm -f $OUT/i32_cohort_$p.png; stamp "cohort $p done"
-  done
+  cohorts i32 ${PS:-0.8 0.5 0.2}
 fi
 # PART=i31: issue 31's lines on the current tree — the long-context GPU tests (lossless at 100K, the refusals), the 27B
 #   bench at 1K / 32K / 128K (plain, MTP3, TTFT, peak), the attention lab at 32K / 128K, the agent bench (32K context,
@@ -59,11 +64,5 @@ fi
 # PART=adapt: the adaptive draft length after its two fixes (the round cost measured on throwaway lanes through the
 #   adapter; a drop only beyond z standard errors): the cohort bench, C1 and C8, fixed K / adaptive / plain, each p.
 if part adapt; then
-  for p in ${PS:-0.5 0.2 0.8}; do
-    timeout ${COHORT_S:-150} python3 -m ninfer_gen.cli bench model_specs/qwen3.8-27b.yaml --no-vision --concurrency 1,8 \
-      --draft 3 --accept-prob $p --draft-vocab 32768 --output-tokens ${TOKENS:-256} --adaptive \
-      --json $OUT/adapt_cohort_$p.json > /tmp/adapt_cohort_$p.log 2>&1
-    echo "cohort bench p=$p: rc $?" | tee -a $OUT/adapt.log; shown /tmp/adapt_cohort_$p.log 24 | tee -a $OUT/adapt.log
-    rm -f $OUT/adapt_cohort_$p.png; stamp "adapt $p done"
-  done
+  cohorts adapt ${PS:-0.5 0.2 0.8}
 fi

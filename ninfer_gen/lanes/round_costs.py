@@ -42,20 +42,20 @@ def measure_round_costs(lanes, iters: int = 12) -> tuple[tuple[int, float], ...]
             try:
                 for lane in probe:
                     lanes.open(lane)
-                for lane, out in lanes.prefill_many([(lane, [0], True) for lane in probe]).items():
+                for out in lanes.prefill_many([(lane, [0], True) for lane in probe]).values():
                     if isinstance(out, BaseException):
                         raise out
                 for lane in probe:
                     lane.budget = lane.room
 
-                def step():
-                    for lane, out in lanes.round(probe).items():
+                def run():
+                    for out in lanes.round(probe).values():
                         if isinstance(out, BaseException):
                             raise out
-                rnd = _period_s(step, iters, be.device)
+                rnd = _period_s(run, iters, be.device)
                 for lane in probe:
                     lane.k = 0
-                plain = _period_s(step, iters, be.device)
+                plain = _period_s(run, iters, be.device)
             finally:
                 for lane in probe:
                     if lane.seq is not None:
