@@ -13,14 +13,16 @@ the same bits as the shipped key, which this script checks on the GPU before tim
                                                       block's tile, its own) on the shipped staged layout
 
 Prediction (lab/NOTES.md session 31): the Q4_K gate/up 38.9 → 35–36 µs chained (the ring's ~10 % of a unit's issue
-slots gone, each load one 512-byte warp instruction), the step's Q4_K/Q5_K GEMVs −3…−6 %.
+slots gone, each load one 512-byte warp instruction), the step's Q4_K/Q5_K GEMVs −3…−6 %. Measured (H100,
+lab/results/s31_lanes_*, s31_pf_*): both refuted — lane order one unit ahead 39.8 → 41.5 µs at the gate/up (two ahead
+45.2; only the under-a-wave shapes gained), Σ over the step −97 µs at the best variant per key; tile prefetch lost
+everywhere (gate/up 38.8 → 46–60 µs).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
