@@ -30,8 +30,12 @@ def _period_s(call, n: int, device) -> float:
 
 def measure_round_costs(lanes, iters: int = 12) -> tuple[tuple[int, float], ...]:
     """(bucket, a round's time / a plain step's) for every round bucket of the GPU lanes `lanes` (lanes.gpu.GpuLanes,
-    nothing open yet) that has a step bucket of the same size and fits its slots. No prefix checkpoint is taken."""
+    nothing open yet) that has a step bucket of the same size and fits its slots. No prefix checkpoint is taken.
+    A context too short for the throwaway lanes' iterations (rounds reserve 2·T positions ahead) measures nothing:
+    no costs, so the engine keeps every lane's K (engine.draft_policy has no opinion without them)."""
     be, costs = lanes.be, []
+    if 1 + (iters + 2) * (2 * lanes.T + 1) > lanes.caps.max_context:
+        return ()
     reuse, lanes.reuse = lanes.reuse, None
     try:
         for b in lanes.round_sizes:
