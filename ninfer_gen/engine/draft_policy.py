@@ -43,7 +43,7 @@ class DraftPolicy:
     round_cost: dict[int, float]        # cohort bucket → a round's time over a plain step's (the backend's)
     min_rounds: int = 16                # lane-rounds the drafting lanes run (together) before they are judged
     margin: float = 0.02                # drafting must beat plain steps by this much to stay
-    z: float = 3.0                      # ... by this many standard errors of the measured tokens per round
+    z: float = 3.0                      # a drop waits until T is this many standard errors under that
 
     def cost(self, lanes: int) -> float | None:
         """The cost ratio of the smallest measured bucket ≥ `lanes` (None: not measured)."""

@@ -28,6 +28,13 @@ def _period_s(call, n: int, device) -> float:
     return (time.perf_counter() - t0) / n
 
 
+def _raise_failed(results: dict) -> None:
+    """A throwaway lane's failure (an adapter call's per-lane exception) fails the measurement."""
+    for out in results.values():
+        if isinstance(out, BaseException):
+            raise out
+
+
 def measure_round_costs(lanes, iters: int = 12) -> tuple[tuple[int, float], ...]:
     """(bucket, a round's time / a plain step's) for every round bucket of the GPU lanes `lanes` (lanes.gpu.GpuLanes,
     nothing open yet) that has a step bucket of the same size and fits its slots. No prefix checkpoint is taken.
@@ -46,16 +53,12 @@ def measure_round_costs(lanes, iters: int = 12) -> tuple[tuple[int, float], ...]
             try:
                 for lane in probe:
                     lanes.open(lane)
-                for out in lanes.prefill_many([(lane, [0], True) for lane in probe]).values():
-                    if isinstance(out, BaseException):
-                        raise out
+                _raise_failed(lanes.prefill_many([(lane, [0], True) for lane in probe]))
                 for lane in probe:
                     lane.budget = lane.room
 
                 def run():
-                    for out in lanes.round(probe).values():
-                        if isinstance(out, BaseException):
-                            raise out
+                    _raise_failed(lanes.round(probe))
                 rnd = _period_s(run, iters, be.device)
                 for lane in probe:
                     lane.k = 0
