@@ -22,12 +22,12 @@ fi
 if part buckets; then
   PART=buckets bash lab/gpu_session14.sh | tee $OUT/buckets_summary.log; stamp "buckets done"
 fi
-if part gap; then
-  timeout ${GAP_S:-200} python3 -m lab.step_gap --out $OUT/gap.json > $OUT/gap.log 2>&1
-  echo "step gap: rc $?"; shown $OUT/gap.log 12; stamp "gap done"
-fi
 if part chi; then
   timeout ${CHI_S:-420} python3 -m pytest -m slow_gpu tests/gpu/test_speculative_gpu.py -k sampling_matches -v -s -rf \
     -p no:cacheprovider --durations=4 > $OUT/chi.log 2>&1
   echo "chi-square cases: rc $?"; shown $OUT/chi.log 14; stamp "chi done"
+fi
+if part gap; then
+  timeout ${GAP_S:-200} python3 -m lab.step_gap --out $OUT/gap.json > $OUT/gap.log 2>&1
+  echo "step gap: rc $?"; shown $OUT/gap.log 12; stamp "gap done"
 fi
