@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 32's device call (logs to $OUT as it goes; at most 8 files come back). Results in lab/results/s32_*, the
-# account in lab/NOTES.md (session 32).
+# account in lab/NOTES.md (session 32). Ran (H100): tier,adapt; buckets; chi,gap (CHI_S=440 GAP_S=100).
 # PART=tier: the GPU tier (lab/gpu_session14.sh's `tests`) on the final tree of session 31 — the round cost measured on
 #   throwaway lanes, the short-context guard, the policy's z — which no tier had run.
 # PART=adapt: lab/gpu_session31.sh's cohort bench (C1, C8: fixed K = 3, adaptive, plain) at accept 0.8 (PS), the one p the
