@@ -1,7 +1,8 @@
 """step_gap: what the host's read of each plain step costs the GPU lanes (the next-session item "plain steps in
 flight", lab/NOTES.md sessions 31–32). A plain step (lanes.gpu.GpuLanes._steps) sets its inputs, replays the step
 graph, then waits for its tokens on the host (argmax, `.tolist()`) before the next step's inputs go up, so the
-device idles between steps. This times, per step bucket b, on throwaway lanes of a one-token prompt:
+device idles between steps. This times, per step bucket b, on throwaway lanes of a one-token prompt
+(lanes.round_costs.throwaway_lanes):
 
   engine   the adapter's own plain steps (`lanes.round` with K = 0), back to back — what a K = 0 lane runs;
   replay   the same bucket's graph replayed back to back with its inputs left as set — the device's step alone;
@@ -20,20 +21,8 @@ import time
 
 import torch
 
-from ninfer_gen.lanes.contract import LaneState
 from ninfer_gen.lanes.gpu import GpuLanes
-from ninfer_gen.sampling import SamplingParams
-
-
-def _period_ms(call, n: int) -> float:
-    call()
-    call()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        call()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e3
+from ninfer_gen.lanes.round_costs import period_s, raise_failed, throwaway_lanes
 
 
 def _host_ms(call, n: int) -> float:
@@ -49,24 +38,10 @@ def _host_ms(call, n: int) -> float:
 
 def measure(lanes: GpuLanes, b: int, iters: int) -> dict:
     be = lanes.be
-    probe = [LaneState(lane=i, prompt=[0], sampling=SamplingParams(), stop=frozenset(), k=0,
-                       max_context=lanes.caps.max_context) for i in range(b)]
-    try:
-        for lane in probe:
-            lanes.open(lane)
-        for out in lanes.prefill_many([(lane, [0], True) for lane in probe]).values():
-            if isinstance(out, BaseException):
-                raise out
-        for lane in probe:
-            lane.budget = lane.room
-
-        def engine():
-            for out in lanes.round(probe).values():
-                if isinstance(out, BaseException):
-                    raise out
-        engine_ms = _period_ms(engine, iters)
+    with throwaway_lanes(lanes, b, 0) as probe:
+        engine_ms = 1e3 * period_s(lambda: raise_failed(lanes.round(probe)), iters, be.device)
         bucket = be.bucket("step", b, 1)
-        replay_ms = _period_ms(lambda: bucket.run(be.use_graphs), iters)
+        replay_ms = 1e3 * period_s(lambda: bucket.run(be.use_graphs), iters, be.device)
         logits = bucket.logits.view(b, -1)
         read_ms = _host_ms(lambda: logits.argmax(-1).tolist(), iters)
 
@@ -75,11 +50,6 @@ def measure(lanes: GpuLanes, b: int, iters: int) -> dict:
                               [lane.seq.table.pages for lane in probe], [lane.slot for lane in probe],
                               [lane.seq.positions for lane in probe])
         set_ms = _host_ms(inputs, iters)
-    finally:
-        for lane in probe:
-            if lane.seq is not None:
-                lane.finish = "cancelled"
-                lanes.release(lane)
     return {"batch": b, "engine_ms": engine_ms, "replay_ms": replay_ms, "gap_ms": engine_ms - replay_ms,
             "gap_share": (engine_ms - replay_ms) / engine_ms, "inputs_set_ms": set_ms, "argmax_tolist_ms": read_ms}
 
@@ -88,7 +58,8 @@ def main(argv=None) -> int:
     import ninfer_gen
     from ninfer_gen.cli.env import build_root, compile_options
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--spec", default="model_specs/qwen3.8-27b.yaml")
     ap.add_argument("--lanes", type=int, default=8)
     ap.add_argument("--iters", type=int, default=24)

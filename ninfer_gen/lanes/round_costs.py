@@ -10,13 +10,15 @@ calls is not in it."""
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import torch
 
 from ninfer_gen.lanes.contract import LaneState
 from ninfer_gen.sampling import SamplingParams
 
-def _period_s(call, n: int, device) -> float:
+
+def period_s(call, n: int, device) -> float:
     """Seconds per call of `call()`, n calls back to back after two warm-up calls, the device drained around them."""
     call()
     call()
@@ -28,11 +30,31 @@ def _period_s(call, n: int, device) -> float:
     return (time.perf_counter() - t0) / n
 
 
-def _raise_failed(results: dict) -> None:
+def raise_failed(results: dict) -> None:
     """A throwaway lane's failure (an adapter call's per-lane exception) fails the measurement."""
     for out in results.values():
         if isinstance(out, BaseException):
             raise out
+
+
+@contextmanager
+def throwaway_lanes(lanes, b: int, k: int):
+    """b lanes of a one-token prompt with K = k, opened and prefilled on the GPU lanes `lanes`, their budget the
+    whole context; cancelled and released on exit, leaving every slot and page free."""
+    probe = [LaneState(lane=i, prompt=[0], sampling=SamplingParams(), stop=frozenset(), k=k,
+                       max_context=lanes.caps.max_context) for i in range(b)]
+    try:
+        for lane in probe:
+            lanes.open(lane)
+        raise_failed(lanes.prefill_many([(lane, [0], True) for lane in probe]))
+        for lane in probe:
+            lane.budget = lane.room
+        yield probe
+    finally:
+        for lane in probe:
+            if lane.seq is not None:
+                lane.finish = "cancelled"
+                lanes.release(lane)
 
 
 def measure_round_costs(lanes, iters: int = 12) -> tuple[tuple[int, float], ...]:
@@ -48,26 +70,13 @@ def measure_round_costs(lanes, iters: int = 12) -> tuple[tuple[int, float], ...]
         for b in lanes.round_sizes:
             if b not in lanes.step_sizes or b > lanes.caps.lanes:
                 continue
-            probe = [LaneState(lane=i, prompt=[0], sampling=SamplingParams(), stop=frozenset(), k=lanes.k,
-                               max_context=lanes.caps.max_context) for i in range(b)]
-            try:
-                for lane in probe:
-                    lanes.open(lane)
-                _raise_failed(lanes.prefill_many([(lane, [0], True) for lane in probe]))
-                for lane in probe:
-                    lane.budget = lane.room
-
+            with throwaway_lanes(lanes, b, lanes.k) as probe:
                 def run():
-                    _raise_failed(lanes.round(probe))
-                rnd = _period_s(run, iters, be.device)
+                    raise_failed(lanes.round(probe))
+                rnd = period_s(run, iters, be.device)
                 for lane in probe:
                     lane.k = 0
-                plain = _period_s(run, iters, be.device)
-            finally:
-                for lane in probe:
-                    if lane.seq is not None:
-                        lane.finish = "cancelled"
-                        lanes.release(lane)
+                plain = period_s(run, iters, be.device)
             costs.append((b, rnd / plain))
     finally:
         lanes.reuse = reuse

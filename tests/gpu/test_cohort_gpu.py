@@ -2,9 +2,9 @@
 16 requests of different lengths (greedy, K = 0 and K = 3 mixed, one seeded sampled request) give the same
 tokens alone and in cohorts of 2, 4 and 8 with requests joining and leaving mid-stream; a lone request
 equals Model.generate; nothing is captured or compiled at request time (every bucket and round graph
-exists after start-up); every slot and page is free afterwards, the start-up's round-cost lanes' too; a lane near its context end finishes with
-plain steps; the prefix cache's state and page copies are exact, and a second turn restores its
-prefix and equals the same request without reuse. Run: pytest -m gpu tests/gpu/test_cohort_gpu.py -q -s"""
+exists after start-up); every slot and page is free afterwards, the start-up's round-cost lanes' too; a lane
+near its context end finishes with plain steps; the prefix cache's state and page copies are exact, and a second
+turn restores its prefix and equals the same request without reuse. Run: pytest -m gpu tests/gpu/test_cohort_gpu.py -q -s"""
 import random
 from pathlib import Path
 
