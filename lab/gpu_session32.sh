@@ -9,6 +9,7 @@
 #   rows: Σ ms, % of copy, TFLOP/s) — issue 32's verify fraction, last measured in session 21.
 # PART=gap: lab/step_gap.py — the plain step's host gap per step bucket (the adapter's steps against the bucket's
 #   graph replayed back to back), the payoff of plain steps in flight.
+# PART=cohort: the cohort GPU module alone (the round-cost test among its cases), after the review's refactor.
 # PART=chi: the chi-square sampling cases (slow_gpu: 2 × 20,000 streams each; last run in session 10) — issue 32's
 #   "the chi-square sampling test still passes", on the one engine's path.
 source lab/gpu_script_env.sh
@@ -21,6 +22,10 @@ if part adapt; then
 fi
 if part buckets; then
   PART=buckets bash lab/gpu_session14.sh | tee $OUT/buckets_summary.log; stamp "buckets done"
+fi
+if part cohort; then
+  timeout ${COHORTT_S:-150} python3 -m pytest -m gpu tests/gpu/test_cohort_gpu.py -q -s -rf -p no:cacheprovider \
+    > $OUT/cohort_tests.log 2>&1; echo "cohort tests: rc $?"; shown $OUT/cohort_tests.log 6; stamp "cohort done"
 fi
 if part chi; then
   timeout ${CHI_S:-420} python3 -m pytest -m slow_gpu tests/gpu/test_speculative_gpu.py -k sampling_matches -v -s -rf \
