@@ -1,6 +1,7 @@
 """Adaptive draft length (engine.draft_policy): the decision from the drafting lanes' pooled tokens per round
 against the backend's measured round cost, the engine dropping them to plain steps together and losslessly, and
-the rule's outcome on lab/draft_policy_sim's model of a cohort."""
+the rule's outcome on lab/draft_policy_sim's model of a cohort, and the throwaway lanes its start-up cost table is
+measured on (lanes.round_costs) leaving nothing behind."""
 import dataclasses
 import random
 
@@ -96,3 +97,25 @@ def test_on_the_model_of_a_cohort_adaptive_stays_within_2_percent_of_plain_and_3
             assert vs_plain >= 0.98 and vs_best >= 0.97, (told, lanes, p, vs_plain, vs_best)
     assert min(row[5] for row in table(DraftPolicy(TABLE), seeds=12, costs=COSTS)) < 0.8
     assert min(row[3] for row in table(DraftPolicy(PADDED, z=0.0), seeds=12, costs=COSTS)) < 0.97
+
+
+@pytest.mark.parametrize("b", [1, 3])
+def test_the_round_costs_throwaway_lanes_run_and_leave_nothing_behind(backend, b):
+    """lanes.round_costs.throwaway_lanes (what the GPU's start-up times its rounds and plain steps on) holds b
+    prefilled one-token lanes that run rounds and, dropped to K = 0, plain steps; on leaving — normally or by an
+    exception — every slot and page is free again."""
+    from ninfer_gen.lanes.round_costs import raise_failed, throwaway_lanes
+
+    lanes = ReferenceLanes(backend)
+    with throwaway_lanes(lanes, b, 3) as probe:
+        assert lanes.usage()["slots_in_use"] == b and all(lane.length == 1 for lane in probe)
+        raise_failed(lanes.round(probe))
+        for lane in probe:
+            lane.k = 0
+        raise_failed(lanes.round(probe))
+        assert all(lane.length > 2 for lane in probe)
+    assert lanes.usage()["slots_in_use"] == 0 and lanes.usage()["pages_in_use"] == 0
+    with pytest.raises(RuntimeError, match="a failed measurement"):
+        with throwaway_lanes(lanes, b, 3):
+            raise RuntimeError("a failed measurement")
+    assert lanes.usage()["slots_in_use"] == 0 and lanes.usage()["pages_in_use"] == 0
